@@ -1,0 +1,44 @@
+"""hyperjax: a JAX runtime that treats a 384-accelerator supernode as one logical computer.
+
+The public API is exactly what this module re-exports.
+"""
+
+from hyperjax.emulate import MAX_DEVICES_PER_PROCESS, Cluster, plan_processes, start_devices
+from hyperjax.errors import EmulationError, HyperjaxError, MeshError, PresetError
+from hyperjax.topology import (
+    AxisSpan,
+    DeviceSpec,
+    Hardware,
+    HostSpec,
+    Tier,
+    axis_spans,
+    default_axes,
+    list_presets,
+    load_hardware,
+    make_mesh,
+    parse_axes,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MAX_DEVICES_PER_PROCESS",
+    "AxisSpan",
+    "Cluster",
+    "DeviceSpec",
+    "EmulationError",
+    "Hardware",
+    "HostSpec",
+    "HyperjaxError",
+    "MeshError",
+    "PresetError",
+    "Tier",
+    "axis_spans",
+    "default_axes",
+    "list_presets",
+    "load_hardware",
+    "make_mesh",
+    "parse_axes",
+    "plan_processes",
+    "start_devices",
+]

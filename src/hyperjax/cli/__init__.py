@@ -1,0 +1,1 @@
+"""The ``hyperjax`` command line."""

@@ -1,0 +1,60 @@
+"""Terminal output shared by the commands: one rich console, sized for logs as well as terminals."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from hyperjax.errors import HyperjaxError
+
+
+def console() -> Console:
+    """A console at least 120 columns wide, so tables stay intact when output goes to a file or pipe."""
+    return Console(width=max(120, shutil.get_terminal_size((120, 24)).columns), highlight=False, soft_wrap=False)
+
+
+def fmt_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def fmt_axes(axes: dict[str, int]) -> str:
+    """``{"data": 12, "tensor": 32}`` -> ``"data=12,tensor=32"`` (the form ``--axes`` takes)."""
+    return ",".join(f"{k}={v}" for k, v in axes.items())
+
+
+def check_writable(path: str, flag: str) -> None:
+    """Fail early, before any work, when ``path`` cannot be written.
+
+    Raises:
+      HyperjaxError: the folder does not exist or is not writable, or ``path`` is a folder.
+    """
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise HyperjaxError(f"{flag} {path!r} is a folder; give a file path")
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise HyperjaxError(f"{flag} {path!r}: folder {str(folder)!r} does not exist or is not writable")
+
+
+def write_json(path: str, data: Any) -> None:
+    """Write ``data`` as JSON atomically: readers see the old file or the whole new one, never a part."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".", prefix=f".{target.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

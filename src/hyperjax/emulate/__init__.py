@@ -1,0 +1,14 @@
+"""The emulated supernode: CPU devices in one or several processes, and a collective selftest."""
+
+from hyperjax.emulate.launcher import describe_exit, free_port, launch
+from hyperjax.emulate.runtime import MAX_DEVICES_PER_PROCESS, Cluster, plan_processes, start_devices
+
+__all__ = [
+    "MAX_DEVICES_PER_PROCESS",
+    "Cluster",
+    "describe_exit",
+    "free_port",
+    "launch",
+    "plan_processes",
+    "start_devices",
+]

@@ -1,0 +1,299 @@
+"""Hardware presets: what one device can do and how devices are connected.
+
+A preset is a YAML file under ``configs/hardware/`` parsed into the frozen :class:`Hardware` dataclass.
+Devices are connected by nested *tiers* (for example NVLink inside a node, InfiniBand between nodes):
+a tier's ``group_size`` is the number of devices in one group of that tier, each tier's groups are made of
+whole groups of the tier below, and the last tier may be unbounded (``group_size: null``) for scale-out.
+Every number carries its source in the preset file; nothing here hard-codes a hardware constant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+
+from hyperjax.errors import PresetError
+
+_TOPOLOGIES = ("switch", "torus", "ring")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """One accelerator.
+
+    Attributes:
+      name: the device's product name.
+      peak_flops: dense peak FLOP/s per dtype name (``bfloat16``, ``float32``, ...).
+      hbm_bytes: device memory in bytes.
+      hbm_bandwidth: device memory bandwidth in bytes/s.
+      source: where the figures come from.
+    """
+
+    name: str
+    peak_flops: Mapping[str, float]
+    hbm_bytes: float
+    hbm_bandwidth: float
+    source: str
+
+    def __post_init__(self) -> None:
+        if not self.peak_flops:
+            raise PresetError(f"device {self.name!r}: peak_flops is empty; give at least one dtype's FLOP/s")
+        for dtype, flops in self.peak_flops.items():
+            _require_positive(f"device.peak_flops.{dtype}", flops)
+        _require_positive("device.hbm_bytes", self.hbm_bytes)
+        _require_positive("device.hbm_bandwidth", self.hbm_bandwidth)
+        object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Tier:
+    """One level of the interconnect.
+
+    Attributes:
+      name: the tier's name (``node``, ``nvlink``, ``ici``, ...).
+      group_size: devices in one group of this tier, or ``None`` for an unbounded scale-out tier.
+      bandwidth: bytes/s one direction, per device, for traffic that crosses this tier.
+      latency: seconds per message hop on this tier.
+      efficiency: achievable fraction of ``bandwidth`` for large collectives, in (0, 1].
+      topology: ``switch`` (any-to-any), ``torus`` or ``ring``.
+      source: where the figures come from.
+    """
+
+    name: str
+    group_size: int | None
+    bandwidth: float
+    latency: float
+    efficiency: float
+    topology: str = "switch"
+    source: str
+
+    def __post_init__(self) -> None:
+        where = f"tier {self.name!r}"
+        if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
+            raise PresetError(f"{where}: group_size={self.group_size!r} must be a positive integer or null")
+        _require_positive(f"{where}.bandwidth", self.bandwidth)
+        if self.latency < 0:
+            raise PresetError(f"{where}: latency={self.latency} must be >= 0 seconds")
+        if not 0 < self.efficiency <= 1:
+            raise PresetError(f"{where}: efficiency={self.efficiency} must be in (0, 1]")
+        if self.topology not in _TOPOLOGIES:
+            raise PresetError(f"{where}: topology={self.topology!r} must be one of {_TOPOLOGIES}")
+
+    @property
+    def effective_bandwidth(self) -> float:
+        """Achievable bytes/s per device per direction: ``bandwidth * efficiency``."""
+        return self.bandwidth * self.efficiency
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HostSpec:
+    """Host memory reachable from one device (the offload target).
+
+    Attributes:
+      bytes_per_device: host memory available to one device, in bytes.
+      bandwidth: host<->device bytes/s, one direction.
+      latency: seconds per transfer.
+      source: where the figures come from.
+    """
+
+    bytes_per_device: float
+    bandwidth: float
+    latency: float
+    source: str
+
+    def __post_init__(self) -> None:
+        _require_positive("host.bytes_per_device", self.bytes_per_device)
+        _require_positive("host.bandwidth", self.bandwidth)
+        if self.latency < 0:
+            raise PresetError(f"host.latency={self.latency} must be >= 0 seconds")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """A machine: its device, its interconnect tiers (innermost first) and its host memory.
+
+    Attributes:
+      name: the preset's name.
+      description: one paragraph about the machine.
+      devices: the machine's default device count (one supernode, one slice, a default cluster size).
+      device: the accelerator.
+      tiers: interconnect tiers, innermost (fastest) first; each group size divides the next.
+      host: host memory per device.
+      default_axes: mesh axes used when a command is given none, outermost first.
+    """
+
+    name: str
+    description: str
+    devices: int
+    device: DeviceSpec
+    tiers: tuple[Tier, ...]
+    host: HostSpec
+    default_axes: Mapping[str, int]
+
+    def __post_init__(self) -> None:
+        if not self.tiers:
+            raise PresetError(f"preset {self.name!r}: tiers is empty; list at least one interconnect tier")
+        sizes = [t.group_size for t in self.tiers]
+        for inner, outer, tier in zip(sizes, sizes[1:], self.tiers[1:], strict=False):
+            if inner is None:
+                raise PresetError(
+                    f"preset {self.name!r}: only the last tier may have group_size null, but tier "
+                    f"{tier.name!r} comes after an unbounded one"
+                )
+            if outer is not None and (outer <= inner or outer % inner):
+                raise PresetError(
+                    f"preset {self.name!r}: tier {tier.name!r} group_size={outer} must be a multiple of the "
+                    f"tier below it ({inner}) and larger"
+                )
+        if not isinstance(self.devices, int) or self.devices < 1:
+            raise PresetError(f"preset {self.name!r}: devices={self.devices!r} must be a positive integer")
+        top = sizes[-1]
+        if top is not None and self.devices > top:
+            raise PresetError(
+                f"preset {self.name!r}: devices={self.devices} exceeds the outermost tier's group_size={top}; "
+                "add an unbounded scale-out tier or lower devices"
+            )
+        if math.prod(self.default_axes.values()) != self.devices:
+            raise PresetError(
+                f"preset {self.name!r}: default_axes={dict(self.default_axes)} multiply to "
+                f"{math.prod(self.default_axes.values())}, not devices={self.devices}"
+            )
+        object.__setattr__(self, "default_axes", MappingProxyType(dict(self.default_axes)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The preset as plain JSON-ready data, in the layout of a preset file."""
+        return _plain(self)
+
+    @property
+    def max_devices(self) -> int | None:
+        """The most devices the tiers can connect, or ``None`` when the outermost tier is unbounded."""
+        return self.tiers[-1].group_size
+
+    def peak_flops(self, dtype: str) -> float:
+        """Dense peak FLOP/s of one device for ``dtype``.
+
+        Raises:
+          PresetError: the preset lists no figure for ``dtype``.
+        """
+        try:
+            return self.device.peak_flops[dtype]
+        except KeyError:
+            raise PresetError(
+                f"preset {self.name!r} has no peak_flops for dtype={dtype!r}; it lists "
+                f"{sorted(self.device.peak_flops)}. Add the figure with its source to the preset file."
+            ) from None
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _require_positive(key: str, value: Any) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+        raise PresetError(f"{key}={value!r} must be a positive number")
+
+
+def presets_dir() -> Path:
+    """The folder holding the shipped hardware presets.
+
+    Installed wheels carry them inside the package; a source checkout keeps them in ``configs/hardware``.
+    """
+    here = Path(__file__).resolve().parent.parent
+    for candidate in (here / "configs" / "hardware", here.parent.parent / "configs" / "hardware"):
+        if candidate.is_dir():
+            return candidate
+    raise PresetError(f"no hardware preset folder found next to {here}; reinstall hyperjax")
+
+
+def list_presets() -> list[str]:
+    """Names of the shipped hardware presets, sorted."""
+    return sorted(p.stem for p in presets_dir().glob("*.yaml"))
+
+
+def load_hardware(preset: str | Path) -> Hardware:
+    """Load a hardware preset by name (``cloudmatrix384``) or from a YAML file path.
+
+    Args:
+      preset: a shipped preset's name or the path of a preset file.
+
+    Returns:
+      The parsed, validated :class:`Hardware`.
+
+    Raises:
+      PresetError: the preset is unknown, the file is malformed, or a value is invalid.
+    """
+    path = Path(preset)
+    if path.suffix not in (".yaml", ".yml"):
+        names = list_presets()
+        if str(preset) not in names:
+            close = difflib.get_close_matches(str(preset), names, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise PresetError(
+                f"unknown hardware preset {str(preset)!r}.{hint} Known presets: {', '.join(names)}; "
+                "or pass the path of a preset YAML file."
+            )
+        path = presets_dir() / f"{preset}.yaml"
+    if not path.is_file():
+        raise PresetError(f"hardware preset file {str(path)!r} does not exist; pass an existing YAML file")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise PresetError(f"hardware preset file {str(path)!r} is not valid YAML: {e}") from None
+    return hardware_from_dict(raw, where=str(path))
+
+
+def hardware_from_dict(raw: Any, *, where: str = "preset") -> Hardware:
+    """Build :class:`Hardware` from the parsed YAML mapping of a preset file.
+
+    Raises:
+      PresetError: a key is missing or unknown, or a value is invalid.
+    """
+    raw = _mapping(raw, where)
+    try:
+        device = DeviceSpec(**_fields(DeviceSpec, _mapping(raw.get("device"), f"{where}: device"), f"{where}: device"))
+        tiers = tuple(
+            Tier(**_fields(Tier, _mapping(t, f"{where}: tiers[{i}]"), f"{where}: tiers[{i}]"))
+            for i, t in enumerate(raw.get("tiers") or [])
+        )
+        host = HostSpec(**_fields(HostSpec, _mapping(raw.get("host"), f"{where}: host"), f"{where}: host"))
+        top = {k: v for k, v in raw.items() if k not in ("device", "tiers", "host")}
+        return Hardware(
+            device=device, tiers=tiers, host=host, **_fields(Hardware, top, where, skip=("device", "tiers", "host"))
+        )
+    except PresetError as e:
+        raise PresetError(f"{where}: {e}") from None
+
+
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise PresetError(f"{where} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _fields(cls: type, raw: dict[str, Any], where: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in skip}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(fields), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise PresetError(f"{where}: unknown key {unknown[0]!r}{hint}; allowed keys: {', '.join(fields)}")
+    required = [
+        n for n, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    missing = [n for n in required if n not in raw]
+    if missing:
+        raise PresetError(f"{where}: missing key {missing[0]!r}; required keys: {', '.join(required)}")
+    return dict(raw)

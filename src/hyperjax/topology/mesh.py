@@ -1,0 +1,194 @@
+"""Meshes shaped like the machine.
+
+A mesh's axes are listed outermost first; the last axis varies fastest over the devices in physical
+order, so inner axes stay inside the fastest interconnect tier. :func:`axis_spans` reports, for every mesh
+axis, how its device groups spread over the tiers: the cost model prices a collective over an axis from
+exactly this decomposition (for example 8 ranks on the node tier times 4 on the supernode tier).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from hyperjax.errors import MeshError
+from hyperjax.topology.hardware import Hardware
+
+if TYPE_CHECKING:
+    import jax
+
+_AXIS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AxisSpan:
+    """How the device groups of one mesh axis spread over the interconnect tiers.
+
+    Attributes:
+      axis: the mesh axis name.
+      size: ranks in one group (the axis size).
+      tier: the slowest tier any group crosses (the innermost tier when ``size`` is 1).
+      levels: ``(tier name, ranks)`` pairs, innermost first: a group holds ``ranks`` devices (or lower-tier
+        blocks) joined by that tier. The ranks multiply to ``size`` when the axis aligns with the tier
+        boundaries; a group straddling a boundary rounds up (3 devices split 2 + 1 over two nodes give
+        ``(node, 2), (network, 2)``). Tiers contributing 1 are left out.
+    """
+
+    axis: str
+    size: int
+    tier: str
+    levels: tuple[tuple[str, int], ...]
+
+
+def parse_axes(text: str) -> dict[str, int]:
+    """Parse ``"data=12,tensor=32"`` into ``{"data": 12, "tensor": 32}`` (outermost axis first).
+
+    Raises:
+      MeshError: the text is malformed, a name repeats, or a size is not a positive integer.
+    """
+    axes: dict[str, int] = {}
+    example = "expected NAME=SIZE pairs separated by commas, e.g. --axes data=12,tensor=32"
+    for item in text.split(","):
+        name, sep, size = (part.strip() for part in item.partition("="))
+        if not sep or not name or not size:
+            raise MeshError(f"malformed mesh axes {text!r}: item {item!r} is not NAME=SIZE; {example}")
+        if not _AXIS_NAME.match(name):
+            raise MeshError(f"malformed mesh axes {text!r}: axis name {name!r} is not an identifier; {example}")
+        if name in axes:
+            raise MeshError(f"malformed mesh axes {text!r}: axis {name!r} appears twice; give each axis once")
+        try:
+            value = int(size)
+        except ValueError:
+            raise MeshError(f"malformed mesh axes {text!r}: size {size!r} of axis {name!r} is not an integer") from None
+        axes[name] = value
+    check_axes(axes)
+    return axes
+
+
+def check_axes(axes: Mapping[str, int], devices: int | None = None) -> None:
+    """Check mesh axis sizes: positive integers whose product is ``devices`` (when given).
+
+    Raises:
+      MeshError: an axis size is not a positive integer, or the product differs from ``devices``.
+    """
+    if not axes:
+        raise MeshError("mesh axes are empty; give at least one axis, e.g. {'data': 8}")
+    for name, size in axes.items():
+        if not isinstance(size, int | np.integer) or isinstance(size, bool) or size < 1:
+            raise MeshError(f"mesh axis {name!r} has size {size!r}; axis sizes must be positive integers")
+    product = math.prod(axes.values())
+    if devices is not None and product != devices:
+        raise MeshError(
+            f"mesh axes {dict(axes)} multiply to {product} devices but {devices} devices are in use; "
+            f"choose sizes whose product is {devices} (or set the device count to {product})"
+        )
+
+
+def default_axes(hardware: Hardware, devices: int) -> dict[str, int]:
+    """The mesh axes a command uses when given none.
+
+    The preset's own ``default_axes`` when ``devices`` is the preset's device count; otherwise a
+    ``tensor`` axis filling the innermost tier as far as ``devices`` allows and a ``data`` axis outside it.
+    """
+    if devices == hardware.devices:
+        return dict(hardware.default_axes)
+    inner = math.gcd(devices, hardware.tiers[0].group_size or devices)
+    return {"data": devices // inner, "tensor": inner}
+
+
+def axis_spans(hardware: Hardware, axes: Mapping[str, int]) -> dict[str, AxisSpan]:
+    """Report, for every mesh axis, which tiers its device groups span.
+
+    Device ``i`` in physical order sits in group ``i // tier.group_size`` of each tier; the mesh places
+    devices in that order with the last axis fastest (as :func:`make_mesh` does).
+
+    Args:
+      hardware: the machine.
+      axes: mesh axis sizes, outermost first.
+
+    Returns:
+      One :class:`AxisSpan` per axis, in the order of ``axes``.
+
+    Raises:
+      MeshError: invalid sizes, or more devices than the machine's tiers connect.
+    """
+    check_axes(axes)
+    total = math.prod(axes.values())
+    _check_capacity(hardware, total)
+    positions = np.arange(total).reshape(tuple(axes.values()))
+    spans = {}
+    for k, (name, size) in enumerate(axes.items()):
+        groups = np.moveaxis(positions, k, -1).reshape(-1, size)
+        # the group reaching the slowest tier decides; ties go to the first such group
+        levels = max(
+            (_group_levels(hardware, group) for group in groups),
+            key=lambda lv: max((i for i, (_, r) in enumerate(lv) if r > 1), default=-1),
+        )
+        kept = tuple((tier, ranks) for tier, ranks in levels if ranks > 1)
+        spans[name] = AxisSpan(axis=name, size=size, tier=kept[-1][0] if kept else hardware.tiers[0].name, levels=kept)
+    return spans
+
+
+def _group_levels(hardware: Hardware, group: np.ndarray) -> tuple[tuple[str, int], ...]:
+    below = len(group)
+    levels = []
+    for tier in hardware.tiers:
+        blocks = 1 if tier.group_size is None else len(np.unique(group // tier.group_size))
+        levels.append((tier.name, -(-below // blocks)))
+        below = blocks
+    return tuple(levels)
+
+
+def _check_capacity(hardware: Hardware, devices: int) -> None:
+    top = hardware.max_devices
+    if top is not None and devices > top:
+        raise MeshError(
+            f"{devices} devices exceed what preset {hardware.name!r} connects ({top}, its outermost tier "
+            f"{hardware.tiers[-1].name!r}); use at most {top} devices or a preset with a scale-out tier"
+        )
+
+
+def physical_order(devices: Sequence[jax.Device]) -> list[jax.Device]:
+    """Sort devices into physical order: by slice, then host process, then torus coordinates, then id."""
+
+    def key(d: jax.Device) -> tuple:
+        return (getattr(d, "slice_index", 0) or 0, d.process_index, tuple(getattr(d, "coords", ()) or ()), d.id)
+
+    return sorted(devices, key=key)
+
+
+def make_mesh(
+    hardware: Hardware,
+    axes: Mapping[str, int],
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    axis_types: Sequence[jax.sharding.AxisType] | None = None,
+) -> jax.sharding.Mesh:
+    """Build a ``jax.sharding.Mesh`` over the machine with inner axes inside the fastest tiers.
+
+    Args:
+      hardware: the machine (its tiers decide nothing about the order here, but bound the device count).
+      axes: mesh axis sizes, outermost first; the last axis varies fastest over physical devices.
+      devices: the devices to use (default: all of ``jax.devices()``).
+      axis_types: one ``AxisType`` per axis (default: ``Auto`` for every axis).
+
+    Returns:
+      The mesh. :func:`axis_spans` with the same ``hardware`` and ``axes`` tells which tiers each axis spans.
+
+    Raises:
+      MeshError: axis sizes that do not multiply to the number of devices, or too many devices.
+    """
+    import jax
+
+    devs = physical_order(jax.devices() if devices is None else devices)
+    check_axes(axes, len(devs))
+    _check_capacity(hardware, len(devs))
+    if axis_types is None:
+        axis_types = (jax.sharding.AxisType.Auto,) * len(axes)
+    grid = np.array(devs, dtype=object).reshape(tuple(axes.values()))
+    return jax.sharding.Mesh(grid, tuple(axes), axis_types=tuple(axis_types))

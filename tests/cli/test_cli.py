@@ -1,0 +1,180 @@
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hyperjax.cli.main import main
+
+CLI = [sys.executable, "-m", "hyperjax"]
+
+
+def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def test_topology_prints_the_machine(capsys):
+    assert main(["topology", "cloudmatrix384"]) == 0
+    out = capsys.readouterr().out
+    for text in ("384 x Ascend 910C", "node", "supernode", "rdma", "392.0", "151 GB/s", "data=48,tensor=8"):
+        assert text in out
+
+
+def test_topology_lists_presets(capsys):
+    assert main(["topology"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("cloudmatrix384", "supernode-12x32", "dgx-a100-80g", "dgx-h100", "tpu-v5p"))
+
+
+def test_topology_json(capsys):
+    assert main(["topology", "dgx-h100", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["tiers"][0]["bandwidth"] == 450e9
+    assert data["default_axes"] == {"data": 8, "tensor": 8}
+
+
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        (["topology", "cm384"], r"unknown hardware preset 'cm384'.*Known presets: cloudmatrix384"),
+        (["selftest", "--hardware", "nope"], r"unknown hardware preset 'nope'"),
+        (
+            ["selftest", "--hardware", "cloudmatrix384", "--devices", "8", "--axes", "data=2,tensor=3"],
+            r"mesh axes \{'data': 2, 'tensor': 3\} multiply to 6 devices but 8 devices are in use",
+        ),
+        (
+            ["selftest", "--hardware", "cloudmatrix384", "--devices", "8", "--axes", "data=0,tensor=8"],
+            r"mesh axis 'data' has size 0",
+        ),
+        (
+            ["selftest", "--hardware", "cloudmatrix384", "--devices", "8", "--axes", "data:8"],
+            r"malformed mesh axes 'data:8'.*e\.g\. --axes data=12,tensor=32",
+        ),
+        (["selftest", "--hardware", "cloudmatrix384", "--devices", "0"], r"--devices 0 must be a positive integer"),
+        (["selftest", "--hardware", "cloudmatrix384", "--devices", "-8"], r"--devices -8 must be a positive integer"),
+        (
+            ["selftest", "--hardware", "cloudmatrix384", "--processes", "1"],
+            r"384 devices per process .* 256-device limit",
+        ),
+        (
+            ["selftest", "--hardware", "cloudmatrix384", "--devices", "8", "--processes", "3"],
+            r"8 devices cannot be split evenly over 3 processes",
+        ),
+        (
+            ["selftest", "--hardware", "cloudmatrix384", "--devices", "8", "--json", "/nonexistent/x.json"],
+            r"--json '/nonexistent/x.json': folder '/nonexistent' does not exist",
+        ),
+        (
+            ["selftest", "--hardware", "cloudmatrix384", "--devices", "8", "--coordinator", "127.0.0.1:1"],
+            r"--coordinator, --num-processes and --process-id must be given together",
+        ),
+    ],
+)
+def test_bad_input_exits_2_with_a_message(capsys, args, pattern):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert re.search(pattern, err), err
+    assert "Traceback" not in err
+
+
+def test_bad_input_from_the_shell_has_no_traceback():
+    result = run_cli("selftest", "--hardware", "cloudmatrix384", "--axes", "data=12,tensor=x")
+    assert result.returncode == 2
+    assert "size 'x' of axis 'tensor' is not an integer" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_selftest_8_devices_in_process(capsys, tmp_path: Path):
+    out = tmp_path / "selftest.json"
+    assert (
+        main(
+            [
+                "selftest",
+                "--hardware",
+                "cloudmatrix384",
+                "--devices",
+                "8",
+                "--axes",
+                "data=2,tensor=4",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "selftest passed: 10/10 collectives matched numpy" in text
+    data = json.loads(out.read_text())
+    assert data["passed"] and data["devices"] == 8 and len(data["checks"]) == 10
+    assert [p.name for p in tmp_path.iterdir()] == ["selftest.json"]  # no temporary left behind
+
+
+@pytest.mark.multiprocess
+def test_selftest_two_processes():
+    result = run_cli(
+        "selftest", "--hardware", "dgx-a100-80g", "--devices", "8", "--processes", "2", "--axes", "data=2,tensor=4"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "8 emulated devices in 2 process(es)" in result.stdout
+    assert "selftest passed: 10/10" in result.stdout
+    assert "[Gloo]" not in result.stdout  # native chatter is kept out of the log
+
+
+@pytest.mark.multiprocess
+def test_killing_a_process_stops_the_launcher():
+    proc = subprocess.Popen(
+        [*CLI, "selftest", "--hardware", "cloudmatrix384", "--devices", "8", "--processes", "2", "--iters", "1000000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        victim = None
+        deadline = time.monotonic() + 120
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if m := re.search(r"process 1 \(pid (\d+)\)", line):
+                victim = int(m.group(1))
+            if line.startswith("[p0] selftest on"):  # both processes are up and running collectives
+                break
+            assert time.monotonic() < deadline, "the job did not start"
+        assert victim is not None
+        time.sleep(1.0)
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        assert time.monotonic() - killed_at < 30
+        assert proc.returncode != 0
+        assert f"emulated process 1 (pid {victim}) was killed by SIGKILL" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.large
+def test_selftest_256_devices_one_process():
+    result = run_cli("selftest", "--hardware", "cloudmatrix384", "--devices", "256")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "256 emulated devices in 1 process(es)" in result.stdout
+    assert "selftest passed: 10/10" in result.stdout
+
+
+@pytest.mark.large
+@pytest.mark.multiprocess
+def test_selftest_384_devices_cloudmatrix(tmp_path: Path):
+    out = tmp_path / "st.json"
+    result = run_cli("selftest", "--hardware", "cloudmatrix384", "--json", str(out), timeout=600)
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    assert "384 emulated devices in" in result.stdout
+    data = json.loads(out.read_text())
+    assert data["devices"] == 384 and data["passed"]
+    assert data["axes"] == {"data": 48, "tensor": 8}
+    assert all(c["ok"] for c in data["checks"]) and len(data["checks"]) == 10

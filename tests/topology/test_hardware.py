@@ -1,0 +1,164 @@
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hyperjax import Hardware, PresetError, list_presets, load_hardware
+from hyperjax.topology.hardware import hardware_from_dict, presets_dir
+
+REQUIRED = ("cloudmatrix384", "supernode-12x32", "dgx-a100-80g", "dgx-h100", "tpu-v5p")
+
+
+def _raw(name: str = "cloudmatrix384") -> dict:
+    return yaml.safe_load((presets_dir() / f"{name}.yaml").read_text())
+
+
+@pytest.mark.parametrize("name", REQUIRED)
+def test_required_presets_load(name):
+    hw = load_hardware(name)
+    assert isinstance(hw, Hardware)
+    assert hw.name == name
+    assert hw.device.peak_flops["bfloat16"] > 0
+    assert name in list_presets()
+
+
+@pytest.mark.parametrize("name", REQUIRED)
+def test_every_section_names_its_source(name):
+    raw = _raw(name)
+    for section in (raw["device"], raw["host"], *raw["tiers"]):
+        assert len(section["source"]) > 10
+    # every numeric line of the file carries a comment saying where it comes from
+    numeric = re.compile(r"^\s*(\w+):\s*[0-9][0-9.e+-]*\s*(#.*)?$")
+    lines = [m for m in map(numeric.match, (presets_dir() / f"{name}.yaml").read_text().splitlines()) if m]
+    assert len(lines) > 10
+    for m in lines:
+        if m.group(1) not in ("devices", "group_size"):  # counts, not measured constants
+            assert m.group(2), f"{name}: no source comment on {m.group(0)!r}"
+
+
+def test_cloudmatrix384_shape():
+    hw = load_hardware("cloudmatrix384")
+    assert hw.devices == 384
+    assert [(t.name, t.group_size) for t in hw.tiers] == [("node", 8), ("supernode", 384), ("rdma", None)]
+    assert hw.tiers[0].bandwidth == 392e9
+    assert hw.host.bandwidth == 151e9
+    assert hw.device.hbm_bytes == 128e9
+
+
+def test_supernode_12x32_shape():
+    hw = load_hardware("supernode-12x32")
+    assert [t.group_size for t in hw.tiers] == [32, 384, None]
+    assert hw.tiers[1].bandwidth < hw.tiers[0].bandwidth / 4  # units are joined by RDMA, not the bus
+
+
+@pytest.mark.parametrize("name", ["dgx-a100-80g", "dgx-h100"])
+def test_dgx_any_number_of_nodes(name):
+    hw = load_hardware(name)
+    assert hw.tiers[0].group_size == 8
+    assert hw.max_devices is None
+
+
+def test_effective_bandwidth():
+    tier = load_hardware("dgx-a100-80g").tiers[0]
+    assert tier.effective_bandwidth == pytest.approx(300e9 * 0.77)
+
+
+def test_load_from_path(tmp_path: Path):
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(_raw() | {"name": "mine"}))
+    assert load_hardware(path).name == "mine"
+
+
+def test_unknown_preset_suggests():
+    with pytest.raises(PresetError, match=r"unknown hardware preset 'cloudmatrix385'\. Did you mean 'cloudmatrix384'"):
+        load_hardware("cloudmatrix385")
+
+
+def test_missing_file():
+    with pytest.raises(PresetError, match=r"nope\.yaml' does not exist"):
+        load_hardware("nope.yaml")
+
+
+def test_bad_yaml(tmp_path: Path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: [unclosed\n")
+    with pytest.raises(PresetError, match="is not valid YAML"):
+        load_hardware(path)
+
+
+def test_unknown_key_did_you_mean():
+    raw = _raw()
+    raw["device"]["hbm_byte"] = raw["device"].pop("hbm_bytes")
+    with pytest.raises(PresetError, match=r"device: unknown key 'hbm_byte' \(did you mean 'hbm_bytes'\?\)"):
+        hardware_from_dict(raw)
+
+
+def test_missing_key():
+    raw = _raw()
+    del raw["host"]["bandwidth"]
+    with pytest.raises(PresetError, match="host: missing key 'bandwidth'"):
+        hardware_from_dict(raw)
+
+
+def test_tiers_must_nest():
+    raw = _raw()
+    raw["tiers"][1]["group_size"] = 100
+    with pytest.raises(
+        PresetError, match=r"tier 'supernode' group_size=100 must be a multiple of the tier below it \(8\)"
+    ):
+        hardware_from_dict(raw)
+
+
+def test_unbounded_tier_must_be_last():
+    raw = _raw()
+    raw["tiers"][0]["group_size"] = None
+    with pytest.raises(PresetError, match="only the last tier may have group_size null"):
+        hardware_from_dict(raw)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "pattern"),
+    [
+        ("efficiency", 1.5, r"efficiency=1.5 must be in \(0, 1\]"),
+        ("bandwidth", -1, r"bandwidth=-1 must be a positive number"),
+        ("bandwidth", "fast", r"bandwidth='fast' must be a positive number"),
+        ("topology", "mesh", r"topology='mesh' must be one of"),
+    ],
+)
+def test_tier_values(field, value, pattern):
+    raw = _raw()
+    raw["tiers"][0][field] = value
+    with pytest.raises(PresetError, match=pattern):
+        hardware_from_dict(raw)
+
+
+def test_default_axes_must_cover_devices():
+    raw = _raw() | {"default_axes": {"data": 12, "tensor": 8}}
+    with pytest.raises(PresetError, match=r"default_axes=.* multiply to 96, not devices=384"):
+        hardware_from_dict(raw)
+
+
+def test_devices_beyond_bounded_top_tier():
+    raw = _raw()
+    raw["tiers"] = raw["tiers"][:2]
+    raw["devices"] = 768
+    raw["default_axes"] = {"data": 96, "tensor": 8}
+    with pytest.raises(PresetError, match="devices=768 exceeds the outermost tier's group_size=384"):
+        hardware_from_dict(raw)
+
+
+def test_peak_flops_unknown_dtype():
+    hw = load_hardware("tpu-v5p")
+    assert hw.peak_flops("bfloat16") == 459e12
+    with pytest.raises(PresetError, match=r"no peak_flops for dtype='fp8'.*Add the figure"):
+        hw.peak_flops("fp8")
+
+
+def test_frozen():
+    hw = load_hardware("dgx-h100")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        hw.devices = 3  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        hw.device.peak_flops["bfloat16"] = 1.0  # type: ignore[index]
