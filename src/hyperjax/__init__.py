@@ -4,7 +4,8 @@ The public API is exactly what this module re-exports.
 """
 
 from hyperjax.emulate import MAX_DEVICES_PER_PROCESS, Cluster, plan_processes, start_devices
-from hyperjax.errors import EmulationError, HyperjaxError, MeshError, PresetError
+from hyperjax.errors import ConfigError, EmulationError, HyperjaxError, MeshError, PresetError, ShardingError
+from hyperjax.shard import Explanation, Strategy, mesh_axes_for, strategy_for
 from hyperjax.topology import (
     AxisSpan,
     DeviceSpec,
@@ -25,20 +26,26 @@ __all__ = [
     "MAX_DEVICES_PER_PROCESS",
     "AxisSpan",
     "Cluster",
+    "ConfigError",
     "DeviceSpec",
     "EmulationError",
+    "Explanation",
     "Hardware",
     "HostSpec",
     "HyperjaxError",
     "MeshError",
     "PresetError",
+    "ShardingError",
+    "Strategy",
     "Tier",
     "axis_spans",
     "default_axes",
     "list_presets",
     "load_hardware",
     "make_mesh",
+    "mesh_axes_for",
     "parse_axes",
     "plan_processes",
     "start_devices",
+    "strategy_for",
 ]

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from hyperjax.cli import selftest, topology
+from hyperjax.cli import selftest, topology, train
 from hyperjax.errors import HyperjaxError
 
 
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     topology.add_parser(sub)
     selftest.add_parser(sub)
+    train.add_parser(sub)
     return parser
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 
 from rich.table import Table
 
 from hyperjax.cli.display import check_writable, console, fmt_axes, fmt_bytes, write_json
-from hyperjax.emulate import Cluster, free_port, launch, plan_processes, start_devices
+from hyperjax.cli.launching import add_join_arguments, run_on_devices
+from hyperjax.emulate import plan_processes
 from hyperjax.errors import EmulationError
 from hyperjax.topology import axis_spans, check_axes, default_axes, load_hardware, make_mesh, parse_axes
 
@@ -28,16 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bytes", type=int, default=4096, help="float32 payload per device per collective (default 4096)")
     p.add_argument("--iters", type=int, default=3, help="timed calls per collective (default 3)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
-    join = p.add_argument_group("joining a running job instead of spawning one")
-    join.add_argument("--coordinator", help="HOST:PORT of process 0's coordinator")
-    join.add_argument("--num-processes", type=int, help="processes in the job")
-    join.add_argument("--process-id", type=int, help="this process's index")
-    join.add_argument(
-        "--platform",
-        choices=("cpu", "auto"),
-        default="cpu",
-        help="cpu: emulate devices/num-processes CPU devices here; auto: use this host's accelerators",
-    )
+    add_join_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -53,23 +44,7 @@ def run(args: argparse.Namespace) -> int:
         raise EmulationError(f"--bytes {args.bytes} must be >= 4 and --iters {args.iters} >= 1")
     if args.json:
         check_writable(args.json, "--json")
-    join = (args.coordinator, args.num_processes, args.process_id)
-    if any(v is not None for v in join):
-        if any(v is None for v in join):
-            raise EmulationError("--coordinator, --num-processes and --process-id must be given together")
-        cluster = Cluster(coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
-        plan_processes(devices, cluster.num_processes)
-        start_devices(devices // cluster.num_processes, cluster, platform=args.platform)
-        return _run_checks(hw, axes, spans, args)
-    processes = plan_processes(devices, args.processes)
-    if processes == 1:
-        start_devices(devices)
-        return _run_checks(hw, axes, spans, args)
-    port = free_port()
-    common = [
-        sys.executable,
-        "-m",
-        "hyperjax",
+    child = [
         "selftest",
         "--hardware",
         args.hardware,
@@ -82,15 +57,14 @@ def run(args: argparse.Namespace) -> int:
         "--iters",
         str(args.iters),
         *(["--json", args.json] if args.json else []),
-        "--coordinator",
-        f"127.0.0.1:{port}",
-        "--num-processes",
-        str(processes),
     ]
-    print(
-        f"[launcher] {devices} devices in {processes} processes x {devices // processes}, coordinator 127.0.0.1:{port}"
+    return run_on_devices(
+        args,
+        devices=devices,
+        processes=plan_processes(devices, args.processes),
+        child_args=child,
+        work=lambda: _run_checks(hw, axes, spans, args),
     )
-    return launch([[*common, "--process-id", str(i)] for i in range(processes)])
 
 
 def _run_checks(hw, axes, spans, args) -> int:

@@ -1,0 +1,307 @@
+"""hyperjax's training step against the same program written in plain JAX, on emulated devices.
+
+At 8 devices (one process) both versions train the quickstart GPT under data x tensor parallelism: the
+hyperjax version through a declarative Strategy and the flax NNX model, the plain version with hand-written
+parameter dictionaries, PartitionSpecs and sharding constraints. Steps alternate between the two in rounds
+so that machine noise hits both alike; the table reports median step times and hyperjax's overhead. With
+``--with-384`` it also runs ``configs/gpt-tiny-cm384.yaml`` for 3 steps on 384 devices (several processes)
+and reports that step time. Writes ``benchmarks/results/emulation.json``.
+
+    python benchmarks/emulation.py [--steps 10] [--rounds 3] [--with-384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import hyperjax
+
+hyperjax.start_devices(8)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from hyperjax.train import load_config, plan_run  # noqa: E402
+from hyperjax.train.data import Batches  # noqa: E402
+from hyperjax.train.step import build_train_step, init_state, make_optimizer  # noqa: E402
+
+ROOT = Path(__file__).parents[1]
+RESULTS = Path(__file__).parent / "results"
+
+
+# ---- the same GPT in plain JAX ------------------------------------------------------------------------------
+def plain_init(key, cfg):
+    d, h, f, v, s, L = cfg.d_model, cfg.heads, cfg.d_ff, cfg.vocab, cfg.seq_len, cfg.layers
+    hd = d // h
+    keys = iter(jax.random.split(key, 8 * L + 4))
+    n = lambda shape, std=0.02: std * jax.random.normal(next(keys), shape, jnp.float32)
+    resid = 0.02 / (2 * L) ** 0.5
+    layer = lambda: {
+        "ln1_s": jnp.ones(d),
+        "ln1_b": jnp.zeros(d),
+        "q": n((d, h, hd)),
+        "k": n((d, h, hd)),
+        "v": n((d, h, hd)),
+        "qb": jnp.zeros((h, hd)),
+        "kb": jnp.zeros((h, hd)),
+        "vb": jnp.zeros((h, hd)),
+        "o": n((h, hd, d), resid),
+        "ob": jnp.zeros(d),
+        "ln2_s": jnp.ones(d),
+        "ln2_b": jnp.zeros(d),
+        "w_in": n((d, f)),
+        "b_in": jnp.zeros(f),
+        "w_out": n((f, d), resid),
+        "b_out": jnp.zeros(d),
+    }
+    return {
+        "embed": n((v, d)),
+        "pos": n((s, d), 0.01),
+        "layers": [layer() for _ in range(L)],
+        "lnf_s": jnp.ones(d),
+        "lnf_b": jnp.zeros(d),
+    }
+
+
+def plain_specs(params):
+    layer = {
+        "ln1_s": P(),
+        "ln1_b": P(),
+        "q": P(None, "tensor"),
+        "k": P(None, "tensor"),
+        "v": P(None, "tensor"),
+        "qb": P("tensor"),
+        "kb": P("tensor"),
+        "vb": P("tensor"),
+        "o": P("tensor"),
+        "ob": P(),
+        "ln2_s": P(),
+        "ln2_b": P(),
+        "w_in": P(None, "tensor"),
+        "b_in": P("tensor"),
+        "w_out": P("tensor"),
+        "b_out": P(),
+    }
+    return {"embed": P("tensor"), "pos": P(), "layers": [layer] * len(params["layers"]), "lnf_s": P(), "lnf_b": P()}
+
+
+def layer_norm(x, s, b):
+    m = x.mean(-1, keepdims=True)
+    return (x - m) * jax.lax.rsqrt(jnp.square(x - m).mean(-1, keepdims=True) + 1e-5) * s + b
+
+
+def plain_loss(params, inputs, targets, mesh):
+    wsc = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    x = wsc(jnp.take(params["embed"], inputs, axis=0) + params["pos"][: inputs.shape[1]], P("data"))
+    s = inputs.shape[1]
+    for p in params["layers"]:
+        y = layer_norm(x, p["ln1_s"], p["ln1_b"])
+        q = wsc(jnp.einsum("bsd,dhk->bshk", y, p["q"]) + p["qb"], P("data", None, "tensor"))
+        k = wsc(jnp.einsum("bsd,dhk->bshk", y, p["k"]) + p["kb"], P("data", None, "tensor"))
+        v = wsc(jnp.einsum("bsd,dhk->bshk", y, p["v"]) + p["vb"], P("data", None, "tensor"))
+        b, _, h, d = q.shape
+        att = jnp.einsum("bqkgd,bskd->bkgqs", q.reshape(b, s, h, 1, d), k) / jnp.sqrt(jnp.float32(d))
+        att = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((s, s), bool)), att, jnp.finfo(jnp.float32).min), axis=-1)
+        o = wsc(jnp.einsum("bkgqs,bskd->bqkgd", att, v).reshape(b, s, h, d), P("data", None, "tensor"))
+        x = wsc(x + jnp.einsum("bshk,hkd->bsd", o, p["o"]) + p["ob"], P("data"))
+        y = layer_norm(x, p["ln2_s"], p["ln2_b"])
+        hdn = wsc(jax.nn.gelu(y @ p["w_in"] + p["b_in"], approximate=True), P("data", None, "tensor"))
+        x = wsc(x + hdn @ p["w_out"] + p["b_out"], P("data"))
+    logits = wsc(layer_norm(x, params["lnf_s"], params["lnf_b"]) @ params["embed"].T, P("data", None, "tensor"))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def plain_program(cfg, mesh, optimizer):
+    params = plain_init(jax.random.key(0), cfg.model)
+    specs = plain_specs(params)
+    p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+    params = jax.device_put(params, p_sh)
+    opt_state = optimizer.init(params)
+
+    def step(params, opt_state, inputs, targets):
+        loss, grads = jax.value_and_grad(plain_loss)(params, inputs, targets, mesh)
+        grads = jax.lax.with_sharding_constraint(grads, p_sh)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    replicated = NamedSharding(mesh, P())
+    opt_sh = jax.tree.map(lambda x: x.sharding if x.ndim else replicated, opt_state)
+    opt_state = jax.device_put(opt_state, opt_sh)
+    fn = jax.jit(
+        step,
+        in_shardings=(p_sh, opt_sh, NamedSharding(mesh, P("data")), NamedSharding(mesh, P("data"))),
+        out_shardings=(p_sh, opt_sh, replicated),
+        donate_argnums=(0, 1),
+    )
+    state = [params, opt_state]
+
+    def run(batch):
+        state[0], state[1], loss = fn(state[0], state[1], batch["inputs"], batch["targets"])
+        return loss
+
+    run.compiled = lambda batch: fn.lower(state[0], state[1], batch["inputs"], batch["targets"]).compile()
+    return run
+
+
+def hyperjax_program(plan):
+    from flax import nnx
+
+    from hyperjax.models import build_model
+
+    t = plan.config.train
+    mesh = hyperjax.make_mesh(plan.hardware, plan.axes)
+    graphdef, state = nnx.split(build_model(plan.config.model, seed=t.seed))
+    optimizer = make_optimizer(t)
+    step = build_train_step(
+        graphdef=graphdef, param_state=state, strategy=plan.strategy, mesh=mesh, optimizer=optimizer
+    )
+    holder = [init_state(state, optimizer, step)]
+
+    def run(batch):
+        holder[0], metrics = step.fn(holder[0], batch)
+        return metrics["loss"]
+
+    run.compiled = lambda batch: step.fn.lower(holder[0], batch).compile()
+    return run, step.batch_sharding, mesh
+
+
+def program_stats(compiled) -> dict:
+    """FLOPs, bytes accessed and collective ops of a compiled step (XLA's own numbers)."""
+    cost = compiled.cost_analysis()
+    text = compiled.as_text()
+    ops = {k: len(re.findall(rf"= \S+ {k}(?:-start)?\(", text)) for k in ("all-reduce", "all-gather", "reduce-scatter")}
+    return {"flops": cost.get("flops", 0.0), "bytes_accessed": cost.get("bytes accessed", 0.0), **ops}
+
+
+def time_steps(run, data, sharding, first, steps):
+    times = []
+    for i in range(first, first + steps):
+        batch = data.global_batch_arrays(i, sharding)
+        start = time.perf_counter()
+        float(run(batch))
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def run_384():
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "m.jsonl"
+        start = time.perf_counter()
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hyperjax",
+                "train",
+                str(ROOT / "configs/gpt-tiny-cm384.yaml"),
+                "--steps",
+                "3",
+                "--metrics-out",
+                str(metrics),
+                "--out-dir",
+                tmp,
+            ],
+            capture_output=True,
+            text=True,
+        )
+        wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            return {"error": proc.stderr[-2000:], "wall_s": wall}
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {
+        "wall_s": wall,
+        "losses": [r["loss"] for r in rows],
+        "step_times_s": [r["step_time_s"] for r in rows],
+        "median_step_s": statistics.median(r["step_time_s"] for r in rows[1:]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round per version")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--with-384", action="store_true", help="also train gpt-tiny-cm384 for 3 steps")
+    parser.add_argument("--out", type=Path, default=RESULTS / "emulation.json")
+    args = parser.parse_args()
+
+    cfg = load_config(ROOT / "configs/quickstart.yaml", ["parallel.tensor=2"])
+    plan = plan_run(cfg)
+    hj_run, sharding, mesh = hyperjax_program(plan)
+    plain_run = plain_program(cfg, mesh, make_optimizer(cfg.train))
+    data = Batches(
+        source="text", global_batch=cfg.train.global_batch, seq_len=cfg.model.seq_len, vocab=cfg.model.vocab, seed=0
+    )
+    time_steps(hj_run, data, sharding, 0, 2)  # compile and warm up both
+    time_steps(plain_run, data, sharding, 0, 2)
+    hj, plain = [], []
+    for r in range(args.rounds):
+        first = 2 + r * args.steps
+        hj += time_steps(hj_run, data, sharding, first, args.steps)
+        plain += time_steps(plain_run, data, sharding, first, args.steps)
+    hj_s, plain_s = statistics.median(hj), statistics.median(plain)
+    probe = data.global_batch_arrays(0, sharding)
+    hj_stats, plain_stats = program_stats(hj_run.compiled(probe)), program_stats(plain_run.compiled(probe))
+    overhead = hj_s / plain_s - 1
+    result = {
+        "devices": 8,
+        "mesh": plan.axes,
+        "model": vars(cfg.model),
+        "steps_each": len(hj),
+        "hyperjax_step_s": hj_s,
+        "plain_jax_step_s": plain_s,
+        "overhead": overhead,
+        "cpu_cores": os.cpu_count(),
+        "hyperjax_program": hj_stats,
+        "plain_jax_program": plain_stats,
+    }
+    table = Table(title="training step: hyperjax vs plain JAX (quickstart GPT, 8 emulated devices, data=4 x tensor=2)")
+    for col in ("program", "median step ms", "steps timed", "vs plain JAX", "GFLOP", "GB accessed", "all-reduce ops"):
+        table.add_column(col, justify="left" if col == "program" else "right")
+    for name, t, times, vs, st in (
+        ("plain JAX (hand-written)", plain_s, plain, "-", plain_stats),
+        ("hyperjax (Strategy + NNX)", hj_s, hj, f"{overhead:+.1%}", hj_stats),
+    ):
+        table.add_row(
+            name,
+            f"{t * 1e3:.1f}",
+            str(len(times)),
+            vs,
+            f"{st['flops'] / 1e9:.2f}",
+            f"{st['bytes_accessed'] / 1e9:.2f}",
+            str(st["all-reduce"]),
+        )
+    if args.with_384:
+        result["cm384"] = run_384()
+        r = result["cm384"]
+        if "error" not in r:
+            table.add_row(
+                "hyperjax, gpt-tiny-cm384, 384 devices",
+                f"{r['median_step_s'] * 1e3:.0f}",
+                "3",
+                "losses " + ", ".join(f"{x:.3f}" for x in r["losses"]),
+                "",
+                "",
+                "",
+            )
+    Console(width=140).print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Run a command's work on the emulated machine: in this process, as spawned processes, or joining a job.
+
+Commands that need devices (``selftest``, ``train``) share the joining flags and this one decision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from hyperjax.emulate import Cluster, free_port, launch, plan_processes, start_devices
+from hyperjax.errors import EmulationError
+
+
+def add_join_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that make a command join a running job instead of spawning one."""
+    join = parser.add_argument_group("joining a running job instead of spawning one")
+    join.add_argument("--coordinator", help="HOST:PORT of process 0's coordinator")
+    join.add_argument("--num-processes", type=int, help="processes in the job")
+    join.add_argument("--process-id", type=int, help="this process's index")
+    join.add_argument(
+        "--platform",
+        choices=("cpu", "auto"),
+        default="cpu",
+        help="cpu: emulate devices/num-processes CPU devices here; auto: use this host's accelerators",
+    )
+
+
+def run_on_devices(
+    args: argparse.Namespace,
+    *,
+    devices: int,
+    processes: int,
+    child_args: Sequence[str],
+    work: Callable[[], int],
+) -> int:
+    """Start the devices and run ``work``, or spawn ``processes`` children that each do.
+
+    Args:
+      args: the parsed command line (its joining flags decide whether this process joins a job).
+      devices: devices in the whole job.
+      processes: processes to spawn when not joining (1: run here).
+      child_args: the ``hyperjax`` command line each spawned child runs (without the joining flags).
+      work: what to run once the devices are up; returns the exit status.
+
+    Raises:
+      EmulationError: incomplete joining flags, or an impossible device split.
+    """
+    join = (args.coordinator, args.num_processes, args.process_id)
+    if any(v is not None for v in join):
+        if any(v is None for v in join):
+            raise EmulationError("--coordinator, --num-processes and --process-id must be given together")
+        cluster = Cluster(coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
+        plan_processes(devices, cluster.num_processes)
+        start_devices(devices // cluster.num_processes, cluster, platform=args.platform)
+        return work()
+    if processes == 1:
+        start_devices(devices)
+        return work()
+    port = free_port()
+    print(
+        f"[launcher] {devices} devices in {processes} processes x {devices // processes}, coordinator 127.0.0.1:{port}"
+    )
+    common = [
+        sys.executable,
+        "-m",
+        "hyperjax",
+        *child_args,
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        str(processes),
+    ]
+    return launch([[*common, "--process-id", str(i)] for i in range(processes)])

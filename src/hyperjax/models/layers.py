@@ -1,0 +1,155 @@
+"""Transformer building blocks in flax NNX whose parameters carry logical axes.
+
+Every ``nnx.Param`` is created with ``logical_axes`` metadata naming its dimensions (``embed``, ``heads``,
+``mlp``, ...); a :class:`hyperjax.Strategy` turns those names into shardings. Activations are laid out
+through the ``constrain`` function a model is called with. Parameters are stored in float32 and cast to
+the compute dtype where they are used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+Constrain = Callable[[jax.Array, tuple[str | None, ...]], jax.Array]
+
+
+def no_constraint(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
+    """The ``constrain`` of a single-device run: leaves ``x`` where it is."""
+    return x
+
+
+def param(
+    rngs: nnx.Rngs,
+    shape: Sequence[int],
+    axes: tuple[str | None, ...],
+    *,
+    scale: float | None = None,
+    init: str = "normal",
+) -> nnx.Param:
+    """A float32 parameter with logical axes: ``normal`` (std ``scale``, default 0.02), ``ones`` or ``zeros``."""
+    if init == "ones":
+        value = jnp.ones(shape, jnp.float32)
+    elif init == "zeros":
+        value = jnp.zeros(shape, jnp.float32)
+    else:
+        value = (0.02 if scale is None else scale) * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value, logical_axes=axes)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with scale and bias (GPT)."""
+
+    def __init__(self, d: int, *, rngs: nnx.Rngs) -> None:
+        self.scale = param(rngs, (d,), ("embed",), init="ones")
+        self.bias = param(rngs, (d,), ("embed",), init="zeros")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + 1e-5) * self.scale[...] + self.bias[...]
+        return y.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm with scale (Llama)."""
+
+    def __init__(self, d: int, *, rngs: nnx.Rngs) -> None:
+        self.scale = param(rngs, (d,), ("embed",), init="ones")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + 1e-6) * self.scale[...]
+        return y.astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
+    """Rotary position embedding over the last dimension of ``x`` (batch, seq, heads, head_dim)."""
+    half = x.shape[-1] // 2
+    freqs = 1.0 / (10000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles = positions[:, None].astype(jnp.float32) * freqs[None, :]  # (seq, half)
+    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal multi-head or grouped-query attention; the projections are Megatron column/row splits."""
+
+    def __init__(
+        self, d_model: int, heads: int, kv_heads: int, *, bias: bool, use_rope: bool, layers: int, rngs: nnx.Rngs
+    ) -> None:
+        hd = d_model // heads
+        self.heads, self.kv_heads, self.use_rope = heads, kv_heads, use_rope
+        self.q_proj = param(rngs, (d_model, heads, hd), ("embed", "heads", "head_dim"))
+        self.k_proj = param(rngs, (d_model, kv_heads, hd), ("embed", "kv_heads", "head_dim"))
+        self.v_proj = param(rngs, (d_model, kv_heads, hd), ("embed", "kv_heads", "head_dim"))
+        # GPT-2 scales the residual projections by 1/sqrt(2 * layers)
+        self.o_proj = param(
+            rngs, (heads, hd, d_model), ("heads", "head_dim", "embed"), scale=0.02 / (2 * layers) ** 0.5
+        )
+        if bias:
+            self.q_bias = param(rngs, (heads, hd), ("heads", "head_dim"), init="zeros")
+            self.k_bias = param(rngs, (kv_heads, hd), ("kv_heads", "head_dim"), init="zeros")
+            self.v_bias = param(rngs, (kv_heads, hd), ("kv_heads", "head_dim"), init="zeros")
+            self.o_bias = param(rngs, (d_model,), ("embed",), init="zeros")
+        self.bias = bias
+
+    def __call__(self, x: jax.Array, constrain: Constrain) -> jax.Array:
+        dt = x.dtype
+        q = jnp.einsum("bsd,dhk->bshk", x, self.q_proj[...].astype(dt))
+        k = jnp.einsum("bsd,dhk->bshk", x, self.k_proj[...].astype(dt))
+        v = jnp.einsum("bsd,dhk->bshk", x, self.v_proj[...].astype(dt))
+        if self.bias:
+            q, k, v = q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt), v + self.v_bias[...].astype(dt)
+        if self.use_rope:
+            positions = jnp.arange(x.shape[1])
+            q, k = rope(q, positions), rope(k, positions)
+        # queries keep their sequence shard (context parallel); keys and values are needed whole
+        q = constrain(checkpoint_name(q, "query"), ("batch", "seq", "act_heads", None))
+        k = constrain(checkpoint_name(k, "key"), ("batch", None, "act_kv_heads", None))
+        v = constrain(checkpoint_name(v, "value"), ("batch", None, "act_kv_heads", None))
+        b, s, h, d = q.shape
+        g = h // self.kv_heads
+        q = q.reshape(b, s, self.kv_heads, g, d)
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
+        causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, h, d)
+        out = constrain(checkpoint_name(out, "attention"), ("batch", "seq", "act_heads", None))
+        y = jnp.einsum("bshk,hkd->bsd", out, self.o_proj[...].astype(dt))
+        if self.bias:
+            y = y + self.o_bias[...].astype(dt)
+        return y
+
+
+class MLP(nnx.Module):
+    """GELU MLP (GPT) or SwiGLU (Llama); the input projection is column-split, the output row-split."""
+
+    def __init__(self, d_model: int, d_ff: int, *, gated: bool, bias: bool, layers: int, rngs: nnx.Rngs) -> None:
+        self.gated, self.bias = gated, bias
+        self.w_in = param(rngs, (d_model, d_ff), ("embed", "mlp"))
+        if gated:
+            self.w_gate = param(rngs, (d_model, d_ff), ("embed", "mlp"))
+        self.w_out = param(rngs, (d_ff, d_model), ("mlp", "embed"), scale=0.02 / (2 * layers) ** 0.5)
+        if bias:
+            self.b_in = param(rngs, (d_ff,), ("mlp",), init="zeros")
+            self.b_out = param(rngs, (d_model,), ("embed",), init="zeros")
+
+    def __call__(self, x: jax.Array, constrain: Constrain) -> jax.Array:
+        dt = x.dtype
+        h = x @ self.w_in[...].astype(dt)
+        if self.bias:
+            h = h + self.b_in[...].astype(dt)
+        h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * h if self.gated else jax.nn.gelu(h, approximate=True)
+        h = constrain(checkpoint_name(h, "mlp_hidden"), ("batch", "seq", "act_mlp"))
+        y = h @ self.w_out[...].astype(dt)
+        if self.bias:
+            y = y + self.b_out[...].astype(dt)
+        return y

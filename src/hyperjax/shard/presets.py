@@ -1,0 +1,98 @@
+"""Strategies composed from parallel degrees (the ``parallel:`` section of a config).
+
+The mesh has one axis per degree, outermost first: ``data``, ``fsdp``, ``context``, ``tensor``; the
+tensor axis is innermost so it stays inside the fastest interconnect tier. The logical rules:
+
+| logical axis | used by | mesh axes |
+|---|---|---|
+| ``batch`` | activations | ``data`` and ``fsdp`` (both are data parallel) |
+| ``seq`` | attention and MLP activations | ``context`` |
+| ``res_seq`` | residual-stream activations | ``context``, plus ``tensor`` with sequence parallelism |
+| ``act_heads``, ``act_kv_heads``, ``act_mlp``, ``act_vocab`` | activations | ``tensor`` |
+| ``act_embed`` | activations | replicated |
+| ``embed`` | parameters | ``fsdp`` (ZeRO-3: parameters, gradients and optimizer state sharded) |
+| ``heads``, ``kv_heads``, ``mlp``, ``vocab`` | parameters | ``tensor`` (Megatron column / row split) |
+| ``head_dim``, ``layers``, ``experts`` | parameters | replicated |
+
+``zero_stage`` 1 shards optimizer state over ``data``, 2 also gradients. A ``shard:`` mapping overrides
+any rule.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from hyperjax.errors import ShardingError
+from hyperjax.shard.strategy import MeshAxes, Strategy
+
+MESH_AXES = ("data", "fsdp", "context", "tensor")
+
+
+def mesh_axes_for(
+    *, devices: int, data: int | None = None, fsdp: int = 1, context: int = 1, tensor: int = 1, pipeline: int = 1
+) -> dict[str, int]:
+    """Mesh axis sizes for the degrees; ``data=None`` takes the devices left over.
+
+    Raises:
+      ShardingError: a degree is not a positive integer, or the degrees do not multiply to ``devices``.
+    """
+    degrees = {"fsdp": fsdp, "context": context, "tensor": tensor, "pipeline": pipeline}
+    if data is not None:
+        degrees["data"] = data
+    for key, value in degrees.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ShardingError(f"parallel.{key}={value!r} must be a positive integer")
+    rest = math.prod(degrees.values())
+    if data is None:
+        if devices % rest:
+            raise ShardingError(
+                f"parallel degrees fsdp={fsdp} x context={context} x tensor={tensor} x pipeline={pipeline} = {rest} "
+                f"do not divide the {devices} devices, so parallel.data cannot take the rest; choose degrees "
+                f"that divide {devices}"
+            )
+        data = devices // rest
+    elif rest != devices:
+        raise ShardingError(
+            f"parallel degrees data={data} x fsdp={fsdp} x context={context} x tensor={tensor} x "
+            f"pipeline={pipeline} = {rest}, but there are {devices} devices; make the product {devices} "
+            "(or set parallel.data: null to infer it)"
+        )
+    return {"data": data, "fsdp": fsdp, "context": context, "tensor": tensor}
+
+
+def strategy_for(
+    *, sequence_parallel: bool = False, zero_stage: int = 0, overrides: Mapping[str, MeshAxes] | None = None
+) -> Strategy:
+    """The strategy for the standard mesh axes (see the module docstring), with ``overrides`` applied.
+
+    Raises:
+      ShardingError: an override names a mesh axis that is not one of :data:`MESH_AXES`.
+    """
+    rules: dict[str, MeshAxes] = {
+        "batch": ("data", "fsdp"),
+        "seq": "context",
+        "res_seq": ("context", "tensor") if sequence_parallel else "context",
+        "act_embed": None,
+        "act_heads": "tensor",
+        "act_kv_heads": "tensor",
+        "act_mlp": "tensor",
+        "act_vocab": "tensor",
+        "embed": "fsdp",
+        "heads": "tensor",
+        "kv_heads": "tensor",
+        "mlp": "tensor",
+        "vocab": "tensor",
+        "head_dim": None,
+        "layers": None,
+        "experts": None,
+    }
+    for name, axes in (overrides or {}).items():
+        listed = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        unknown = [a for a in listed if a not in MESH_AXES]
+        if unknown:
+            raise ShardingError(
+                f"shard.{name}: mesh axis {unknown[0]!r} does not exist; the mesh axes are {', '.join(MESH_AXES)}"
+            )
+        rules[name] = axes
+    return Strategy(rules=rules, zero_stage=zero_stage)

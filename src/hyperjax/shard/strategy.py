@@ -1,0 +1,345 @@
+"""HyperShard strategies: logical axis names mapped to mesh axes, as data.
+
+A :class:`Strategy` says where every named dimension of every tensor lives on the mesh. Tensors name their
+dimensions with *logical axes* (``batch``, ``embed``, ``heads``, ...): model parameters carry them as
+``logical_axes`` metadata on their ``nnx.Param`` (flax's own ``sharding_names`` are read too), and plain
+arrays get them from ``params``, glob patterns over the pytree key path. ``rules`` maps each logical axis
+to a mesh axis, a tuple of mesh axes, or ``None`` (replicated). Turning logical axes into a
+``PartitionSpec`` is one pure function, :meth:`Strategy.spec`; everything else (shardings for a whole
+tree, constraints inside ``jit``, the explanation table) is built on it and checked before anything
+compiles.
+
+Unlike a per-module sharding annotation, the strategy is one value that can be printed, compared, saved
+and swapped without touching the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import math
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Literal
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hyperjax.errors import ShardingError
+
+MeshAxes = str | tuple[str, ...] | None
+LogicalAxes = tuple[str | None, ...]
+Role = Literal["params", "gradients", "optimizer"]
+Constrain = Callable[[jax.Array, LogicalAxes], jax.Array]
+
+_METADATA_KEYS = ("logical_axes", "sharding_names", "sharding")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Strategy:
+    """A declarative parallel strategy.
+
+    Attributes:
+      rules: logical axis name -> mesh axis, tuple of mesh axes, or ``None`` (replicated).
+      params: key-path glob pattern -> logical axes, for tensors that carry no logical axes of their own
+        (``"*/attn/o_proj/kernel": ("heads", "embed")``); the first matching pattern wins. Paths join
+        the pytree keys with ``/`` (``blocks/0/attn/o_proj/kernel``).
+      zero_stage: ZeRO over ``zero_axis``: 1 shards optimizer state, 2 also gradients (parameters stay as
+        ``rules`` place them; FSDP, i.e. ZeRO-3, is a rule that shards ``embed`` over an axis).
+      zero_axis: the mesh axis ZeRO shards over (the data-parallel axis).
+    """
+
+    rules: Mapping[str, MeshAxes]
+    params: Mapping[str, LogicalAxes] = dataclasses.field(default_factory=dict)
+    zero_stage: int = 0
+    zero_axis: str = "data"
+
+    def __post_init__(self) -> None:
+        rules = {}
+        for name, axes in self.rules.items():
+            if axes is not None and not isinstance(axes, str):
+                if not isinstance(axes, Sequence) or not all(isinstance(a, str) for a in axes):
+                    raise ShardingError(
+                        f"rule for logical axis {name!r} is {axes!r}; give a mesh axis name, a list of them, or null"
+                    )
+                axes = tuple(axes)
+            rules[name] = axes
+        object.__setattr__(self, "rules", MappingProxyType(rules))
+        object.__setattr__(self, "params", MappingProxyType({k: tuple(v) for k, v in self.params.items()}))
+        if self.zero_stage not in (0, 1, 2):
+            raise ShardingError(
+                f"zero_stage={self.zero_stage} must be 0, 1 or 2 (stage 3 is FSDP: shard 'embed' over an axis)"
+            )
+
+    def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
+        """The mesh axes of one logical axis (empty when replicated).
+
+        Raises:
+          ShardingError: the logical axis has no rule.
+        """
+        if logical is None:
+            return ()
+        if logical not in self.rules:
+            close = difflib.get_close_matches(logical, list(self.rules), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ShardingError(
+                f"logical axis {logical!r} has no rule{hint} Known logical axes: {', '.join(self.rules)}. "
+                f"Add one under shard: (e.g. {logical}: null to replicate it)."
+            )
+        axes = self.rules[logical]
+        return () if axes is None else (axes,) if isinstance(axes, str) else axes
+
+    def spec(self, logical_axes: Sequence[str | None]) -> P:
+        """The ``PartitionSpec`` of a tensor whose dimensions have these logical axes."""
+        return P(*(_entry(self.mesh_axes(name)) for name in logical_axes))
+
+    def logical_axes(self, tree: Any) -> Any:
+        """The logical axes of every leaf of ``tree`` (a tuple per leaf; ``None`` where nothing names them).
+
+        Leaves that are ``nnx.Variable`` use their metadata; other leaves use the first ``params``
+        pattern that matches their key path.
+        """
+
+        def one(path: tuple, leaf: Any) -> LogicalAxes | None:
+            if isinstance(leaf, nnx.Variable):
+                meta = leaf.get_metadata()
+                for key in _METADATA_KEYS:
+                    if meta.get(key) is not None:
+                        return tuple(meta[key])
+            name = key_path_str(path)
+            for pattern, axes in self.params.items():
+                if fnmatch.fnmatchcase(name, pattern):
+                    return axes
+            return None
+
+        return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_variable)
+
+    def shardings(self, tree: Any, mesh: jax.sharding.Mesh, *, role: Role = "params") -> Any:
+        """A ``NamedSharding`` for every leaf of ``tree``, checked against the leaf's shape.
+
+        Args:
+          tree: arrays, ``jax.ShapeDtypeStruct`` s, or an NNX state whose variables carry logical axes.
+          mesh: the mesh to place them on.
+          role: ``params`` as the rules say; ``gradients`` and ``optimizer`` add ZeRO sharding over
+            ``zero_axis`` when ``zero_stage`` asks for it.
+
+        Returns:
+          The same tree structure with ``NamedSharding`` leaves (inside ``nnx.Variable`` s for NNX state).
+
+        Raises:
+          ShardingError: a rule is missing, a mesh axis is used twice in one spec, a mesh axis is not in
+            ``mesh``, or a dimension is not divisible by its mesh axes.
+        """
+        zero = (
+            self.zero_axis
+            if (role == "optimizer" and self.zero_stage >= 1) or (role == "gradients" and self.zero_stage >= 2)
+            else None
+        )
+
+        def one(path: tuple, leaf: Any) -> Any:
+            value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+            (axes,) = self._axes_of(leaf, path)
+            spec = self.check(key_path_str(path), np.shape(value), axes, mesh, zero=zero)
+            sharding = NamedSharding(mesh, spec)
+            return leaf.replace(value=sharding) if isinstance(leaf, nnx.Variable) else sharding
+
+        return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_variable)
+
+    def check(
+        self,
+        path: str,
+        shape: tuple[int, ...],
+        logical_axes: LogicalAxes | None,
+        mesh: jax.sharding.Mesh,
+        *,
+        zero: str | None = None,
+    ) -> P:
+        """The checked ``PartitionSpec`` of one tensor (``zero``: also shard over this axis where it divides).
+
+        Raises:
+          ShardingError: as :meth:`shardings`.
+        """
+        if logical_axes is None:
+            logical_axes = (None,) * len(shape)
+        if len(logical_axes) != len(shape):
+            raise ShardingError(
+                f"tensor {path!r} has shape {shape} ({len(shape)} dims) but logical axes {logical_axes} "
+                f"({len(logical_axes)}); give one logical axis (or null) per dimension"
+            )
+        per_dim = [list(self.mesh_axes(name)) for name in logical_axes]
+        seen: dict[str, str | None] = {}
+        for name, axes in zip(logical_axes, per_dim, strict=True):
+            for axis in axes:
+                if axis not in mesh.shape:
+                    raise ShardingError(
+                        f"tensor {path!r}: logical axis {name!r} maps to mesh axis {axis!r}, which the mesh "
+                        f"{dict(mesh.shape)} does not have; fix the rule for {name!r}"
+                    )
+                if axis in seen:
+                    raise ShardingError(
+                        f"tensor {path!r}: mesh axis {axis!r} is used twice in one spec, by logical axes "
+                        f"{seen[axis]!r} and {name!r}; map one of them to another mesh axis or to null"
+                    )
+                seen[axis] = name
+        for name, axes, size in zip(logical_axes, per_dim, shape, strict=True):
+            ways = math.prod(mesh.shape[a] for a in axes)
+            if size % ways:
+                raise ShardingError(
+                    f"tensor {path!r}: dimension {name!r} of size {size} is not divisible by mesh axes "
+                    f"{tuple(axes)} of total size {ways}; choose degrees that divide {size} or map {name!r} "
+                    "to fewer mesh axes"
+                )
+        if zero is not None and zero not in seen and mesh.shape.get(zero, 1) > 1:
+            for axes, size in zip(per_dim, shape, strict=True):
+                if size % (math.prod(mesh.shape[a] for a in axes) * mesh.shape[zero]) == 0:
+                    axes.append(zero)
+                    break
+        return P(*(_entry(tuple(axes)) for axes in per_dim))
+
+    def with_param_axes(self, state: Any) -> Strategy:
+        """This strategy, plus a ``params`` pattern for every variable of an NNX ``state``.
+
+        Pure-array copies of the state (its ``nnx.to_pure_dict``, gradients, optimizer moments nested
+        under optimizer-state fields) then shard like the variables they mirror: the pattern for
+        ``blocks/0/mlp/w_in`` is that path itself and ``*/blocks/0/mlp/w_in``.
+        """
+        found: dict[str, LogicalAxes] = {}
+
+        def record(path: tuple, leaf: Any) -> None:
+            (axes,) = self._axes_of(leaf, path)
+            if axes is not None:
+                name = key_path_str(path)
+                found[name] = found[f"*/{name}"] = axes
+
+        jax.tree_util.tree_map_with_path(record, state, is_leaf=_is_variable)
+        return dataclasses.replace(self, params={**found, **self.params})
+
+    def explain(self, tree: Any, mesh: jax.sharding.Mesh, *, role: Role = "params") -> Explanation:
+        """Per tensor: path, shape, logical axes, ``PartitionSpec`` and bytes per device; and totals.
+
+        Raises:
+          ShardingError: as :meth:`shardings`.
+        """
+        shardings = self.shardings(tree, mesh, role=role)
+        rows = []
+        for (path, leaf), sharding in zip(_leaves(tree), jax.tree.leaves(shardings), strict=True):
+            value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+            shape, dtype = tuple(np.shape(value)), np.dtype(getattr(value, "dtype", np.float32))
+            local = sharding.shard_shape(shape)
+            (axes,) = self._axes_of(leaf, path)
+            rows.append(
+                TensorPlacement(
+                    path=key_path_str(path),
+                    shape=shape,
+                    logical_axes=axes,
+                    spec=sharding.spec,
+                    bytes_per_device=int(math.prod(local)) * dtype.itemsize,
+                    bytes_total=int(math.prod(shape)) * dtype.itemsize,
+                )
+            )
+        return Explanation(rows=tuple(rows), mesh_shape=dict(mesh.shape))
+
+    def _axes_of(self, leaf: Any, path: tuple) -> list[LogicalAxes | None]:
+        return jax.tree.leaves(
+            self.logical_axes(_at_path(path, leaf)), is_leaf=lambda x: isinstance(x, tuple) or x is None
+        ) or [None]
+
+    def constrainer(self, mesh: jax.sharding.Mesh) -> Constrain:
+        """A function ``(x, logical_axes) -> x`` that applies :meth:`constrain` on ``mesh``; models take it."""
+        return lambda x, logical_axes: self.constrain(x, logical_axes, mesh=mesh)
+
+    def constrain(self, x: jax.Array, logical_axes: Sequence[str | None], *, mesh: jax.sharding.Mesh | None = None):
+        """A sharding constraint inside ``jit``: ``x`` is laid out as its logical axes say.
+
+        Args:
+          x: the array.
+          logical_axes: one logical axis (or ``None``) per dimension of ``x``.
+          mesh: the mesh; without it, the mesh set by ``jax.set_mesh``.
+        """
+        spec = self.spec(logical_axes)
+        return jax.lax.with_sharding_constraint(x, spec if mesh is None else NamedSharding(mesh, spec))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TensorPlacement:
+    """Where one tensor lives: a row of :meth:`Strategy.explain`."""
+
+    path: str
+    shape: tuple[int, ...]
+    logical_axes: LogicalAxes | None
+    spec: P
+    bytes_per_device: int
+    bytes_total: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Explanation:
+    """The placement of every tensor of a tree, and what one device holds in all."""
+
+    rows: tuple[TensorPlacement, ...]
+    mesh_shape: Mapping[str, int]
+
+    @property
+    def bytes_per_device(self) -> int:
+        """Bytes one device holds for the whole tree."""
+        return sum(r.bytes_per_device for r in self.rows)
+
+    @property
+    def bytes_total(self) -> int:
+        """Bytes of the whole tree, unsharded."""
+        return sum(r.bytes_total for r in self.rows)
+
+    def table(self, title: str = "placement") -> Any:
+        """A ``rich.table.Table`` of the rows with a totals line."""
+        from rich.table import Table
+
+        mesh = ",".join(f"{k}={v}" for k, v in self.mesh_shape.items())
+        table = Table(title=f"{title} on mesh {mesh}")
+        for col in ("tensor", "shape", "logical axes", "PartitionSpec", "bytes/device"):
+            table.add_column(col, justify="right" if col == "bytes/device" else "left")
+        for r in self.rows:
+            axes = "-" if r.logical_axes is None else "(" + ", ".join(str(a) for a in r.logical_axes) + ")"
+            spec = "(" + ", ".join(str(e) for e in r.spec) + ")"
+            table.add_row(r.path, "x".join(map(str, r.shape)) or "scalar", axes, spec, f"{r.bytes_per_device:,}")
+        table.add_row(
+            "[bold]total[/bold]", "", "", f"{self.bytes_total:,} unsharded", f"[bold]{self.bytes_per_device:,}[/bold]"
+        )
+        return table
+
+
+def _leaves(tree: Any) -> list[tuple[tuple, Any]]:
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)[0]
+
+
+def _at_path(path: tuple, leaf: Any) -> Any:
+    # a one-leaf tree whose key path is ``path``, so pattern rules see the leaf's real path
+    tree: Any = leaf
+    for key in reversed(path):
+        name = getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))
+        tree = {name: tree}
+    return tree
+
+
+def _entry(axes: tuple[str, ...]) -> MeshAxes:
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def key_path_str(path: Sequence[Any]) -> str:
+    """``(DictKey('blocks'), SequenceKey(0), ...)`` -> ``"blocks/0/..."``."""
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)

@@ -1,0 +1,76 @@
+"""Training data: the shipped text corpus as byte-level tokens, or a synthetic learnable sequence.
+
+Batches are a pure function of ``(seed, step)``: any process can build any row of the global batch, so
+each process builds only the rows its devices hold (``jax.make_array_from_callback``), and a resumed or
+resharded run sees exactly the same data.
+"""
+
+from __future__ import annotations
+
+import gzip
+from functools import cache
+from importlib import resources
+
+import jax
+import numpy as np
+
+CORPUS = "kjv-genesis-exodus.txt.gz"
+
+
+@cache
+def corpus_bytes() -> np.ndarray:
+    """The shipped corpus (Genesis and Exodus, King James Version, public domain) as uint8 tokens."""
+    data = resources.files("hyperjax.data").joinpath(CORPUS).read_bytes()
+    return np.frombuffer(gzip.decompress(data), dtype=np.uint8)
+
+
+class Batches:
+    """Deterministic batches of ``(inputs, targets)`` token arrays of shape ``(global_batch, seq_len)``.
+
+    Args:
+      source: ``text`` (byte-level corpus) or ``synthetic`` (``x[t+1] = (5 x[t] + 3) mod vocab`` from a
+        random start, so a model can learn it exactly).
+      global_batch: sequences per step.
+      seq_len: tokens per sequence.
+      vocab: vocabulary size (synthetic tokens are below it).
+      seed: data order.
+    """
+
+    def __init__(self, *, source: str, global_batch: int, seq_len: int, vocab: int, seed: int) -> None:
+        self.source, self.global_batch, self.seq_len, self.vocab, self.seed = source, global_batch, seq_len, vocab, seed
+        if source == "text" and len(corpus_bytes()) <= seq_len + 1:
+            raise ValueError(f"seq_len={seq_len} is longer than the corpus ({len(corpus_bytes())} bytes)")
+
+    def rows(self, step: int, rows: slice | range) -> tuple[np.ndarray, np.ndarray]:
+        """Inputs and targets for ``rows`` of the global batch of ``step``."""
+        rng = np.random.default_rng([self.seed, step])
+        index = np.arange(self.global_batch)[rows]
+        if self.source == "text":
+            text = corpus_bytes()
+            starts = rng.integers(0, len(text) - self.seq_len - 1, size=self.global_batch)[index]
+            window = np.stack([text[s : s + self.seq_len + 1] for s in starts]).astype(np.int32)
+        else:
+            first = rng.integers(0, self.vocab, size=self.global_batch)[index]
+            window = np.empty((len(index), self.seq_len + 1), dtype=np.int64)
+            window[:, 0] = first
+            for t in range(self.seq_len):
+                window[:, t + 1] = (5 * window[:, t] + 3) % self.vocab
+            window = window.astype(np.int32)
+        return window[:, :-1], window[:, 1:]
+
+    def global_batch_arrays(self, step: int, sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
+        """The batch of ``step`` as global arrays; this process builds only the rows it holds."""
+        shape = (self.global_batch, self.seq_len)
+        cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+        def part(index: tuple[slice, ...], which: int) -> np.ndarray:
+            rows, cols = index
+            key = (rows.start, rows.stop)
+            if key not in cache:
+                cache[key] = self.rows(step, rows)
+            return cache[key][which][:, cols]
+
+        return {
+            "inputs": jax.make_array_from_callback(shape, sharding, lambda i: part(i, 0)),
+            "targets": jax.make_array_from_callback(shape, sharding, lambda i: part(i, 1)),
+        }

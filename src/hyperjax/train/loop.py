@@ -1,0 +1,177 @@
+"""Run a planned training job on the live mesh: step, log, plot, summarise.
+
+Every process runs the same loop; process 0 alone prints, writes metrics and draws the loss curve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import jax
+from flax import nnx
+
+from hyperjax.models import build_model, count_params
+from hyperjax.topology import make_mesh
+from hyperjax.train.data import Batches
+from hyperjax.train.plan import Plan
+from hyperjax.train.step import build_train_step, init_state, make_optimizer
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunResult:
+    """What a training run measured.
+
+    Attributes:
+      losses: the loss of every step, in order.
+      step_times_s: wall time of every step on the emulated devices (the first includes compilation).
+      memory_per_device: bytes per device of the compiled step (arguments + outputs + temporaries - aliased).
+      params: model parameters.
+    """
+
+    losses: list[float]
+    step_times_s: list[float]
+    memory_per_device: int
+    params: int
+
+    @property
+    def step_time_s(self) -> float:
+        """Median step time after the first (compiling) step."""
+        times = self.step_times_s[1:] or self.step_times_s
+        return statistics.median(times)
+
+
+def train(
+    plan: Plan, *, metrics_out: str | None = None, out_dir: str | None = None, log: TextIO | None = None
+) -> RunResult:
+    """Train as planned on the devices already started (see :func:`hyperjax.start_devices`).
+
+    Args:
+      plan: from :func:`hyperjax.train.plan.plan_run`.
+      metrics_out: a JSON-lines file, one object per step (process 0 writes it).
+      out_dir: where process 0 writes ``loss.png``.
+      log: where progress lines go (default: stdout on process 0, nowhere elsewhere).
+    """
+    cfg, t = plan.config, plan.config.train
+    lead = jax.process_index() == 0
+    log = (sys.stdout if lead else None) if log is None else log
+    mesh = make_mesh(plan.hardware, plan.axes, devices=jax.devices()[: plan.devices])
+    model = build_model(cfg.model, dtype=t.dtype, recompute=t.recompute, seed=t.seed)
+    graphdef, param_state = nnx.split(model)
+    optimizer = make_optimizer(t)
+    step = build_train_step(
+        graphdef=graphdef,
+        param_state=param_state,
+        strategy=plan.strategy,
+        mesh=mesh,
+        optimizer=optimizer,
+        microbatches=plan.microbatches,
+    )
+    state = init_state(param_state, optimizer, step)
+    data = Batches(
+        source=t.data, global_batch=t.global_batch, seq_len=cfg.model.seq_len, vocab=cfg.model.vocab, seed=t.seed
+    )
+    compiled = step.fn.lower(state, data.global_batch_arrays(0, step.batch_sharding)).compile()
+    mem = compiled.memory_analysis()
+    memory = (
+        0
+        if mem is None
+        else (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+    )
+    tokens = t.global_batch * cfg.model.seq_len
+    losses: list[float] = []
+    times: list[float] = []
+    sink = open(metrics_out, "w") if (metrics_out and lead) else None  # noqa: SIM115 (closed below)
+    bar = _progress_bar(t.steps) if (log is sys.stdout and sys.stdout.isatty()) else None
+    try:
+        for i in range(t.steps):
+            batch = data.global_batch_arrays(i, step.batch_sharding)
+            start = time.perf_counter()
+            state, metrics = compiled(state, batch)
+            loss = float(metrics["loss"])
+            elapsed = time.perf_counter() - start
+            losses.append(loss)
+            times.append(elapsed)
+            record = {
+                "step": i + 1,
+                "loss": loss,
+                "tokens_per_s": tokens / elapsed,
+                "step_time_s": elapsed,
+                "grad_norm": float(metrics["grad_norm"]),
+            }
+            if sink is not None:
+                sink.write(json.dumps(record) + "\n")
+                sink.flush()
+            if bar is not None:
+                bar[0].update(bar[1], advance=1, loss=loss, tps=tokens / elapsed)
+            elif log is not None and (i == 0 or (i + 1) % max(1, t.steps // 10) == 0 or i + 1 == t.steps):
+                log.write(
+                    f"step {i + 1:>4}/{t.steps}  loss {loss:.4f}  {tokens / elapsed:,.0f} tokens/s  "
+                    f"{elapsed * 1e3:.0f} ms\n"
+                )
+                log.flush()
+    finally:
+        if sink is not None:
+            sink.close()
+        if bar is not None:
+            bar[0].stop()
+    result = RunResult(losses=losses, step_times_s=times, memory_per_device=memory, params=count_params(model))
+    if lead and out_dir is not None:
+        plot_losses(losses, Path(out_dir) / "loss.png", title=f"{cfg.model.family}, {plan.describe()}")
+    return result
+
+
+def _progress_bar(steps: int) -> tuple[Any, Any]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    progress = Progress(
+        TextColumn("training"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TextColumn("{task.fields[tps]:,.0f} tokens/s"),
+        TimeRemainingColumn(),
+    )
+    task = progress.add_task("train", total=steps, loss=float("nan"), tps=0.0)
+    progress.start()
+    return progress, task
+
+
+def plot_losses(losses: list[float], path: Path, *, title: str) -> None:
+    """Draw the loss curve to ``path`` (PNG), written whole or not at all."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(range(1, len(losses) + 1), losses)
+    ax.set(xlabel="step", ylabel="loss", title=title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png")
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def summary(plan: Plan, result: RunResult) -> dict[str, Any]:
+    """The closing summary of a run as plain data."""
+    return {
+        "hardware": plan.hardware.name,
+        "strategy": plan.describe(),
+        "mesh": plan.axes,
+        "devices": plan.devices,
+        "processes": jax.process_count(),
+        "params": result.params,
+        "memory_per_device_bytes": result.memory_per_device,
+        "emulated_step_time_s": result.step_time_s,
+        "first_loss": result.losses[0],
+        "final_loss": result.losses[-1],
+    }

@@ -1,0 +1,111 @@
+"""Plan a training run before anything starts: mesh, strategy, processes, all validated on abstract shapes.
+
+A plan is data; :func:`plan_run` needs no devices, so a bad configuration fails in milliseconds, before a
+single process is spawned, with a message that names the key, the tensor and the sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+from flax import nnx
+
+from hyperjax.emulate import plan_processes
+from hyperjax.errors import ConfigError, ShardingError
+from hyperjax.models import build_model
+from hyperjax.shard import Strategy, mesh_axes_for, strategy_for
+from hyperjax.topology import Hardware, axis_spans, load_hardware
+from hyperjax.train.config import Config
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A validated training run.
+
+    Attributes:
+      config: the parsed configuration.
+      hardware: the hardware preset.
+      axes: mesh axis sizes, outermost first.
+      strategy: the sharding strategy.
+      processes: emulating processes.
+      microbatches: gradient-accumulation steps per optimizer step.
+    """
+
+    config: Config
+    hardware: Hardware
+    axes: dict[str, int]
+    strategy: Strategy
+    processes: int
+    microbatches: int
+
+    @property
+    def devices(self) -> int:
+        """Devices in the mesh."""
+        return math.prod(self.axes.values())
+
+    def describe(self) -> str:
+        """One line: the degrees that are not 1, sequence parallelism and ZeRO."""
+        p = self.config.parallel
+        parts = [f"{k}={v}" for k, v in self.axes.items() if v > 1] or ["single device"]
+        if p.sequence_parallel:
+            parts.append("sequence_parallel")
+        if p.zero_stage:
+            parts.append(f"zero_stage={p.zero_stage}")
+        if self.microbatches > 1:
+            parts.append(f"{self.microbatches} micro-batches")
+        return ", ".join(parts)
+
+
+def plan_run(cfg: Config, *, devices: int | None = None) -> Plan:
+    """Validate ``cfg`` and derive its plan (``devices`` overrides ``emulate.devices``).
+
+    Raises:
+      HyperjaxError: any inconsistency, naming the key or tensor and the fix.
+    """
+    hw = load_hardware(cfg.hardware)
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    devices = cfg.emulate.devices if devices is None else devices
+    if p.pipeline > 1:
+        raise ConfigError(
+            f"parallel.pipeline={p.pipeline}: hyperjax train runs one SPMD program; pipeline stages run under "
+            "HyperMPMD. Set parallel.pipeline: 1 and use data/fsdp/tensor/context degrees."
+        )
+    axes = mesh_axes_for(devices=devices, data=p.data, fsdp=p.fsdp, context=p.context, tensor=p.tensor)
+    axis_spans(hw, axes)  # the machine can hold this many devices
+    strategy = strategy_for(sequence_parallel=p.sequence_parallel, zero_stage=p.zero_stage, overrides=cfg.shard)
+    dp = axes["data"] * axes["fsdp"]
+    if t.micro_batch is None:
+        microbatches = 1
+    elif t.global_batch % (t.micro_batch * dp):
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} is not a multiple of train.micro_batch={t.micro_batch} x "
+            f"{dp} data-parallel replicas (data x fsdp); choose a global batch divisible by {t.micro_batch * dp}"
+        )
+    else:
+        microbatches = t.global_batch // (t.micro_batch * dp)
+    mesh = jax.sharding.AbstractMesh(tuple(axes.values()), tuple(axes))
+    model = nnx.eval_shape(lambda: build_model(m, dtype=t.dtype, recompute=t.recompute, seed=t.seed))
+    strategy.shardings(nnx.state(model), mesh)
+    _check_activations(cfg, strategy, mesh, t.global_batch // microbatches)
+    processes = plan_processes(devices, cfg.emulate.processes)
+    return Plan(config=cfg, hardware=hw, axes=axes, strategy=strategy, processes=processes, microbatches=microbatches)
+
+
+def _check_activations(cfg: Config, strategy: Strategy, mesh: Any, batch: int) -> None:
+    m = cfg.model
+    acts = {
+        "tokens": ((batch, m.seq_len), ("batch", "seq")),
+        "residual": ((batch, m.seq_len, m.d_model), ("batch", "res_seq", "act_embed")),
+        "queries": ((batch, m.seq_len, m.heads, m.head_dim), ("batch", "seq", "act_heads", None)),
+        "keys": ((batch, m.seq_len, m.n_kv_heads, m.head_dim), ("batch", None, "act_kv_heads", None)),
+        "mlp_hidden": ((batch, m.seq_len, m.d_ff), ("batch", "seq", "act_mlp")),
+        "logits": ((batch, m.seq_len, m.vocab), ("batch", "seq", "act_vocab")),
+    }
+    for name, (shape, logical) in acts.items():
+        try:
+            strategy.check(f"activation {name}", shape, logical, mesh)
+        except ShardingError as e:
+            raise ShardingError(f"{e} (batch per micro-batch {batch}, model.seq_len={m.seq_len})") from None

@@ -1,0 +1,134 @@
+"""The training step, built from a plan: model, strategy, mesh and optimizer in; one jitted function out.
+
+The step itself never looks at configuration flags: everything that varies (shardings, ZeRO, gradient
+accumulation, recomputation) is decided when it is built and lives in its shardings and in the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from hyperjax.shard import Strategy
+from hyperjax.train.config import TrainConfig
+
+
+def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with linear warm-up and cosine decay, global-norm clipping, decay on matrices only."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if train.warmup else train.lr,
+        peak_value=train.lr,
+        warmup_steps=train.warmup,
+        decay_steps=max(train.steps, train.warmup + 1),
+        end_value=train.lr * train.min_lr_ratio,
+    )
+    adamw = optax.adamw(
+        schedule,
+        b1=train.beta1,
+        b2=train.beta2,
+        weight_decay=train.weight_decay,
+        mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p),
+    )
+    return optax.chain(optax.clip_by_global_norm(train.grad_clip), adamw) if train.grad_clip else adamw
+
+
+def loss_fn(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array], constrain: Any) -> jax.Array:
+    """Mean next-token cross-entropy over every token of ``batch``."""
+    logits = nnx.merge(graphdef, params)(batch["inputs"], constrain)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainStep:
+    """A compiled-on-first-use training step and the shardings it expects.
+
+    Attributes:
+      fn: ``(state, batch) -> (state, metrics)``, jitted with the shardings below.
+      state_shardings: where ``{"params", "opt_state", "step"}`` live between steps.
+      batch_sharding: where each ``(global_batch, seq_len)`` token array lives.
+      microbatches: gradient-accumulation steps inside one optimizer step.
+    """
+
+    fn: Any
+    state_shardings: Any
+    batch_sharding: NamedSharding
+    microbatches: int
+
+
+def build_train_step(
+    *,
+    graphdef: nnx.GraphDef,
+    param_state: Any,
+    strategy: Strategy,
+    mesh: jax.sharding.Mesh,
+    optimizer: optax.GradientTransformation,
+    microbatches: int = 1,
+) -> TrainStep:
+    """Build the jitted step for one plan.
+
+    Args:
+      graphdef: the model's structure (from ``nnx.split``).
+      param_state: the model's ``nnx.State`` (its variables carry logical axes).
+      strategy: the sharding strategy.
+      mesh: the device mesh.
+      optimizer: the optax transformation.
+      microbatches: gradient-accumulation steps (each takes every ``microbatches``-th sequence, so each
+        micro-batch is spread over all data-parallel replicas without moving data).
+    """
+    strategy = strategy.with_param_axes(param_state)
+    params = nnx.to_pure_dict(param_state)
+    param_sh = strategy.shardings(params, mesh)
+    grad_sh = strategy.shardings(params, mesh, role="gradients")
+    opt_sh = strategy.shardings(jax.eval_shape(optimizer.init, params), mesh, role="optimizer")
+    replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+    state_sh = {"params": param_sh, "opt_state": opt_sh, "step": replicated}
+    batch_sh = NamedSharding(mesh, strategy.spec(("batch", "seq")))
+    constrain = strategy.constrainer(mesh)
+
+    def grads_of(p: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
+        return jax.value_and_grad(loss_fn, argnums=1)(graphdef, p, batch, constrain)
+
+    def step(state: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[dict[str, Any], dict[str, jax.Array]]:
+        p = state["params"]
+        if microbatches == 1:
+            loss, grads = grads_of(p, batch)
+        else:
+            micro = jax.tree.map(
+                lambda x: x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1), batch
+            )
+
+            def accumulate(
+                carry: tuple[jax.Array, Any], mb: dict[str, jax.Array]
+            ) -> tuple[tuple[jax.Array, Any], None]:
+                loss, grads = grads_of(p, mb)
+                return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], grads)), None
+
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, p))
+            (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro)
+            loss, grads = loss / microbatches, jax.tree.map(lambda g: g / microbatches, grads)
+        grads = jax.lax.with_sharding_constraint(grads, grad_sh)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], p)
+        new_params = jax.lax.with_sharding_constraint(optax.apply_updates(p, updates), param_sh)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        return {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    fn = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated), donate_argnums=0)
+    return TrainStep(fn=fn, state_shardings=state_sh, batch_sharding=batch_sh, microbatches=microbatches)
+
+
+def init_state(param_state: Any, optimizer: optax.GradientTransformation, step: TrainStep) -> dict[str, Any]:
+    """The initial training state, placed on the mesh (every process passes the same host values)."""
+    params = jax.tree.map(jax.device_get, nnx.to_pure_dict(param_state))
+    host = {"params": params, "opt_state": jax.device_get(optimizer.init(params)), "step": jnp.zeros((), jnp.int32)}
+    return jax.tree.map(
+        lambda x, sh: jax.make_array_from_callback(np.shape(x), sh, lambda idx, x=x: np.asarray(x)[idx]),
+        host,
+        step.state_shardings,
+    )

@@ -1,0 +1,130 @@
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hyperjax.cli.main import main
+
+CONFIGS = Path(__file__).parents[2] / "configs"
+QUICK = str(CONFIGS / "quickstart.yaml")
+
+
+def test_train_writes_metrics_plot_and_summary(capsys, tmp_path: Path):
+    metrics = tmp_path / "m.jsonl"
+    assert main(["train", QUICK, "--steps", "3", "--metrics-out", str(metrics), "--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "summary" in out and "per-device memory of the compiled step" in out and "emulated step time" in out
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3]
+    assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 for r in lines)
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_explain(capsys):
+    assert main(["train", QUICK, "--explain", "--set", "parallel.fsdp=2", "--set", "parallel.tensor=4"]) == 0
+    out = capsys.readouterr().out
+    assert "blocks/0/mlp/w_in" in out and "('fsdp', 'tensor')" in out.replace("(fsdp, tensor)", "('fsdp', 'tensor')")
+    assert "total" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        (["--set", "parallel.tensr=2"], r"unknown config key parallel.tensr; did you mean parallel.tensor\?"),
+        (["--set", "parallel.tensor=3"], r"do not divide the 8 devices"),
+        (
+            ["--set", "model.heads=4", "--set", "parallel.tensor=8"],
+            r"dimension '(kv_)?heads' of size 4 is not divisible",
+        ),
+        (["--steps", "0"], r"--steps 0 must be a positive integer"),
+        (["--metrics-out", "/nonexistent/m.jsonl"], r"folder '/nonexistent' does not exist"),
+    ],
+)
+def test_bad_input_exits_2(capsys, args, pattern):
+    assert main(["train", QUICK, *args]) == 2
+    err = capsys.readouterr().err
+    assert re.search(pattern, err), err
+    assert "Traceback" not in err
+
+
+def test_missing_config_from_the_shell():
+    result = subprocess.run([sys.executable, "-m", "hyperjax", "train", "nope.yaml"], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "config file 'nope.yaml' does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_quickstart_learns(tmp_path: Path):
+    metrics = tmp_path / "m.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-m", "hyperjax", "train", QUICK, "--metrics-out", str(metrics), "--out-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert len(losses) == 50
+    assert losses[-1] < 0.6 * losses[0]  # byte-level text: from ~5.6 (uniform) to well below
+
+
+@pytest.mark.large
+@pytest.mark.multiprocess
+def test_gpt_tiny_cm384_trains_on_384_devices(tmp_path: Path):
+    metrics = tmp_path / "m.jsonl"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hyperjax",
+            "train",
+            str(CONFIGS / "gpt-tiny-cm384.yaml"),
+            "--steps",
+            "3",
+            "--metrics-out",
+            str(metrics),
+            "--out-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "384 emulated cloudmatrix384 devices" in result.stdout
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert len(losses) == 3 and all(0 < x < 10 for x in losses)
+    assert losses[2] < losses[0]
+
+
+@pytest.mark.multiprocess
+def test_two_processes_give_the_same_losses(tmp_path: Path):
+    def run(processes: int) -> list[float]:
+        metrics = tmp_path / f"m{processes}.jsonl"
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hyperjax",
+                "train",
+                QUICK,
+                "--steps",
+                "3",
+                "--set",
+                f"emulate.processes={processes}",
+                "--metrics-out",
+                str(metrics),
+                "--out-dir",
+                str(tmp_path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+    two = run(2)
+    assert two == pytest.approx(run(1), rel=1e-4)

@@ -1,0 +1,84 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hyperjax import ConfigError
+from hyperjax.models import ModelConfig, build_model, count_params
+
+SMALL = {"layers": 2, "d_model": 64, "heads": 4, "d_ff": 128, "vocab": 256, "seq_len": 16}
+
+
+def expected_params(cfg: ModelConfig) -> int:
+    d, f, v, s, hd, kv = cfg.d_model, cfg.d_ff, cfg.vocab, cfg.seq_len, cfg.head_dim, cfg.n_kv_heads
+    if cfg.family == "gpt":  # biases, LayerNorm scale+bias, learned positions, tied head
+        block = 2 * 2 * d + d * d + 2 * d * kv * hd + d * d + 3 * cfg.heads * hd + d + 2 * d * f + f + d
+        return v * d + s * d + cfg.layers * block + 2 * d
+    block = 2 * d + 2 * d * d + 2 * d * kv * hd + 3 * d * f
+    return v * d + cfg.layers * block + d + d * v
+
+
+@pytest.mark.parametrize(("family", "kv"), [("gpt", None), ("llama", None), ("llama", 2)])
+def test_parameter_count_and_logical_axes(family, kv):
+    cfg = ModelConfig(family=family, kv_heads=kv, **SMALL)
+    model = build_model(cfg)
+    assert count_params(model) == expected_params(cfg)
+    for path, var in jax.tree_util.tree_leaves_with_path(
+        nnx.state(model), is_leaf=lambda x: isinstance(x, nnx.Variable)
+    ):
+        axes = var.get_metadata()["logical_axes"]
+        assert len(axes) == var.get_value().ndim, path
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_recompute_keeps_outputs_and_gradients(family):
+    cfg = ModelConfig(family=family, **SMALL)
+    tokens = jax.random.randint(jax.random.key(1), (2, cfg.seq_len), 0, cfg.vocab)
+
+    def loss_and_grads(recompute: str):
+        graphdef, state = nnx.split(build_model(cfg, recompute=recompute))
+        return jax.jit(jax.value_and_grad(lambda p: nnx.merge(graphdef, p)(tokens).mean()))(nnx.to_pure_dict(state))
+
+    ref_loss, ref_grads = loss_and_grads("none")
+    for mode in ("selective", "full"):
+        loss, grads = loss_and_grads(mode)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_bfloat16_compute_keeps_fp32_parameters():
+    model = build_model(ModelConfig(family="llama", kv_heads=2, **SMALL), dtype="bfloat16")
+    logits = model(jnp.zeros((2, 16), jnp.int32))
+    assert logits.dtype == jnp.float32 and logits.shape == (2, 16, 256)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(model)))
+    assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_causal():
+    model = build_model(ModelConfig(**SMALL))
+    a = jnp.arange(16)[None] % 256
+    b = a.at[0, 10].set(99)
+    la, lb = model(a), model(b)
+    np.testing.assert_allclose(la[0, :10], lb[0, :10], rtol=1e-6)  # the future does not leak back
+    assert not np.allclose(la[0, 10:], lb[0, 10:])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"family": "bert"}, r"model.family='bert' is not one of"),
+        ({"heads": 5}, r"model.d_model=64 is not divisible by model.heads=5"),
+        ({"kv_heads": 3}, r"model.kv_heads=3 must be a positive divisor of model.heads=4"),
+        ({"layers": 0}, r"model.layers=0 must be a positive integer"),
+    ],
+)
+def test_config_errors(kwargs, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        ModelConfig(**{**SMALL, **kwargs})
+
+
+def test_build_errors():
+    with pytest.raises(ConfigError, match=r"train.recompute='some' is not one of"):
+        build_model(ModelConfig(**SMALL), recompute="some")

@@ -1,0 +1,135 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hyperjax import ShardingError, Strategy, load_hardware, make_mesh
+from hyperjax.models import ModelConfig, build_model
+
+HW = load_hardware("cloudmatrix384")
+RULES = {"batch": "data", "embed": None, "mlp": "tensor", "heads": "tensor", "seq": None}
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return make_mesh(HW, {"data": 2, "tensor": 4})
+
+
+def test_spec_is_a_pure_mapping():
+    s = Strategy(rules={"batch": ("data", "fsdp"), "mlp": "tensor", "embed": None})
+    assert s.spec(("batch", None, "mlp")) == P(("data", "fsdp"), None, "tensor")
+    assert s.spec(("embed",)) == P(None)
+
+
+def test_shardings_for_arrays_by_path_pattern(mesh):
+    s = Strategy(rules=RULES, params={"*/w_in": ("embed", "mlp"), "w_out": ("mlp", "embed")})
+    tree = {
+        "block": {"w_in": jnp.zeros((8, 16))},
+        "w_out": jax.ShapeDtypeStruct((16, 8), jnp.float32),
+        "b": jnp.zeros(3),
+    }
+    sh = s.shardings(tree, mesh)
+    assert sh["block"]["w_in"].spec == P(None, "tensor")
+    assert sh["w_out"].spec == P("tensor", None)
+    assert sh["b"].spec == P(None)  # no pattern: replicated
+
+
+def test_shardings_for_nnx_state(mesh):
+    model = build_model(ModelConfig(layers=1, d_model=64, heads=4, d_ff=128, seq_len=16))
+    state = nnx.state(model)
+    strategy = Strategy(rules={**RULES, "vocab": "tensor", "kv_heads": "tensor", "head_dim": None})
+    sh = strategy.shardings(state, mesh)
+    placed = jax.device_put(state, sh)
+    kernel = placed["blocks"][0]["mlp"]["w_in"]
+    assert kernel.get_value().sharding.spec == P(None, "tensor")
+    assert placed["blocks"][0]["attn"]["q_proj"].get_value().sharding.spec == P(None, "tensor", None)
+
+
+def test_constrain_inside_jit(mesh):
+    s = Strategy(rules=RULES)
+    x = jnp.ones((4, 8))
+    out = jax.jit(lambda a: s.constrain(a * 2, ("batch", "mlp"), mesh=mesh))(x)
+    assert out.sharding.spec == P("data", "tensor")
+    with jax.set_mesh(mesh):
+        out = jax.jit(lambda a: s.constrain(a, ("batch", None)))(x)
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("data", None)), 2)
+    np.testing.assert_array_equal(out, x)
+
+
+def test_explain(mesh):
+    s = Strategy(rules=RULES, params={"w": ("embed", "mlp")})
+    ex = s.explain({"w": jnp.zeros((8, 16)), "b": jnp.zeros((16,))}, mesh)
+    rows = {r.path: r for r in ex.rows}
+    assert rows["w"].bytes_per_device == 8 * 16 * 4 // 4
+    assert rows["b"].bytes_per_device == 16 * 4
+    assert ex.bytes_per_device == 8 * 4 * 4 + 64 and ex.bytes_total == 8 * 16 * 4 + 64
+    assert ex.table().row_count == 3
+
+
+def test_zero_adds_the_data_axis_where_it_divides(mesh):
+    s = Strategy(rules=RULES, params={"w": ("embed", "mlp")}, zero_stage=1)
+    tree = {"w": jnp.zeros((8, 16)), "odd": jnp.zeros((3,))}
+    assert s.shardings(tree, mesh)["w"].spec == P(None, "tensor")
+    opt = s.shardings(tree, mesh, role="optimizer")
+    assert opt["w"].spec == P("data", "tensor") and opt["odd"].spec == P(None)
+    assert s.shardings(tree, mesh, role="gradients")["w"].spec == P(None, "tensor")  # stage 1 keeps gradients
+    s2 = Strategy(rules=RULES, params={"w": ("embed", "mlp")}, zero_stage=2)
+    assert s2.shardings(tree, mesh, role="gradients")["w"].spec == P("data", "tensor")
+
+
+def test_with_param_axes_reaches_pure_copies(mesh):
+    model = build_model(ModelConfig(layers=1, d_model=64, heads=4, d_ff=128, seq_len=16))
+    state = nnx.state(model)
+    s = Strategy(rules={**RULES, "vocab": "tensor", "kv_heads": "tensor", "head_dim": None}).with_param_axes(state)
+    moments = {"mu": nnx.to_pure_dict(state)}
+    assert s.shardings(moments, mesh)["mu"]["blocks"][0]["mlp"]["w_in"].spec == P(None, "tensor")
+    assert s.shardings(moments, mesh)["mu"]["embed"].spec == P("tensor", None)
+
+
+def test_error_not_divisible(mesh):
+    s = Strategy(rules=RULES, params={"w": ("embed", "mlp")})
+    with pytest.raises(
+        ShardingError,
+        match=r"tensor 'w': dimension 'mlp' of size 6 is not divisible by mesh axes \('tensor',\) of total size 4",
+    ):
+        s.shardings({"w": jnp.zeros((8, 6))}, mesh)
+
+
+def test_error_axis_used_twice(mesh):
+    s = Strategy(rules={"a": "tensor", "b": ("data", "tensor")}, params={"w": ("a", "b")})
+    with pytest.raises(
+        ShardingError, match=r"tensor 'w': mesh axis 'tensor' is used twice in one spec, by logical axes 'a' and 'b'"
+    ):
+        s.shardings({"w": jnp.zeros((8, 8))}, mesh)
+
+
+def test_error_no_rule(mesh):
+    s = Strategy(rules=RULES, params={"w": ("embed", "mpl")})
+    with pytest.raises(ShardingError, match=r"logical axis 'mpl' has no rule; did you mean 'mlp'\?"):
+        s.shardings({"w": jnp.zeros((8, 8))}, mesh)
+
+
+def test_error_unknown_mesh_axis(mesh):
+    s = Strategy(rules={"x": "expert"}, params={"w": ("x",)})
+    with pytest.raises(
+        ShardingError, match=r"maps to mesh axis 'expert', which the mesh \{'data': 2, 'tensor': 4\} does not have"
+    ):
+        s.shardings({"w": jnp.zeros((8,))}, mesh)
+
+
+def test_error_rank_mismatch(mesh):
+    s = Strategy(rules=RULES, params={"w": ("embed",)})
+    with pytest.raises(
+        ShardingError, match=r"tensor 'w' has shape \(8, 8\) \(2 dims\) but logical axes \('embed',\) \(1\)"
+    ):
+        s.shardings({"w": jnp.zeros((8, 8))}, mesh)
+
+
+def test_error_bad_rule_and_zero_stage():
+    with pytest.raises(ShardingError, match="rule for logical axis 'x' is 3"):
+        Strategy(rules={"x": 3})
+    with pytest.raises(ShardingError, match="zero_stage=3 must be 0, 1 or 2"):
+        Strategy(rules={}, zero_stage=3)

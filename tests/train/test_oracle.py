@@ -1,0 +1,99 @@
+"""The correctness oracle: every strategy gives the losses of the same run on one device (fp32, 1e-4)."""
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hyperjax.train import load_config, plan_run, train
+
+QUICKSTART = Path(__file__).parents[2] / "configs" / "quickstart.yaml"
+STEPS = 5
+
+
+def losses(sets: list[str], devices: int = 8, config: Path = QUICKSTART) -> list[float]:
+    cfg = load_config(config, [f"train.steps={STEPS}", "parallel.tensor=1", *sets])
+    return train(plan_run(cfg, devices=devices), log=io.StringIO()).losses
+
+
+@pytest.fixture(scope="module")
+def single_device() -> list[float]:
+    return losses([], devices=1)
+
+
+def test_single_device_learns(single_device):
+    assert len(single_device) == STEPS
+    assert all(np.isfinite(single_device))
+    assert single_device[-1] < single_device[0]
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["parallel.data=8"],
+        ["parallel.fsdp=8"],
+        ["parallel.tensor=8"],
+        ["parallel.data=2", "parallel.tensor=4"],
+        ["parallel.tensor=4", "parallel.sequence_parallel=true"],
+        ["parallel.context=4"],
+        ["parallel.zero_stage=1"],
+        ["parallel.zero_stage=2", "parallel.fsdp=2", "parallel.tensor=2"],
+        ["parallel.data=4", "parallel.tensor=2", "train.micro_batch=2"],
+        ["parallel.tensor=2", "parallel.context=2", "parallel.fsdp=2", "train.recompute=full"],
+    ],
+    ids=lambda s: ",".join(x.split(".")[-1] for x in s),
+)
+def test_strategy_matches_single_device(single_device, sets):
+    np.testing.assert_allclose(losses(sets), single_device, rtol=1e-4, atol=0)
+
+
+LLAMA = ["model.family=llama", "model.kv_heads=2", "model.layers=2"]
+
+
+def test_llama_gqa_tensor_and_sequence_parallel():
+    reference = losses(LLAMA, devices=1)
+    sharded = losses(
+        [
+            *LLAMA,
+            "parallel.tensor=2",
+            "parallel.sequence_parallel=true",
+            "parallel.data=2",
+            "parallel.context=2",
+            "train.recompute=selective",
+        ]
+    )
+    np.testing.assert_allclose(sharded, reference, rtol=1e-4, atol=0)
+
+
+DEGREES = [
+    (d, f, c, t)
+    for d in (1, 2, 4, 8)
+    for f in (1, 2, 4, 8)
+    for c in (1, 2, 4)
+    for t in (1, 2, 4, 8)
+    if d * f * c * t == 8
+]
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    degrees=st.sampled_from(DEGREES),
+    sequence_parallel=st.booleans(),
+    zero_stage=st.integers(0, 2),
+    recompute=st.sampled_from(["none", "selective", "full"]),
+)
+def test_random_strategies_match_single_device(single_device, degrees, sequence_parallel, zero_stage, recompute):
+    data, fsdp, context, tensor = degrees
+    sets = [
+        f"parallel.data={data}",
+        f"parallel.fsdp={fsdp}",
+        f"parallel.context={context}",
+        f"parallel.tensor={tensor}",
+        f"parallel.sequence_parallel={str(sequence_parallel and tensor > 1).lower()}",
+        f"parallel.zero_stage={zero_stage}",
+        f"train.recompute={recompute}",
+    ]
+    np.testing.assert_allclose(losses(sets), single_device, rtol=1e-4, atol=0)
