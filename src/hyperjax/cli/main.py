@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from hyperjax.cli import selftest, topology, train
+from hyperjax.cli import plan, predict, selftest, topology, train
 from hyperjax.errors import HyperjaxError
 
 
@@ -19,6 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     topology.add_parser(sub)
     selftest.add_parser(sub)
     train.add_parser(sub)
+    predict.add_parser(sub)
+    plan.add_parser(sub)
     return parser
 
 

@@ -97,4 +97,17 @@ def _train(plan, args: argparse.Namespace, out_dir: str) -> int:
         out.print(f"  per-device memory of the compiled step: {s['memory_per_device_bytes'] / 2**20:.1f} MiB")
         out.print(f"  emulated step time: {s['emulated_step_time_s'] * 1e3:.1f} ms (median after compilation)")
         out.print(f"  loss curve: {out_dir}/loss.png")
+        _print_prediction(plan)
     return 0
+
+
+def _print_prediction(plan) -> None:
+    """The cost model's prediction for the same run on the real machine of its preset."""
+    import dataclasses
+
+    from hyperjax.cli.predict import print_estimate
+    from hyperjax.cost import estimate
+
+    cfg = plan.config
+    same = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, data=plan.axes["data"]))
+    print_estimate(estimate(same, plan.hardware), plan.hardware.name)

@@ -33,6 +33,9 @@ class DeviceSpec:
       peak_flops: dense peak FLOP/s per dtype name (``bfloat16``, ``float32``, ...).
       hbm_bytes: device memory in bytes.
       hbm_bandwidth: device memory bandwidth in bytes/s.
+      matmul_efficiency: achievable fraction of peak FLOP/s for large matrix multiplies.
+      memory_efficiency: achievable fraction of ``hbm_bandwidth`` for streaming (element-wise) work.
+      kernel_overhead: seconds each launched operator costs beyond its roofline time.
       source: where the figures come from.
     """
 
@@ -40,6 +43,9 @@ class DeviceSpec:
     peak_flops: Mapping[str, float]
     hbm_bytes: float
     hbm_bandwidth: float
+    matmul_efficiency: float
+    memory_efficiency: float
+    kernel_overhead: float
     source: str
 
     def __post_init__(self) -> None:
@@ -49,6 +55,11 @@ class DeviceSpec:
             _require_positive(f"device.peak_flops.{dtype}", flops)
         _require_positive("device.hbm_bytes", self.hbm_bytes)
         _require_positive("device.hbm_bandwidth", self.hbm_bandwidth)
+        for key in ("matmul_efficiency", "memory_efficiency"):
+            if not 0 < getattr(self, key) <= 1:
+                raise PresetError(f"device.{key}={getattr(self, key)} must be in (0, 1]")
+        if self.kernel_overhead < 0:
+            raise PresetError(f"device.kernel_overhead={self.kernel_overhead} must be >= 0 seconds")
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
 
 

@@ -80,10 +80,18 @@ class ParallelConfig:
     sequence_parallel: bool = False  # shard the residual stream's sequence over the tensor axis
     context: int = 1  # context parallelism: the sequence sharded over an axis for attention
     pipeline: int = 1  # pipeline stages
+    virtual_stages: int = 1  # model chunks per pipeline stage (interleaved schedule when > 1)
+    schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b or interleaved
     zero_stage: int = 0  # 1: optimizer state sharded over data; 2: gradients too
 
     def __post_init__(self) -> None:
-        _positive(self, "parallel", ("fsdp", "tensor", "context", "pipeline"))
+        _positive(self, "parallel", ("fsdp", "tensor", "context", "pipeline", "virtual_stages"))
+        _choice(self, "parallel", "schedule", ("gpipe", "1f1b", "interleaved"))
+        if (self.schedule == "interleaved") != (self.virtual_stages > 1):
+            raise ConfigError(
+                f"parallel.schedule={self.schedule!r} with parallel.virtual_stages={self.virtual_stages}: the "
+                "interleaved schedule needs virtual_stages > 1, and virtual_stages > 1 needs schedule: interleaved"
+            )
         _positive(self, "parallel", ("data",), optional=True)
         if self.zero_stage not in (0, 1, 2):
             raise ConfigError(

@@ -1,0 +1,109 @@
+"""``hyperjax plan CONFIG --devices N``: the fastest strategy that fits, and the runners-up.
+
+Every valid strategy (data, fsdp, ZeRO, tensor with sequence parallelism, context, pipeline with schedule
+and virtual stages, micro-batch, recomputation) is priced by the cost model; those that do not fit device
+memory are dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from rich.table import Table
+
+from hyperjax.cli.display import console
+from hyperjax.errors import ConfigError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="search strategies by predicted step time", description=__doc__)
+    p.add_argument("config", help="YAML config (its model and train sections are planned for)")
+    p.add_argument("--devices", type=int, required=True, help="devices to plan for")
+    p.add_argument("--hardware", help="hardware preset (default: the config's)")
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key by its dotted name (repeatable)",
+    )
+    p.add_argument("--top", type=int, default=10, help="candidates to list (default 10)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hyperjax.cost.planner import plan
+    from hyperjax.topology import load_hardware
+    from hyperjax.train.config import load_config
+
+    if args.devices < 1 or args.top < 1:
+        raise ConfigError(f"--devices {args.devices} and --top {args.top} must be positive integers")
+    cfg = load_config(args.config, [*args.sets, *([f"hardware={args.hardware}"] if args.hardware else [])])
+    hw = load_hardware(cfg.hardware)
+    start = time.perf_counter()
+    best, priced, fitting = plan(cfg, hw, args.devices, keep=args.top)
+    elapsed = time.perf_counter() - start
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "best": best[0].to_dict(),
+                    "candidates": [c.to_dict() for c in best],
+                    "priced": priced,
+                    "fitting": fitting,
+                    "search_s": elapsed,
+                },
+                indent=2,
+            )
+        )
+        return 0
+    out = console()
+    out.print(
+        f"planned {cfg.model.family} ({best[0].estimate.details['params'] / 1e9:.1f} B parameters) on "
+        f"{args.devices} {hw.name} devices: {priced} strategies priced, {fitting} fit, {elapsed:.1f} s"
+    )
+    table = Table(title="fastest strategies that fit (predicted)")
+    for col in (
+        "#",
+        "data",
+        "fsdp",
+        "zero",
+        "tensor",
+        "sp",
+        "context",
+        "pipeline",
+        "schedule",
+        "micro",
+        "recompute",
+        "step s",
+        "MFU",
+        "peak GiB",
+    ):
+        table.add_column(col, justify="right")
+    for i, c in enumerate(best, 1):
+        o, e = c.overrides, c.estimate
+        sched = o["parallel.schedule"] + (
+            f"x{o['parallel.virtual_stages']}" if o["parallel.virtual_stages"] > 1 else ""
+        )
+        table.add_row(
+            str(i),
+            str(o["parallel.data"]),
+            str(o["parallel.fsdp"]),
+            str(o["parallel.zero_stage"]),
+            str(o["parallel.tensor"]),
+            "y" if o["parallel.sequence_parallel"] else "-",
+            str(o["parallel.context"]),
+            str(o["parallel.pipeline"]),
+            sched if o["parallel.pipeline"] > 1 else "-",
+            str(o["train.micro_batch"] or "all"),
+            o["train.recompute"],
+            f"{e.step_time_s:.4g}",
+            f"{e.mfu:.1%}",
+            f"{e.memory_per_device_gib['peak']:.1f}",
+        )
+    out.print(table)
+    return 0

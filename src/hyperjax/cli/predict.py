@@ -1,0 +1,76 @@
+"""``hyperjax predict CONFIG``: what one training step of the config costs on the real machine.
+
+Any size works: ``emulate`` is ignored and the device count is the product of the parallel degrees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.table import Table
+
+from hyperjax.cli.display import console
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("predict", help="predict step time, memory and communication", description=__doc__)
+    p.add_argument("config", help="YAML config")
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key by its dotted name (repeatable)",
+    )
+    p.add_argument("--hardware", help="hardware preset to predict for (default: the config's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hyperjax.cost import estimate
+    from hyperjax.topology import load_hardware
+    from hyperjax.train.config import load_config
+
+    sets = [*args.sets, *([f"hardware={args.hardware}"] if args.hardware else [])]
+    cfg = load_config(args.config, sets)
+    hw = load_hardware(cfg.hardware)
+    est = estimate(cfg, hw)
+    if args.json:
+        print(json.dumps(est.to_dict(), indent=2))
+        return 0
+    print_estimate(est, hw.name)
+    return 0
+
+
+def print_estimate(est, hardware: str) -> None:
+    """The readable form of an estimate."""
+    out = console()
+    axes = ",".join(f"{k}={v}" for k, v in est.details["axes"].items() if v > 1) or "single device"
+    out.print(
+        f"[bold]predicted on {hardware}[/bold]: {est.devices} devices, {axes}; "
+        f"{est.details['params'] / 1e9:.2f} B parameters, {est.details['microbatches']} micro-batches of "
+        f"{est.details['micro_batch']}"
+    )
+    out.print(
+        f"  step time {est.step_time_s:.4g} s; MFU {est.mfu:.1%}; "
+        f"{est.model_flops_per_step / est.step_time_s / est.devices / 1e12:.1f} model TFLOP/s per device"
+    )
+    table = Table(title="where the step goes")
+    table.add_column("term")
+    table.add_column("seconds", justify="right")
+    table.add_column("share", justify="right")
+    for k, v in est.breakdown_s.items():
+        table.add_row(k, f"{v:.4g}", f"{v / est.step_time_s:.1%}")
+    out.print(table)
+    mem = Table(title="memory per device (GiB)")
+    for k in est.memory_per_device_gib:
+        mem.add_column(k, justify="right")
+    mem.add_row(*(f"{v:.2f}" for v in est.memory_per_device_gib.values()))
+    out.print(mem)
+    verdict = "fits" if est.fits else f"[red]does not fit[/red] ({est.overflow} is the largest term)"
+    out.print(f"  {verdict} in device memory")
+    comm = ", ".join(f"{k} {v:.3g} s" for k, v in est.communication_s.items() if v > 0) or "none"
+    out.print(f"  communication per step (before overlap): {comm}")

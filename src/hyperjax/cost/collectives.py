@@ -1,0 +1,50 @@
+"""Collective communication time over the interconnect tiers a mesh axis spans (alpha-beta model).
+
+A group spanning several tiers runs hierarchically: one phase per tier, innermost first for an
+all-gather's fill and outermost first for its shards (NCCL and XLA both build such rings and trees). Each
+phase moves the data that must cross that tier at the tier's achievable bandwidth (``bandwidth x
+efficiency``) and pays the tier's latency once per ring step.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hyperjax.topology import AxisSpan, Hardware
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+
+
+def collective_time(kind: str, nbytes: float, span: AxisSpan, hardware: Hardware) -> float:
+    """Seconds for one collective over the groups of one mesh axis.
+
+    Args:
+      kind: one of :data:`KINDS`.
+      nbytes: the buffer as nccl-tests sizes it: the full (gathered) array for all-gather and
+        reduce-scatter, the array for all-reduce, each rank's buffer for all-to-all, the message for send.
+      span: how the axis's groups spread over the tiers (:func:`hyperjax.axis_spans`).
+      hardware: the machine.
+    """
+    if nbytes <= 0 or (span.size == 1 and kind != "send"):
+        return 0.0
+    tiers = {t.name: t for t in hardware.tiers}
+    levels = [(tiers[name], ranks) for name, ranks in span.levels] or [(tiers[span.tier], 1)]
+    if kind == "send":
+        tier = tiers[span.tier]
+        return tier.latency + nbytes / tier.effective_bandwidth
+    if kind == "all_reduce":
+        return 2 * collective_time("all_gather", nbytes, span, hardware)
+    if kind == "all_to_all":
+        total, reached, time = math.prod(r for _, r in levels), 1, 0.0
+        for tier, ranks in levels:
+            crossing = nbytes * (reached * ranks - reached) / total  # to ranks first reached through this tier
+            time += (ranks - 1) * tier.latency + crossing / tier.effective_bandwidth
+            reached *= ranks
+        return time
+    # all-gather / reduce-scatter: the phase on tier i moves the data of the groups outside it
+    time, outer = 0.0, math.prod(r for _, r in levels)
+    for tier, ranks in levels:
+        outer //= ranks
+        chunk = nbytes / outer
+        time += (ranks - 1) * tier.latency + (ranks - 1) / ranks * chunk / tier.effective_bandwidth
+    return time

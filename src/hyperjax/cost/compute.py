@@ -1,0 +1,32 @@
+"""Compute time on one device: a roofline per operator, with the preset's achievable efficiencies.
+
+A matrix multiply runs at ``peak x matmul_efficiency`` unless its operands make it memory-bound, so small
+and skinny products (decode-like shapes, tiny tensor-parallel shards) get the lower rate they really see.
+Element-wise work streams through HBM at ``hbm_bandwidth x memory_efficiency``. Each operator also costs
+the preset's ``kernel_overhead``.
+"""
+
+from __future__ import annotations
+
+from hyperjax.topology import Hardware
+
+
+def gemm_time(
+    m: float, n: float, k: float, *, count: float = 1, bytes_per_element: int, dtype: str, hardware: Hardware
+) -> float:
+    """Seconds for ``count`` products of an ``(m, k)`` by a ``(k, n)`` matrix."""
+    if min(m, n, k, count) <= 0:
+        return 0.0
+    d = hardware.device
+    flops = 2.0 * m * n * k
+    moved = (m * k + k * n + m * n) * bytes_per_element
+    one = max(
+        flops / (hardware.peak_flops(dtype) * d.matmul_efficiency), moved / (d.hbm_bandwidth * d.memory_efficiency)
+    )
+    return count * (one + d.kernel_overhead)
+
+
+def stream_time(nbytes: float, *, ops: float, hardware: Hardware) -> float:
+    """Seconds to stream ``nbytes`` through HBM in ``ops`` element-wise operators."""
+    d = hardware.device
+    return nbytes / (d.hbm_bandwidth * d.memory_efficiency) + ops * d.kernel_overhead

@@ -1,0 +1,140 @@
+"""Search every valid strategy for a model on N devices and rank them by predicted step time.
+
+The search space: data, fsdp, tensor (with and without sequence parallelism), context, pipeline (with
+schedule and virtual stages), ZeRO stage, micro-batch size and recomputation. Each candidate is priced by
+:func:`hyperjax.cost.estimate` (milliseconds each); those that do not fit device memory are dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+from hyperjax.cost.estimate import Estimate, estimate
+from hyperjax.errors import ConfigError, HyperjaxError
+from hyperjax.topology import Hardware
+from hyperjax.train.config import Config
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One strategy and its prediction.
+
+    Attributes:
+      overrides: the config keys that select it (``parallel.*``, ``train.micro_batch``, ``train.recompute``).
+      estimate: its predicted step.
+    """
+
+    overrides: dict[str, Any]
+    estimate: Estimate
+
+    def to_dict(self) -> dict[str, Any]:
+        """The candidate as JSON-ready data: its overrides plus the headline predictions."""
+        e = self.estimate
+        return {
+            **self.overrides,
+            "step_time_s": e.step_time_s,
+            "mfu": e.mfu,
+            "peak_gib": e.memory_per_device_gib["peak"],
+            "fits": e.fits,
+        }
+
+
+def divisors(n: int) -> list[int]:
+    """Divisors of ``n``, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def strategies(cfg: Config, devices: int) -> Iterator[dict[str, Any]]:
+    """Every valid combination of degrees and options for ``cfg``'s model on ``devices`` devices.
+
+    Recomputation is not part of the combination: :func:`plan` tries ``none``, ``selective`` and ``full``
+    in that order (each adds time and saves memory) and keeps the first that fits.
+    """
+    m, t = cfg.model, cfg.train
+    heads = math.gcd(m.heads, m.n_kv_heads)
+    for tensor in (d for d in divisors(devices) if heads % d == 0 and m.d_ff % d == 0):
+        for context in (d for d in divisors(devices // tensor) if m.seq_len % d == 0 and d <= 16):
+            for pipeline in (d for d in divisors(devices // (tensor * context)) if m.layers % d == 0):
+                rest = devices // (tensor * context * pipeline)
+                for fsdp in divisors(rest):
+                    data = rest // fsdp
+                    dp = data * fsdp
+                    if t.global_batch % dp:
+                        continue
+                    per_replica = t.global_batch // dp
+                    micro_options = [mb for mb in divisors(per_replica) if mb <= 16] if pipeline > 1 else [None]
+                    schedules = [("1f1b", 1)]
+                    if pipeline > 1:
+                        schedules += [("interleaved", v) for v in (2, 3, 4) if m.layers % (pipeline * v) == 0]
+                    for micro in micro_options:
+                        for schedule, virtual in schedules:
+                            # sequence parallelism moves the same bytes as plain tensor parallelism and
+                            # stores less, so it is never worse: only the sequence-parallel variant is priced
+                            for zero in (0, 1, 2) if data > 1 else (0,):
+                                yield {
+                                    "parallel.data": data,
+                                    "parallel.fsdp": fsdp,
+                                    "parallel.tensor": tensor,
+                                    "parallel.sequence_parallel": tensor > 1,
+                                    "parallel.context": context,
+                                    "parallel.pipeline": pipeline,
+                                    "parallel.virtual_stages": virtual,
+                                    "parallel.schedule": schedule,
+                                    "parallel.zero_stage": zero,
+                                    "train.micro_batch": micro,
+                                }
+
+
+def apply(cfg: Config, overrides: dict[str, Any]) -> Config:
+    """``cfg`` with dotted-key ``overrides`` applied (validated by the dataclasses)."""
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in overrides.items():
+        section, field = key.split(".")
+        sections.setdefault(section, {})[field] = value
+    return dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **f) for s, f in sections.items()})
+
+
+def plan(cfg: Config, hardware: Hardware, devices: int, *, keep: int = 10) -> tuple[list[Candidate], int, int]:
+    """Rank every valid strategy that fits.
+
+    Returns:
+      The best ``keep`` candidates (fastest first), how many strategies were priced, and how many fit.
+
+    Raises:
+      ConfigError: no strategy is valid, or none fits (the message names the memory term that overflows
+        in the leanest candidate).
+    """
+    ranked: list[Candidate] = []
+    priced = fitting = 0
+    leanest: Estimate | None = None
+    for combination in strategies(cfg, devices):
+        for recompute in ("none", "selective", "full"):
+            overrides = {**combination, "train.recompute": recompute}
+            try:
+                est = estimate(apply(cfg, overrides), hardware)
+            except HyperjaxError:
+                break
+            priced += 1
+            if est.fits:
+                fitting += 1
+                ranked.append(Candidate(overrides=overrides, estimate=est))
+                break
+            if leanest is None or est.memory_per_device_gib["peak"] < leanest.memory_per_device_gib["peak"]:
+                leanest = est
+    if not priced:
+        raise ConfigError(
+            f"no valid strategy for this model on {devices} devices: check that heads, layers, "
+            "sequence length and global batch have divisors that multiply to the device count"
+        )
+    if not ranked and leanest is not None:
+        mem = leanest.memory_per_device_gib
+        raise ConfigError(
+            f"none of the {priced} strategies on {devices} devices fits {hardware.device.hbm_bytes / 2**30:.0f} GiB "
+            f"per device; the leanest needs {mem['peak']:.1f} GiB, most of it {leanest.overflow} "
+            f"({mem[leanest.overflow]:.1f} GiB). Use more devices or a smaller model."
+        )
+    ranked.sort(key=lambda c: c.estimate.step_time_s)
+    return ranked[:keep], priced, fitting

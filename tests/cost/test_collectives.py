@@ -1,0 +1,49 @@
+import pytest
+
+from hyperjax import axis_spans, load_hardware
+from hyperjax.cost import collective_time
+
+A100 = load_hardware("dgx-a100-80g")
+
+
+def span(axes, name):
+    return axis_spans(A100, axes)[name]
+
+
+def test_ring_on_one_tier_matches_the_textbook_formula():
+    nvlink = A100.tiers[0]
+    s = span({"data": 1, "tensor": 8}, "tensor")
+    expected = 7 * nvlink.latency + 7 / 8 * 1e9 / nvlink.effective_bandwidth
+    assert collective_time("all_gather", 1e9, s, A100) == pytest.approx(expected)
+    assert collective_time("reduce_scatter", 1e9, s, A100) == pytest.approx(expected)
+    assert collective_time("all_reduce", 1e9, s, A100) == pytest.approx(2 * expected)
+
+
+def test_busbw_of_8_gpu_all_reduce_is_the_preset_figure():
+    # nccl-tests: busbw = S / t * 2 (n - 1) / n; large messages approach bandwidth x efficiency
+    s = span({"data": 1, "tensor": 8}, "tensor")
+    size = 8e9
+    busbw = size / collective_time("all_reduce", size, s, A100) * 2 * 7 / 8
+    assert busbw == pytest.approx(A100.tiers[0].effective_bandwidth, rel=1e-3)
+
+
+def test_crossing_nodes_costs_more():
+    inside = collective_time("all_reduce", 1e8, span({"data": 2, "tensor": 8}, "tensor"), A100)
+    across = collective_time("all_reduce", 1e8, span({"tensor": 8, "data": 2}, "tensor"), A100)
+    assert across > 5 * inside
+
+
+def test_hierarchical_is_cheaper_than_a_flat_ring_over_the_slow_tier():
+    s = span({"data": 32}, "data")  # 4 nodes x 8
+    assert s.levels == (("nvlink", 8), ("infiniband", 4))
+    ib = A100.tiers[1]
+    flat = 31 / 32 * 1e9 / ib.effective_bandwidth
+    assert collective_time("all_gather", 1e9, s, A100) < flat
+
+
+def test_trivial_and_all_to_all():
+    one = span({"data": 8, "tensor": 1}, "tensor")
+    assert collective_time("all_reduce", 1e9, one, A100) == 0.0
+    s = span({"data": 1, "tensor": 8}, "tensor")
+    a2a = collective_time("all_to_all", 1e9, s, A100)
+    assert a2a == pytest.approx(7 * A100.tiers[0].latency + 7 / 8 * 1e9 / A100.tiers[0].effective_bandwidth)
