@@ -132,9 +132,7 @@ def main() -> None:
             "strategy_384": o384,
         }
         short = lambda o: ",".join(
-            f"{k.split('.')[1][:4]}={v}"
-            for k, v in o.items()
-            if v not in (1, False, None, 0, "1f1b", "none")
+            f"{k.split('.')[1][:4]}={v}" for k, v in o.items() if v not in (1, False, None, 0, "1f1b", "none")
         )
         scaling.add_row(
             name, f"{t128:.3g}", short(o128), f"{t384:.3g}", short(o384), f"{speedup:.2f}x", f"{CLAIMED[name]:.2f}x"
