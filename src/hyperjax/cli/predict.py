@@ -26,18 +26,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--hardware", help="hardware preset to predict for (default: the config's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--trace", metavar="FILE.json", help="write a Perfetto / Chrome trace of the predicted step")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from hyperjax.cli.display import check_writable
     from hyperjax.cost import estimate
+    from hyperjax.cost.trace import write_trace
     from hyperjax.topology import load_hardware
     from hyperjax.train.config import load_config
 
     sets = [*args.sets, *([f"hardware={args.hardware}"] if args.hardware else [])]
+    if args.trace:
+        check_writable(args.trace, "--trace")
     cfg = load_config(args.config, sets)
     hw = load_hardware(cfg.hardware)
     est = estimate(cfg, hw)
+    if args.trace:
+        write_trace(est, args.trace, title=f"{cfg.model.family} on {hw.name}")
     if args.json:
         print(json.dumps(est.to_dict(), indent=2))
         return 0

@@ -231,6 +231,14 @@ def estimate(cfg: Config, hardware: Hardware) -> Estimate:
             "layers_per_stage": layers_per_stage,
             "params": total_params,
             "tiers": {k: sp.tier for k, sp in spans.items()},
+            # one stage, one micro-batch: what the trace draws
+            "stage_forward_s": layers_per_stage * fwd + logits / 3,
+            "stage_backward_s": layers_per_stage * (bwd + recompute) + 2 * logits / 3,
+            "stage_comm_s": stage_comm + p2p,
+            "dp_exposed_s": dp_exposed if dp > 1 else 0.0,
+            "optimizer_s": optimizer,
+            "schedule": p.schedule,
+            "virtual_stages": v,
         },
     )
 
