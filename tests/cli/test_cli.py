@@ -41,7 +41,7 @@ def test_topology_json(capsys):
 @pytest.mark.parametrize(
     ("args", "pattern"),
     [
-        (["topology", "cm384"], r"unknown hardware preset 'cm384'.*Known presets: cloudmatrix384"),
+        (["topology", "cm384"], r"unknown hardware preset 'cm384'.*Known presets: .*cloudmatrix384"),
         (["selftest", "--hardware", "nope"], r"unknown hardware preset 'nope'"),
         (
             ["selftest", "--hardware", "cloudmatrix384", "--devices", "8", "--axes", "data=2,tensor=3"],

@@ -1,0 +1,86 @@
+"""The analytic inventory of hyperjax's own training step: FLOPs and collective bytes per device.
+
+It describes the program :mod:`hyperjax.train.step` builds, as XLA partitions it, from the config alone,
+so it answers for sizes that cannot compile here. :mod:`hyperjax.cost.hlo` reads the same quantities
+from a compiled program; tests hold the two together on configurations that compile on 8 devices.
+
+How XLA's SPMD partitioner lays out this program (the facts encoded below):
+- gradients of every parameter are all-reduced over the data-parallel devices (data, fsdp and context,
+  which all hold partial sums); XLA's CPU pipeline keeps reduce-scatter as all-reduce plus a slice;
+- FSDP and ZeRO-1/2 gather each parameter once per step (FSDP before use, ZeRO after the update);
+- tensor parallelism all-reduces the residual stream after the attention and MLP output projections,
+  and in the backward pass after each input projection (query, key, value and each MLP input: the
+  projections are separate matrices, so their partial sums are reduced separately), plus once for the
+  embedding lookup and once for the gradient of the tied output projection;
+- context parallelism all-gathers keys and values over the context axis per layer and reduces their
+  gradients (XLA additionally splits the gradient reduction into two passes under context parallelism,
+  so the compiled program reduces about 1.5 times the bytes counted here; gathers and FLOPs agree);
+- sequence parallelism gathers the residual stream before attention and MLP in both passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from hyperjax.cost.estimate import count_params, model_flops_per_step
+from hyperjax.train.config import Config
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Inventory:
+    """Per-device FLOPs and collective result bytes of one training step."""
+
+    flops: float
+    reduce_bytes: float  # all-reduce (and reduce-scatter) result bytes
+    gather_bytes: float  # all-gather result bytes
+
+
+def runtime_inventory(cfg: Config, axes: dict[str, int]) -> Inventory:
+    """The inventory of hyperjax's training step for ``cfg`` on a mesh of ``axes``."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    devices = math.prod(axes.values())
+    tp, cp, fsdp, data = axes["tensor"], axes["context"], axes["fsdp"], axes["data"]
+    e = 4 if t.dtype == "float32" else 2
+    forward = model_flops_per_step(cfg) / 3
+    s, h = m.seq_len, m.d_model
+    core = 4 * s * s * m.heads * m.head_dim * m.layers * t.global_batch  # attention scores and values
+    extra = {"none": 0.0, "selective": core, "full": forward}[t.recompute]
+    flops = (3 * forward + extra) / devices
+    # XLA's CPU compiler currently drops the rematerialisation (the compiled FLOPs and collectives equal
+    # the program without it); on accelerators the recomputed forward pass runs. Compare with care.
+
+    params = count_params(cfg)
+    tensor_split = m.layers * _tensor_split_params(cfg)
+    if m.family == "gpt":
+        tensor_split += m.vocab * h  # the tied embedding is split over vocab
+    else:
+        tensor_split += 2 * m.vocab * h
+    local = (params - tensor_split) + tensor_split / tp  # per device before FSDP/ZeRO
+    reduce = gather = 0.0
+    if data * fsdp * cp > 1:
+        reduce += 4 * local
+    if fsdp > 1:
+        gather += 4 * local
+    if p.zero_stage >= 1 and data > 1:
+        gather += 4 * local
+    batch = t.global_batch / (data * fsdp)
+    act = batch * (s / cp) * h * e
+    if tp > 1:
+        per_layer = 2 + 3 + (2 if m.family == "llama" else 1)
+        reduce += (m.layers * per_layer + 2) * act
+        if p.sequence_parallel:  # the residual stream is gathered before attention and MLP, both passes
+            gather += (4 * m.layers + 1) * act
+    if cp > 1:
+        kv = batch * s * m.n_kv_heads * m.head_dim * e / tp
+        gather += m.layers * 2 * kv
+        reduce += m.layers * 2 * kv
+    return Inventory(flops=flops, reduce_bytes=reduce, gather_bytes=gather)
+
+
+def _tensor_split_params(cfg: Config) -> float:
+    m = cfg.model
+    attn = m.d_model * (m.heads + 2 * m.n_kv_heads) * m.head_dim + m.heads * m.head_dim * m.d_model
+    mlp = m.d_model * m.d_ff * (3 if m.family == "llama" else 2)
+    biases = (m.heads + 2 * m.n_kv_heads) * m.head_dim + m.d_ff if m.family == "gpt" else 0
+    return attn + mlp + biases

@@ -1,0 +1,67 @@
+"""The analytic inventory of the training step agrees with what XLA compiles (8 emulated devices)."""
+
+import pytest
+from flax import nnx
+
+from hyperjax.cost.hlo import read_compiled
+from hyperjax.cost.inventory import runtime_inventory
+from hyperjax.models import build_model
+from hyperjax.topology import make_mesh
+from hyperjax.train import load_config, plan_run
+from hyperjax.train.data import Batches
+from hyperjax.train.step import build_train_step, init_state, make_optimizer
+
+
+def compiled_and_analytic(sets):
+    cfg = load_config(None, ["model.layers=2", "train.global_batch=32", *sets])
+    plan = plan_run(cfg)
+    g, state = nnx.split(build_model(cfg.model))
+    optimizer = make_optimizer(cfg.train)
+    step = build_train_step(
+        graphdef=g,
+        param_state=state,
+        strategy=plan.strategy,
+        mesh=make_mesh(plan.hardware, plan.axes),
+        optimizer=optimizer,
+    )
+    batch = Batches(source="text", global_batch=32, seq_len=cfg.model.seq_len, vocab=256, seed=0)
+    compiled = step.fn.lower(init_state(state, optimizer, step), batch.global_batch_arrays(0, step.batch_sharding))
+    hlo = read_compiled(compiled.compile(), 8)
+    return hlo, runtime_inventory(cfg, plan.axes)
+
+
+STRATEGIES = [
+    ["parallel.data=8"],
+    ["parallel.fsdp=8"],
+    ["parallel.tensor=8"],
+    ["parallel.data=2", "parallel.tensor=4"],
+    ["parallel.tensor=4", "parallel.sequence_parallel=true"],
+    ["parallel.zero_stage=1", "parallel.data=8"],
+    ["model.family=llama", "model.kv_heads=2", "parallel.tensor=2", "parallel.data=4"],
+]
+
+
+@pytest.mark.parametrize("sets", STRATEGIES, ids=lambda s: ",".join(x.split(".")[-1] for x in s))
+def test_flops_and_collective_bytes_agree(sets):
+    hlo, analytic = compiled_and_analytic(sets)
+    kinds = hlo.bytes_by_kind()
+    assert set(kinds) <= {"all-reduce", "all-gather", "reduce-scatter"}  # no stray all-to-all or permute
+    assert hlo.flops == pytest.approx(analytic.flops, rel=0.06)
+    assert kinds["all-reduce"] + kinds["reduce-scatter"] == pytest.approx(analytic.reduce_bytes, rel=0.06)
+    assert kinds["all-gather"] == pytest.approx(analytic.gather_bytes, rel=0.06, abs=1)
+
+
+def test_context_parallel_gathers_and_flops_agree():
+    hlo, analytic = compiled_and_analytic(["parallel.context=4"])
+    kinds = hlo.bytes_by_kind()
+    assert hlo.flops == pytest.approx(analytic.flops, rel=0.06)
+    assert kinds["all-gather"] == pytest.approx(analytic.gather_bytes, rel=0.06)
+    # XLA reduces gradients in two passes under context parallelism (see hyperjax.cost.inventory)
+    assert analytic.reduce_bytes <= kinds["all-reduce"] <= 1.6 * analytic.reduce_bytes
+
+
+def test_group_sizes_follow_the_mesh():
+    hlo, _ = compiled_and_analytic(["parallel.data=2", "parallel.tensor=4"])
+    sizes = {c.group_size for c in hlo.collectives}
+    assert 4 in sizes  # tensor-parallel reductions run over the 4-device tensor axis
+    assert sizes <= {2, 4, 8}
