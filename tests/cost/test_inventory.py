@@ -65,3 +65,19 @@ def test_group_sizes_follow_the_mesh():
     sizes = {c.group_size for c in hlo.collectives}
     assert 4 in sizes  # tensor-parallel reductions run over the 4-device tensor axis
     assert sizes <= {2, 4, 8}
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, dimensions={0}", 2),
+        ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0','axis_1'}, dimensions={0}", 8),
+        ("replica_groups=[4,2]<=[2,4]T(1,0), dimensions={1}", 2),
+        ("replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add", 4),
+        ("source_target_pairs={{0,1},{1,0}}", 8),
+    ],
+)
+def test_replica_group_formats(text, size):
+    from hyperjax.cost.hlo import _group_size
+
+    assert _group_size(text, 8) == size

@@ -61,6 +61,10 @@ def _shape_bytes(shape: str) -> int:
 
 
 def _group_size(rest: str, devices: int) -> int:
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
+    if named:  # replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}
+        sizes = {k.strip("' "): int(v) for k, v in (kv.split("=") for kv in named.group(1).split(","))}
+        return math.prod(sizes[a.strip("' ")] for a in named.group(2).split(",") if a.strip())
     iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", rest)
     if iota:
         return int(iota.group(2))
