@@ -14,22 +14,14 @@ import time
 from rich.table import Table
 
 from hyperjax.cli.display import console
+from hyperjax.cli.options import add_config_arguments, config_from_args
 from hyperjax.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="search strategies by predicted step time", description=__doc__)
-    p.add_argument("config", help="YAML config (its model and train sections are planned for)")
     p.add_argument("--devices", type=int, required=True, help="devices to plan for")
-    p.add_argument("--hardware", help="hardware preset (default: the config's)")
-    p.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key by its dotted name (repeatable)",
-    )
+    add_config_arguments(p, config_help="YAML config (its model and train sections are planned for)", hardware=True)
     p.add_argument("--top", type=int, default=10, help="candidates to list (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
@@ -38,11 +30,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from hyperjax.cost.planner import plan
     from hyperjax.topology import load_hardware
-    from hyperjax.train.config import load_config
 
     if args.devices < 1 or args.top < 1:
         raise ConfigError(f"--devices {args.devices} and --top {args.top} must be positive integers")
-    cfg = load_config(args.config, [*args.sets, *([f"hardware={args.hardware}"] if args.hardware else [])])
+    cfg = config_from_args(args)
     hw = load_hardware(cfg.hardware)
     start = time.perf_counter()
     best, priced, fitting = plan(cfg, hw, args.devices, keep=args.top)

@@ -11,20 +11,12 @@ import json
 from rich.table import Table
 
 from hyperjax.cli.display import console
+from hyperjax.cli.options import add_config_arguments, config_from_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("predict", help="predict step time, memory and communication", description=__doc__)
-    p.add_argument("config", help="YAML config")
-    p.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key by its dotted name (repeatable)",
-    )
-    p.add_argument("--hardware", help="hardware preset to predict for (default: the config's)")
+    add_config_arguments(p, config_help="YAML config", hardware=True)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", metavar="FILE.json", help="write a Perfetto / Chrome trace of the predicted step")
     p.set_defaults(run=run)
@@ -35,12 +27,10 @@ def run(args: argparse.Namespace) -> int:
     from hyperjax.cost import estimate
     from hyperjax.cost.trace import write_trace
     from hyperjax.topology import load_hardware
-    from hyperjax.train.config import load_config
 
-    sets = [*args.sets, *([f"hardware={args.hardware}"] if args.hardware else [])]
     if args.trace:
         check_writable(args.trace, "--trace")
-    cfg = load_config(args.config, sets)
+    cfg = config_from_args(args)
     hw = load_hardware(cfg.hardware)
     est = estimate(cfg, hw)
     if args.trace:

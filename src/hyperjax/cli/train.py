@@ -10,20 +10,13 @@ import argparse
 
 from hyperjax.cli.display import check_writable, console
 from hyperjax.cli.launching import add_join_arguments, run_on_devices
+from hyperjax.cli.options import add_config_arguments, config_from_args
 from hyperjax.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model on the emulated mesh", description=__doc__)
-    p.add_argument("config", help="YAML config, e.g. configs/quickstart.yaml")
-    p.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key by its dotted name (repeatable), e.g. --set parallel.tensor=4",
-    )
+    add_config_arguments(p, config_help="YAML config, e.g. configs/quickstart.yaml", hardware=False)
     p.add_argument("--steps", type=int, help="override train.steps")
     p.add_argument("--metrics-out", metavar="FILE.jsonl", help="write one JSON object per step")
     p.add_argument("--out-dir", metavar="DIR", help="where the loss curve goes (default: runs/CONFIG-NAME)")
@@ -35,15 +28,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from hyperjax.train.config import load_config
     from hyperjax.train.plan import plan_run
 
-    sets = list(args.sets)
-    if args.steps is not None:
-        if args.steps < 1:
-            raise ConfigError(f"--steps {args.steps} must be a positive integer")
-        sets.append(f"train.steps={args.steps}")
-    cfg = load_config(args.config, sets)
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(f"--steps {args.steps} must be a positive integer")
+    extra = [] if args.steps is None else [f"train.steps={args.steps}"]
+    cfg = config_from_args(args, extra)
+    sets = [*args.sets, *extra]  # what spawned processes are told
     plan = plan_run(cfg)
     out_dir = args.out_dir or str(Path("runs") / Path(args.config).stem)
     if args.metrics_out:
