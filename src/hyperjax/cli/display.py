@@ -58,3 +58,8 @@ def write_json(path: str, data: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def fmt_count(n: float) -> str:
+    """``3.26e6`` -> ``"3.26 M"``, ``1.75e11`` -> ``"175.00 B"``."""
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"

@@ -13,7 +13,7 @@ import time
 
 from rich.table import Table
 
-from hyperjax.cli.display import console
+from hyperjax.cli.display import console, fmt_count
 from hyperjax.cli.options import add_config_arguments, config_from_args
 from hyperjax.errors import ConfigError
 
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     out = console()
     out.print(
-        f"planned {cfg.model.family} ({best[0].estimate.details['params'] / 1e9:.1f} B parameters) on "
+        f"planned {cfg.model.family} ({fmt_count(best[0].estimate.details['params'])} parameters) on "
         f"{args.devices} {hw.name} devices: {priced} strategies priced, {fitting} fit, {elapsed:.1f} s"
     )
     table = Table(title="fastest strategies that fit (predicted)")

@@ -10,7 +10,7 @@ import json
 
 from rich.table import Table
 
-from hyperjax.cli.display import console
+from hyperjax.cli.display import console, fmt_count
 from hyperjax.cli.options import add_config_arguments, config_from_args
 
 
@@ -48,7 +48,7 @@ def print_estimate(est, hardware: str) -> None:
     axes = ",".join(f"{k}={v}" for k, v in est.details["axes"].items() if v > 1) or "single device"
     out.print(
         f"[bold]predicted on {hardware}[/bold]: {est.devices} devices, {axes}; "
-        f"{est.details['params'] / 1e9:.2f} B parameters, {est.details['microbatches']} micro-batches of "
+        f"{fmt_count(est.details['params'])} parameters, {est.details['microbatches']} micro-batches of "
         f"{est.details['micro_batch']}"
     )
     out.print(
