@@ -56,33 +56,17 @@ def test_missing_config_from_the_shell():
     assert "config file 'nope.yaml' does not exist" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_quickstart_learns(tmp_path: Path):
-    metrics = tmp_path / "m.jsonl"
-    result = subprocess.run(
-        [sys.executable, "-m", "hyperjax", "train", QUICK, "--metrics-out", str(metrics), "--out-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-    assert len(losses) == 50
-    assert losses[-1] < 0.6 * losses[0]  # byte-level text: from ~5.6 (uniform) to well below
-
-
-@pytest.mark.large
-@pytest.mark.multiprocess
-def test_gpt_tiny_cm384_trains_on_384_devices(tmp_path: Path):
-    metrics = tmp_path / "m.jsonl"
+def train_losses(config: str, *args: str, tmp_path: Path, name: str = "m") -> tuple[list[float], str]:
+    """Run ``hyperjax train`` in a subprocess; return the per-step losses and its stdout."""
+    metrics = tmp_path / f"{name}.jsonl"
     result = subprocess.run(
         [
             sys.executable,
             "-m",
             "hyperjax",
             "train",
-            str(CONFIGS / "gpt-tiny-cm384.yaml"),
-            "--steps",
-            "3",
+            config,
+            *args,
             "--metrics-out",
             str(metrics),
             "--out-dir",
@@ -93,8 +77,20 @@ def test_gpt_tiny_cm384_trains_on_384_devices(tmp_path: Path):
         timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "384 emulated cloudmatrix384 devices" in result.stdout
-    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()], result.stdout
+
+
+def test_quickstart_learns(tmp_path: Path):
+    losses, _ = train_losses(QUICK, tmp_path=tmp_path)
+    assert len(losses) == 50
+    assert losses[-1] < 0.6 * losses[0]  # byte-level text: from ~5.6 (uniform) to well below
+
+
+@pytest.mark.large
+@pytest.mark.multiprocess
+def test_gpt_tiny_cm384_trains_on_384_devices(tmp_path: Path):
+    losses, out = train_losses(str(CONFIGS / "gpt-tiny-cm384.yaml"), "--steps", "3", tmp_path=tmp_path)
+    assert "384 emulated cloudmatrix384 devices" in out
     assert len(losses) == 3 and all(0 < x < 10 for x in losses)
     assert losses[2] < losses[0]
 
@@ -102,29 +98,8 @@ def test_gpt_tiny_cm384_trains_on_384_devices(tmp_path: Path):
 @pytest.mark.multiprocess
 def test_two_processes_give_the_same_losses(tmp_path: Path):
     def run(processes: int) -> list[float]:
-        metrics = tmp_path / f"m{processes}.jsonl"
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "hyperjax",
-                "train",
-                QUICK,
-                "--steps",
-                "3",
-                "--set",
-                f"emulate.processes={processes}",
-                "--metrics-out",
-                str(metrics),
-                "--out-dir",
-                str(tmp_path),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+        args = ("--steps", "3", "--set", f"emulate.processes={processes}")
+        return train_losses(QUICK, *args, tmp_path=tmp_path, name=f"m{processes}")[0]
 
     two = run(2)
     assert two == pytest.approx(run(1), rel=1e-4)
