@@ -174,7 +174,7 @@ def estimate(cfg: Config, hardware: Hardware) -> Estimate:
     # ---- data parallel, optimizer -----------------------------------------------------------------------
     total_params = count_params(cfg)
     local_params = total_params / (tp * pp)
-    grad_local = local_params / p.fsdp
+    grad_local = local_params / p.fsdp  # parameters (and their gradients) held per device
     dp_kind = "all_reduce" if p.zero_stage == 0 else "reduce_scatter"
     dp_time = collective_time(dp_kind, grad_local * 4, spans["data"], hardware)
     if p.zero_stage >= 1:
@@ -201,9 +201,8 @@ def estimate(cfg: Config, hardware: Hardware) -> Estimate:
         # 1F1B: the first stage holds p micro-batches; interleaving adds (p - 1) / (p v) (Korthikanti 4.2.3)
         interleave = 1 + (pp - 1) / (pp * v) if v > 1 else 1.0
         in_flight = microbatches if p.schedule == "gpipe" else min(microbatches, math.ceil(pp * interleave))
-    param_local = local_params / p.fsdp
     memory = {
-        "params": param_local * (4 + (2 if e == 2 else 0)),
+        "params": grad_local * (4 + (2 if e == 2 else 0)),
         "optimizer": opt_params * 8,
         "gradients": grad_local / (axes["data"] if p.zero_stage >= 2 else 1) * 4,
         "activations": in_flight * layers_per_stage * stored + tokens * vocab / tp * 4 * 2,
@@ -254,11 +253,15 @@ def _spans(hardware: Hardware, axes: tuple[tuple[str, int], ...]) -> dict[str, A
     return _SPANS[key]
 
 
-def _layer_params(cfg: Config) -> float:
+def matrix_params(cfg: Config) -> float:
+    """Parameters in one block's attention and MLP matrices (what tensor parallelism splits)."""
     m = cfg.model
     attn = m.d_model * (m.heads + 2 * m.n_kv_heads) * m.head_dim + m.heads * m.head_dim * m.d_model
-    mlp = m.d_model * m.d_ff * (3 if m.family == "llama" else 2)
-    return attn + mlp + 4 * m.d_model
+    return attn + m.d_model * m.d_ff * (3 if m.family == "llama" else 2)
+
+
+def _layer_params(cfg: Config) -> float:
+    return matrix_params(cfg) + 4 * cfg.model.d_model
 
 
 def count_params(cfg: Config) -> float:

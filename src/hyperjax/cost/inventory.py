@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hyperjax.cost.estimate import count_params, model_flops_per_step
+from hyperjax.cost.estimate import count_params, matrix_params, model_flops_per_step
 from hyperjax.train.config import Config
 
 
@@ -80,7 +80,5 @@ def runtime_inventory(cfg: Config, axes: dict[str, int]) -> Inventory:
 
 def _tensor_split_params(cfg: Config) -> float:
     m = cfg.model
-    attn = m.d_model * (m.heads + 2 * m.n_kv_heads) * m.head_dim + m.heads * m.head_dim * m.d_model
-    mlp = m.d_model * m.d_ff * (3 if m.family == "llama" else 2)
     biases = (m.heads + 2 * m.n_kv_heads) * m.head_dim + m.d_ff if m.family == "gpt" else 0
-    return attn + mlp + biases
+    return matrix_params(cfg) + biases
