@@ -7,15 +7,20 @@ from a compiled program; tests hold the two together on configurations that comp
 How XLA's SPMD partitioner lays out this program (the facts encoded below):
 - gradients of every parameter are all-reduced over the data-parallel devices (data, fsdp and context,
   which all hold partial sums); XLA's CPU pipeline keeps reduce-scatter as all-reduce plus a slice;
-- FSDP and ZeRO-1/2 gather each parameter once per step (FSDP before use, ZeRO after the update);
+- FSDP and ZeRO-1/2 gather each parameter once per step (FSDP before use, ZeRO after the update); the
+  model gathers the embedding table explicitly before its lookup, so it too is gathered once;
 - tensor parallelism all-reduces the residual stream after the attention and MLP output projections,
   and in the backward pass after each input projection (query, key, value and each MLP input: the
   projections are separate matrices, so their partial sums are reduced separately), plus once for the
   embedding lookup and once for the gradient of the tied output projection;
 - context parallelism all-gathers keys and values over the context axis per layer and reduces their
-  gradients (XLA additionally splits the gradient reduction into two passes under context parallelism,
-  so the compiled program reduces about 1.5 times the bytes counted here; gathers and FLOPs agree);
+  gradients; with data parallelism beside it, parameter gradients are reduced in two passes, first over
+  the context axis, then over the batch axes (each pass moves the whole gradient);
 - sequence parallelism gathers the residual stream before attention and MLP in both passes.
+
+The model steers XLA where its own choice would cost more: every weight is gathered whole before use
+(:func:`hyperjax.models.layers.use`), and keys and values are projected on the local sequence shard before
+they are gathered, so no activation is regathered to spare a weight gather.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ def runtime_inventory(cfg: Config, axes: dict[str, int]) -> Inventory:
     local = (params - tensor_split) + tensor_split / tp  # per device before FSDP/ZeRO
     reduce = gather = 0.0
     if data * fsdp * cp > 1:
+        reduce += 4 * local
+    if cp > 1 and data * fsdp > 1:  # reduced over the context axis, then again over the batch axes
         reduce += 4 * local
     if fsdp > 1:
         gather += 4 * local

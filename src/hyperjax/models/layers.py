@@ -41,6 +41,25 @@ def param(
     return nnx.Param(value, logical_axes=axes)
 
 
+# the activation-side name of each parameter dimension: what a weight is laid out as where it is used
+_IN_USE = {
+    "embed": "act_embed",
+    "heads": "act_heads",
+    "kv_heads": "act_kv_heads",
+    "mlp": "act_mlp",
+    "vocab": "act_vocab",
+}
+
+
+def use(p: nnx.Param, constrain: Constrain) -> jax.Array:
+    """The value of ``p`` laid out for use: gathered over the axes that only store it (FSDP, ZeRO-3).
+
+    Each weight is gathered whole before its op, as FSDP prescribes. Left to itself, XLA sometimes keeps
+    a weight sharded and reshards the (much larger) activations around it instead.
+    """
+    return constrain(p[...], tuple(_IN_USE.get(a) for a in p.logical_axes))
+
+
 class LayerNorm(nnx.Module):
     """LayerNorm with scale and bias (GPT)."""
 
@@ -48,11 +67,11 @@ class LayerNorm(nnx.Module):
         self.scale = param(rngs, (d,), ("embed",), init="ones")
         self.bias = param(rngs, (d,), ("embed",), init="zeros")
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, constrain: Constrain = no_constraint) -> jax.Array:
         x32 = x.astype(jnp.float32)
         mean = x32.mean(-1, keepdims=True)
         var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + 1e-5) * self.scale[...] + self.bias[...]
+        y = (x32 - mean) * jax.lax.rsqrt(var + 1e-5) * use(self.scale, constrain) + use(self.bias, constrain)
         return y.astype(x.dtype)
 
 
@@ -62,9 +81,9 @@ class RMSNorm(nnx.Module):
     def __init__(self, d: int, *, rngs: nnx.Rngs) -> None:
         self.scale = param(rngs, (d,), ("embed",), init="ones")
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, constrain: Constrain = no_constraint) -> jax.Array:
         x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + 1e-6) * self.scale[...]
+        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + 1e-6) * use(self.scale, constrain)
         return y.astype(x.dtype)
 
 
@@ -102,16 +121,23 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, constrain: Constrain) -> jax.Array:
         dt = x.dtype
-        q = jnp.einsum("bsd,dhk->bshk", x, self.q_proj[...].astype(dt))
-        k = jnp.einsum("bsd,dhk->bshk", x, self.k_proj[...].astype(dt))
-        v = jnp.einsum("bsd,dhk->bshk", x, self.v_proj[...].astype(dt))
+        q = jnp.einsum("bsd,dhk->bshk", x, use(self.q_proj, constrain).astype(dt))
+        k = jnp.einsum("bsd,dhk->bshk", x, use(self.k_proj, constrain).astype(dt))
+        v = jnp.einsum("bsd,dhk->bshk", x, use(self.v_proj, constrain).astype(dt))
         if self.bias:
-            q, k, v = q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt), v + self.v_bias[...].astype(dt)
+            q, k, v = (
+                q + use(self.q_bias, constrain).astype(dt),
+                k + use(self.k_bias, constrain).astype(dt),
+                v + use(self.v_bias, constrain).astype(dt),
+            )
         if self.use_rope:
             positions = jnp.arange(x.shape[1])
             q, k = rope(q, positions), rope(k, positions)
-        # queries keep their sequence shard (context parallel); keys and values are needed whole
+        # queries keep their sequence shard (context parallel); keys and values are projected on the local
+        # shard (so their weight gradients stay local too) and then gathered whole
         q = constrain(checkpoint_name(q, "query"), ("batch", "seq", "act_heads", None))
+        k = constrain(k, ("batch", "seq", "act_kv_heads", None))
+        v = constrain(v, ("batch", "seq", "act_kv_heads", None))
         k = constrain(checkpoint_name(k, "key"), ("batch", None, "act_kv_heads", None))
         v = constrain(checkpoint_name(v, "value"), ("batch", None, "act_kv_heads", None))
         b, s, h, d = q.shape
@@ -123,9 +149,9 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, h, d)
         out = constrain(checkpoint_name(out, "attention"), ("batch", "seq", "act_heads", None))
-        y = jnp.einsum("bshk,hkd->bsd", out, self.o_proj[...].astype(dt))
+        y = jnp.einsum("bshk,hkd->bsd", out, use(self.o_proj, constrain).astype(dt))
         if self.bias:
-            y = y + self.o_bias[...].astype(dt)
+            y = y + use(self.o_bias, constrain).astype(dt)
         return y
 
 
@@ -144,12 +170,16 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array, constrain: Constrain) -> jax.Array:
         dt = x.dtype
-        h = x @ self.w_in[...].astype(dt)
+        h = x @ use(self.w_in, constrain).astype(dt)
         if self.bias:
-            h = h + self.b_in[...].astype(dt)
-        h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * h if self.gated else jax.nn.gelu(h, approximate=True)
+            h = h + use(self.b_in, constrain).astype(dt)
+        h = (
+            jax.nn.silu(x @ use(self.w_gate, constrain).astype(dt)) * h
+            if self.gated
+            else jax.nn.gelu(h, approximate=True)
+        )
         h = constrain(checkpoint_name(h, "mlp_hidden"), ("batch", "seq", "act_mlp"))
-        y = h @ self.w_out[...].astype(dt)
+        y = h @ use(self.w_out, constrain).astype(dt)
         if self.bias:
-            y = y + self.b_out[...].astype(dt)
+            y = y + use(self.b_out, constrain).astype(dt)
         return y

@@ -14,7 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from hyperjax.errors import ConfigError
 from hyperjax.models.config import ModelConfig
-from hyperjax.models.layers import MLP, Attention, Constrain, LayerNorm, RMSNorm, no_constraint, param
+from hyperjax.models.layers import MLP, Attention, Constrain, LayerNorm, RMSNorm, no_constraint, param, use
 
 RECOMPUTE = ("none", "selective", "full")
 _POLICIES = {
@@ -38,9 +38,9 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg.d_model, cfg.d_ff, gated=not gpt, bias=gpt, layers=cfg.layers, rngs=rngs)
 
     def __call__(self, x: jax.Array, constrain: Constrain) -> jax.Array:
-        x = x + self.attn(self.norm1(x), constrain)
+        x = x + self.attn(self.norm1(x, constrain), constrain)
         x = constrain(x, ("batch", "res_seq", "act_embed"))
-        x = x + self.mlp(self.norm2(x), constrain)
+        x = x + self.mlp(self.norm2(x, constrain), constrain)
         return constrain(checkpoint_name(x, "block_out"), ("batch", "res_seq", "act_embed"))
 
 
@@ -71,14 +71,17 @@ class Transformer(nnx.Module):
     def __call__(self, tokens: jax.Array, constrain: Constrain = no_constraint) -> jax.Array:
         """Logits of shape ``(batch, seq, vocab)`` for integer ``tokens`` of shape ``(batch, seq)``."""
         dt = jnp.dtype(self.dtype)
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        # The table is gathered whole before the lookup, like every weight (see layers.use); otherwise XLA
+        # partitions the lookup by regathering its output.
+        table = use(self.embed, constrain)
+        x = jnp.take(table, tokens, axis=0).astype(dt)
         if self.cfg.family == "gpt":
-            x = x + self.pos_embed[...][: tokens.shape[1]].astype(dt)
+            x = x + use(self.pos_embed, constrain)[: tokens.shape[1]].astype(dt)
         x = constrain(x, ("batch", "res_seq", "act_embed"))
         for block in self.blocks:
             x = self.run_block(block, x, constrain)
-        x = self.final_norm(x)
-        head = self.embed[...].T if self.cfg.family == "gpt" else self.lm_head[...]
+        x = self.final_norm(x, constrain)
+        head = table.T if self.cfg.family == "gpt" else use(self.lm_head, constrain)
         logits = (x @ head.astype(dt)).astype(jnp.float32)
         return constrain(logits, ("batch", "seq", "act_vocab"))
 
