@@ -61,9 +61,9 @@ def test_overrides_and_yaml_values():
         ),
         (["train.micro_batch=3"], ConfigError, r"train.global_batch=32 is not a multiple of train.micro_batch=3 x 4"),
         (
-            ["parallel.pipeline=2", "parallel.tensor=1"],
+            ["parallel.pipeline=2", "parallel.tensor=1", "train.microbatches=3"],
             ConfigError,
-            r"parallel.pipeline=2: hyperjax train runs one SPMD program",
+            r"train.global_batch=32 in train.microbatches=3 micro-batches",
         ),
         (["shard.vocab=tensr"], ShardingError, r"shard.vocab: mesh axis 'tensr' does not exist"),
         (["hardware=cm384"], Exception, r"unknown hardware preset 'cm384'"),

@@ -16,6 +16,7 @@ Conventions (Megatron's, so published runs compare directly):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -64,6 +65,13 @@ class Estimate:
         return dataclasses.asdict(self)
 
 
+@functools.lru_cache(maxsize=4096)
+def _grid_bubble(schedule: str, stages: int, microbatches: int, virtual_stages: int) -> float:
+    from hyperjax.mpmd.schedules import make_schedule
+
+    return make_schedule(schedule, stages, microbatches, virtual_stages).bubble_fraction()
+
+
 def predict_axes(cfg: Config) -> dict[str, int]:
     """Mesh axis sizes for prediction: the product of the degrees (``parallel.data: null`` means 1)."""
     p = cfg.parallel
@@ -91,7 +99,10 @@ def estimate(cfg: Config, hardware: Hardware) -> Estimate:
     _check_divisible(cfg, dp)
     e = 2 if t.dtype == "bfloat16" else 4  # activation and matmul operand bytes
     dtype = t.dtype
-    micro = t.micro_batch if t.micro_batch is not None else (1 if pp > 1 else t.global_batch // dp)
+    if pp > 1 and t.microbatches is not None and t.micro_batch is None:
+        micro = max(1, t.global_batch // (t.microbatches * dp))
+    else:
+        micro = t.micro_batch if t.micro_batch is not None else (1 if pp > 1 else t.global_batch // dp)
     microbatches = t.global_batch // (micro * dp)
     layers_per_chunk = math.ceil(m.layers / (pp * v))
     layers_per_stage = layers_per_chunk * v
@@ -166,10 +177,9 @@ def estimate(cfg: Config, hardware: Hardware) -> Estimate:
     add("fsdp", microbatches * layers_per_stage * (2 * fsdp_gather + fsdp_scatter))
     add("pipeline_p2p", microbatches * p2p)
 
-    bubble_micro = (pp - 1) / v if pp > 1 else 0.0
-    if p.schedule == "gpipe":
-        bubble_micro = pp - 1
-    bubble = bubble_micro * per_micro
+    # the bubble is read off the schedule's own grid (the one the runtime executes): idle over busy cells
+    idle = _grid_bubble(p.schedule, pp, microbatches, v) if pp > 1 else 0.0
+    bubble = microbatches * per_micro * idle / (1 - idle)
 
     # ---- data parallel, optimizer -----------------------------------------------------------------------
     total_params = count_params(cfg)

@@ -69,6 +69,7 @@ def strategies(cfg: Config, devices: int) -> Iterator[dict[str, Any]]:
                     schedules = [("1f1b", 1)]
                     if pipeline > 1:
                         schedules += [("interleaved", v) for v in (2, 3, 4) if m.layers % (pipeline * v) == 0]
+                        schedules.append(("zero-bubble", 1))
                     for micro in micro_options:
                         for schedule, virtual in schedules:
                             # sequence parallelism moves the same bytes as plain tensor parallelism and

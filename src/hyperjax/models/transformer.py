@@ -70,20 +70,19 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array, constrain: Constrain = no_constraint) -> jax.Array:
         """Logits of shape ``(batch, seq, vocab)`` for integer ``tokens`` of shape ``(batch, seq)``."""
-        dt = jnp.dtype(self.dtype)
-        # The table is gathered whole before the lookup, like every weight (see layers.use); otherwise XLA
-        # partitions the lookup by regathering its output.
-        table = use(self.embed, constrain)
-        x = jnp.take(table, tokens, axis=0).astype(dt)
-        if self.cfg.family == "gpt":
-            x = x + use(self.pos_embed, constrain)[: tokens.shape[1]].astype(dt)
-        x = constrain(x, ("batch", "res_seq", "act_embed"))
+        x = self.embed_tokens(tokens, constrain)
         for block in self.blocks:
             x = self.run_block(block, x, constrain)
-        x = self.final_norm(x, constrain)
-        head = table.T if self.cfg.family == "gpt" else use(self.lm_head, constrain)
-        logits = (x @ head.astype(dt)).astype(jnp.float32)
-        return constrain(logits, ("batch", "seq", "act_vocab"))
+        return self.logits(x, constrain)
+
+    def embed_tokens(self, tokens: jax.Array, constrain: Constrain = no_constraint) -> jax.Array:
+        """The residual stream at the first block: token (and, for GPT, position) embeddings."""
+        return embed_tokens(self, tokens, constrain)
+
+    def logits(self, x: jax.Array, constrain: Constrain = no_constraint) -> jax.Array:
+        """Float32 logits from the residual stream after the last block."""
+        head = self.embed if self.cfg.family == "gpt" else self.lm_head
+        return logits(self, head, x, constrain)
 
     def run_block(self, block: Block, x: jax.Array, constrain: Constrain) -> jax.Array:
         """One block, under this model's recomputation policy."""
@@ -100,3 +99,25 @@ def build_model(cfg: ModelConfig, *, dtype: str = "float32", recompute: str = "n
 def count_params(model: nnx.Module) -> int:
     """Number of parameters (elements of every ``nnx.Param``)."""
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def embed_tokens(m: nnx.Module, tokens: jax.Array, constrain: Constrain) -> jax.Array:
+    """Embed ``tokens`` with the ``embed`` (and ``pos_embed``) parameters of ``m`` (a model or a pipeline chunk).
+
+    The table is gathered whole before the lookup, like every weight (see ``layers.use``); otherwise XLA
+    partitions the lookup by regathering its output.
+    """
+    dt = jnp.dtype(m.dtype)
+    x = jnp.take(use(m.embed, constrain), tokens, axis=0).astype(dt)
+    if m.cfg.family == "gpt":
+        x = x + use(m.pos_embed, constrain)[: tokens.shape[1]].astype(dt)
+    return constrain(x, ("batch", "res_seq", "act_embed"))
+
+
+def logits(m: nnx.Module, head: nnx.Param, x: jax.Array, constrain: Constrain) -> jax.Array:
+    """The final norm of ``m`` and the output projection ``head`` (the embedding, transposed, when tied)."""
+    dt = jnp.dtype(m.dtype)
+    x = m.final_norm(x, constrain)
+    w = use(head, constrain)
+    out = (x @ (w.T if head.logical_axes[0] == "vocab" else w).astype(dt)).astype(jnp.float32)
+    return constrain(out, ("batch", "seq", "act_vocab"))

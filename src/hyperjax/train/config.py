@@ -35,6 +35,7 @@ class TrainConfig:
 
     global_batch: int = 32  # sequences per optimizer step
     micro_batch: int | None = None  # sequences per micro-batch per data-parallel replica; null: no accumulation
+    microbatches: int | None = None  # micro-batches per step (pipeline); null: from micro_batch, else 2 x pipeline
     steps: int = 50  # optimizer steps
     lr: float = 3e-4  # peak learning rate (AdamW)
     warmup_steps: int | None = None  # linear warm-up steps; null: a tenth of the steps
@@ -50,7 +51,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "train", ("global_batch", "steps"))
-        _positive(self, "train", ("micro_batch",), optional=True)
+        _positive(self, "train", ("micro_batch", "microbatches"), optional=True)
         if self.lr <= 0:
             raise ConfigError(f"train.lr={self.lr} must be > 0")
         if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
@@ -81,12 +82,23 @@ class ParallelConfig:
     context: int = 1  # context parallelism: the sequence sharded over an axis for attention
     pipeline: int = 1  # pipeline stages
     virtual_stages: int = 1  # model chunks per pipeline stage (interleaved schedule when > 1)
-    schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b or interleaved
+    schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved or zero-bubble
+    stage_devices: tuple[int, ...] | None = None  # devices per pipeline stage; null: equal stages
+    stage_layers: tuple[int, ...] | None = None  # layers per chunk (model order); null: balanced by predicted time
     zero_stage: int = 0  # 1: optimizer state sharded over data; 2: gradients too
 
     def __post_init__(self) -> None:
         _positive(self, "parallel", ("fsdp", "tensor", "context", "pipeline", "virtual_stages"))
-        _choice(self, "parallel", "schedule", ("gpipe", "1f1b", "interleaved"))
+        _choice(self, "parallel", "schedule", ("gpipe", "1f1b", "interleaved", "zero-bubble"))
+        for key in ("stage_devices", "stage_layers"):
+            value = getattr(self, key)
+            if value is not None and any(n < 1 for n in value):
+                raise ConfigError(f"parallel.{key}={list(value)} must be positive integers")
+        if self.stage_devices is not None and len(self.stage_devices) != self.pipeline:
+            raise ConfigError(
+                f"parallel.stage_devices={list(self.stage_devices)} names {len(self.stage_devices)} stages, but "
+                f"parallel.pipeline={self.pipeline}; give one device count per stage"
+            )
         if (self.schedule == "interleaved") != (self.virtual_stages > 1):
             raise ConfigError(
                 f"parallel.schedule={self.schedule!r} with parallel.virtual_stages={self.virtual_stages}: the "
@@ -225,6 +237,12 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             return value
         if option is Any or (typing.get_origin(option) in (Mapping, dict) and isinstance(value, dict)):
             return value
+        if (
+            typing.get_origin(option) is tuple
+            and isinstance(value, list | tuple)
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+        ):
+            return tuple(value)
     raise ConfigError(f"{key}={value!r} has the wrong type: expected {_name(hint)}, got {type(value).__name__}")
 
 

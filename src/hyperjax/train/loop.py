@@ -17,6 +17,7 @@ import jax
 from flax import nnx
 
 from hyperjax.models import build_model, count_params
+from hyperjax.mpmd.pipeline import PipelineRunner
 from hyperjax.topology import make_mesh
 from hyperjax.train.data import Batches
 from hyperjax.train.plan import Plan
@@ -60,29 +61,11 @@ def train(
     cfg, t = plan.config, plan.config.train
     lead = jax.process_index() == 0
     log = (sys.stdout if lead else None) if log is None else log
-    mesh = make_mesh(plan.hardware, plan.axes, devices=jax.devices()[: plan.devices])
     model = build_model(cfg.model, dtype=t.dtype, recompute=t.recompute, seed=t.seed)
-    graphdef, param_state = nnx.split(model)
-    optimizer = make_optimizer(t)
-    step = build_train_step(
-        graphdef=graphdef,
-        param_state=param_state,
-        strategy=plan.strategy,
-        mesh=mesh,
-        optimizer=optimizer,
-        microbatches=plan.microbatches,
-    )
-    state = init_state(param_state, optimizer, step)
     data = Batches(
         source=t.data, global_batch=t.global_batch, seq_len=cfg.model.seq_len, vocab=cfg.model.vocab, seed=t.seed
     )
-    compiled = step.fn.lower(state, data.global_batch_arrays(0, step.batch_sharding)).compile()
-    mem = compiled.memory_analysis()
-    memory = (
-        0
-        if mem is None
-        else (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
-    )
+    run, state, memory = (_pipeline if plan.pipeline is not None else _spmd)(plan, model, data)
     tokens = t.global_batch * cfg.model.seq_len
     losses: list[float] = []
     times: list[float] = []
@@ -90,9 +73,8 @@ def train(
     bar = _progress_bar(t.steps) if (log is sys.stdout and sys.stdout.isatty()) else None
     try:
         for i in range(t.steps):
-            batch = data.global_batch_arrays(i, step.batch_sharding)
             start = time.perf_counter()
-            state, metrics = compiled(state, batch)
+            state, metrics = run(state, i)
             loss = float(metrics["loss"])
             elapsed = time.perf_counter() - start
             losses.append(loss)
@@ -124,6 +106,56 @@ def train(
     if lead and out_dir is not None:
         plot_losses(losses, Path(out_dir) / "loss.png", title=f"{cfg.model.family}, {plan.describe()}")
     return result
+
+
+def _spmd(plan: Plan, model: nnx.Module, data: Batches) -> tuple[Any, Any, int]:
+    """One SPMD program over the whole mesh: ``(run(state, step) -> (state, metrics), state, bytes)``."""
+    t = plan.config.train
+    mesh = make_mesh(plan.hardware, plan.axes, devices=jax.devices()[: plan.devices])
+    graphdef, param_state = nnx.split(model)
+    optimizer = make_optimizer(t)
+    step = build_train_step(
+        graphdef=graphdef,
+        param_state=param_state,
+        strategy=plan.strategy,
+        mesh=mesh,
+        optimizer=optimizer,
+        microbatches=plan.microbatches,
+    )
+    state = init_state(param_state, optimizer, step)
+    compiled = step.fn.lower(state, data.global_batch_arrays(0, step.batch_sharding)).compile()
+    mem = compiled.memory_analysis()
+    memory = (
+        0
+        if mem is None
+        else (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+    )
+
+    def run(state: Any, i: int) -> tuple[Any, dict[str, Any]]:
+        return compiled(state, data.global_batch_arrays(i, step.batch_sharding))
+
+    return run, state, memory
+
+
+def _pipeline(plan: Plan, model: nnx.Module, data: Batches) -> tuple[Any, Any, int]:
+    """One program per chunk on its stage's submesh, run by the schedule's grid (see hyperjax.mpmd)."""
+    t = plan.config.train
+    runner = PipelineRunner(
+        model=model,
+        layout=plan.pipeline,
+        strategy=plan.strategy,
+        hardware=plan.hardware,
+        devices=jax.devices()[: plan.devices],
+        optimizer=make_optimizer(t, clip=False),
+        grad_clip=t.grad_clip,
+    )
+    state = runner.init_state()
+
+    def run(state: Any, i: int) -> tuple[Any, dict[str, Any]]:
+        inputs, targets = data.rows(i, slice(None))
+        return runner.step(state, inputs, targets)
+
+    return run, state, runner.memory_per_device(state)
 
 
 def _progress_bar(steps: int) -> tuple[Any, Any]:

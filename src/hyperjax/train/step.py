@@ -20,8 +20,11 @@ from hyperjax.shard import Strategy
 from hyperjax.train.config import TrainConfig
 
 
-def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with linear warm-up and cosine decay, global-norm clipping, decay on matrices only."""
+def make_optimizer(train: TrainConfig, *, clip: bool = True) -> optax.GradientTransformation:
+    """AdamW with linear warm-up and cosine decay, global-norm clipping, decay on matrices only.
+
+    ``clip=False`` leaves clipping to the caller (a pipeline clips by the norm over all its stages).
+    """
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0 if train.warmup else train.lr,
         peak_value=train.lr,
@@ -36,7 +39,7 @@ def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
         weight_decay=train.weight_decay,
         mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p),
     )
-    return optax.chain(optax.clip_by_global_norm(train.grad_clip), adamw) if train.grad_clip else adamw
+    return optax.chain(optax.clip_by_global_norm(train.grad_clip), adamw) if (train.grad_clip and clip) else adamw
 
 
 def loss_fn(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array], constrain: Any) -> jax.Array:

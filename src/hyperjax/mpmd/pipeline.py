@@ -1,0 +1,408 @@
+"""Pipeline training: one jitted program per model chunk on its stage's submesh, run by a schedule grid.
+
+A model of ``L`` layers is cut into ``pipeline x virtual_stages`` chunks of consecutive layers; chunk
+``c`` lives on stage ``c mod pipeline``. Each stage is a submesh (:func:`split_devices`) with its own
+SPMD strategy (data, fsdp, tensor, ... over the stage's devices), so stages may differ in size. Layers
+are balanced over the chunks by predicted compute time per device (:func:`balance_layers`), which
+gives a larger stage more layers.
+
+Per chunk there are three programs: forward, backward (input and weight gradients together) and, for
+a split-backward schedule, the input-gradient (``B``) and weight-gradient (``W``) halves. Each backward
+program recomputes its chunk's forward inside (stage-level rematerialisation), so no residuals cross
+program boundaries. The runtime walks the schedule's grid in time order and dispatches each task;
+dispatch is asynchronous, so stages run concurrently, waiting only on the arrays they consume.
+Activations and their gradients move between submeshes with ``jax.device_put`` to the receiver's
+sharding.
+
+A GPT model ties its output projection to the embedding: the last chunk holds a copy of the table.
+The two gradients are summed on the first stage, the optimizer updates the one table there, and the
+copy is refreshed, as Megatron-LM does. Gradient clipping uses the global norm over every stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from hyperjax.errors import ConfigError
+from hyperjax.models.config import ModelConfig
+from hyperjax.models.layers import Constrain
+from hyperjax.models.transformer import Transformer, embed_tokens, logits
+from hyperjax.mpmd.schedules import Schedule, Task
+from hyperjax.shard import Strategy
+from hyperjax.topology import Hardware, make_mesh
+
+
+def split_devices(devices: Sequence[Any], sizes: Sequence[int]) -> list[list[Any]]:
+    """Cut ``devices`` (in physical order) into consecutive submeshes of ``sizes``.
+
+    Consecutive slices of the physical order stay inside a tier whenever their sizes allow it: a
+    submesh of 32 devices starting at a multiple of 32 is one CloudMatrix384 node.
+
+    Raises:
+      ConfigError: sizes that are not positive or do not sum to the devices.
+    """
+    if any(not isinstance(n, int) or n < 1 for n in sizes):
+        raise ConfigError(f"parallel.stage_devices={list(sizes)} must be positive integers")
+    if sum(sizes) != len(devices):
+        raise ConfigError(
+            f"parallel.stage_devices={list(sizes)} sum to {sum(sizes)}, but the mesh has {len(devices)} devices; "
+            f"make them sum to {len(devices)}"
+        )
+    out, start = [], 0
+    for n in sizes:
+        out.append(list(devices[start : start + n]))
+        start += n
+    return out
+
+
+def layer_costs(cfg: ModelConfig) -> tuple[float, float, float]:
+    """Training FLOPs per token of one block, of the embedding and of the output layer (with the loss)."""
+    s, h = cfg.seq_len, cfg.d_model
+    proj = h * (cfg.heads + 2 * cfg.n_kv_heads) * cfg.head_dim + cfg.heads * cfg.head_dim * h
+    mlp = (3 if cfg.family == "llama" else 2) * h * cfg.d_ff
+    block = 6 * (proj + mlp) + 6 * 2 * s * cfg.heads * cfg.head_dim
+    return float(block), float(6 * h), float(6 * h * cfg.vocab)
+
+
+def balance_layers(
+    cfg: ModelConfig, chunk_devices: Sequence[int], stage_layers: Sequence[int] | None = None
+) -> list[int]:
+    """Layers per chunk (model order) minimising the slowest chunk's compute time per device.
+
+    Chunk ``c`` runs on ``chunk_devices[c]`` devices; the first chunk also embeds, the last also computes
+    the logits and the loss. Every chunk gets at least one layer.
+
+    Raises:
+      ConfigError: more chunks than layers, or ``stage_layers`` that do not fit the model.
+    """
+    chunks = len(chunk_devices)
+    if stage_layers is not None:
+        if len(stage_layers) != chunks or any(n < 1 for n in stage_layers) or sum(stage_layers) != cfg.layers:
+            raise ConfigError(
+                f"parallel.stage_layers={list(stage_layers)} must give {chunks} positive layer counts (one per "
+                f"chunk: pipeline x virtual_stages) summing to model.layers={cfg.layers}"
+            )
+        return list(stage_layers)
+    if chunks > cfg.layers:
+        raise ConfigError(
+            f"parallel.pipeline x parallel.virtual_stages = {chunks} chunks, but model.layers={cfg.layers}; "
+            f"every chunk needs a layer: use at most {cfg.layers} chunks or a deeper model"
+        )
+    block, embed, head = layer_costs(cfg)
+
+    def cost(c: int, n: int) -> float:
+        extra = (embed if c == 0 else 0.0) + (head if c == chunks - 1 else 0.0)
+        return (n * block + extra) / chunk_devices[c]
+
+    # best[c][k]: the smallest possible slowest chunk when chunks 0..c hold the first k layers
+    inf = float("inf")
+    best = [[inf] * (cfg.layers + 1) for _ in range(chunks)]
+    cut = [[0] * (cfg.layers + 1) for _ in range(chunks)]
+    for k in range(1, cfg.layers + 1):
+        best[0][k] = cost(0, k)
+    for c in range(1, chunks):
+        for k in range(c + 1, cfg.layers + 1):
+            for n in range(1, k - c + 1):
+                value = max(best[c - 1][k - n], cost(c, n))
+                if value < best[c][k]:
+                    best[c][k], cut[c][k] = value, n
+    counts, k = [], cfg.layers
+    for c in range(chunks - 1, 0, -1):
+        counts.append(cut[c][k])
+        k -= cut[c][k]
+    counts.append(k)
+    return counts[::-1]
+
+
+class Chunk(nnx.Module):
+    """Consecutive blocks of a :class:`Transformer`, with the embedding if first and the head if last.
+
+    It shares the model's variables (its state is a slice of the model's), so a pipeline starts from
+    exactly the parameters of the single-program model.
+    """
+
+    def __init__(self, model: Transformer, layers: range, *, first: bool, last: bool) -> None:
+        self.cfg, self.dtype, self.recompute = model.cfg, model.dtype, model.recompute
+        self.first, self.last = first, last
+        if first:
+            self.embed = model.embed
+            if model.cfg.family == "gpt":
+                self.pos_embed = model.pos_embed
+        self.blocks = nnx.List([model.blocks[i] for i in layers])
+        if last:
+            self.final_norm = model.final_norm
+            # a tied head is the embedding table; a separate chunk holds its own copy
+            self.head = model.embed if model.cfg.family == "gpt" else model.lm_head
+
+    def __call__(self, x: jax.Array, constrain: Constrain) -> jax.Array:
+        if self.first:
+            x = embed_tokens(self, x, constrain)
+        for block in self.blocks:
+            x = Transformer.run_block(self, block, x, constrain)  # type: ignore[arg-type]
+        return logits(self, self.head, x, constrain) if self.last else x
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineLayout:
+    """Where everything of a pipeline runs.
+
+    Attributes:
+      schedule: the schedule and its grid.
+      stage_devices: devices per stage.
+      stage_axes: mesh axes per stage (its own data / fsdp / context / tensor degrees).
+      chunk_layers: layers per chunk, model order.
+    """
+
+    schedule: Schedule
+    stage_devices: tuple[int, ...]
+    stage_axes: tuple[dict[str, int], ...]
+    chunk_layers: tuple[int, ...]
+
+    def describe(self) -> str:
+        """One line: stages with their devices and layers, and the schedule."""
+        stages = []
+        for s, n in enumerate(self.stage_devices):
+            layers = [self.chunk_layers[c] for c in range(s, len(self.chunk_layers), len(self.stage_devices))]
+            degrees = ",".join(f"{k}={v}" for k, v in self.stage_axes[s].items() if v > 1) or "1 device"
+            stages.append(f"{n} devices ({degrees}) {'+'.join(map(str, layers))} layers")
+        sched = self.schedule
+        v = f" v={sched.virtual_stages}" if sched.virtual_stages > 1 else ""
+        return f"pipeline {' | '.join(stages)}, {sched.name}{v}, {sched.microbatches} micro-batches"
+
+
+class PipelineRunner:
+    """Runs training steps of a pipelined model on the stage submeshes (one process).
+
+    Args:
+      model: the full model (its parameters are the starting point).
+      layout: stages, chunks and schedule.
+      strategy: the SPMD strategy each stage applies on its own submesh.
+      hardware: the preset (for the meshes' capacity checks).
+      devices: every device of the pipeline, in physical order.
+      optimizer: the optimizer without clipping (applied per chunk; the global norm is combined here).
+      grad_clip: global-norm clip (0: none).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: Transformer,
+        layout: PipelineLayout,
+        strategy: Strategy,
+        hardware: Hardware,
+        devices: Sequence[Any],
+        optimizer: optax.GradientTransformation,
+        grad_clip: float,
+    ) -> None:
+        self.layout, self.optimizer, self.grad_clip = layout, optimizer, grad_clip
+        sched = layout.schedule
+        self.sched = sched
+        groups = split_devices(list(devices), layout.stage_devices)
+        self.meshes = [make_mesh(hardware, axes, devices=g) for axes, g in zip(layout.stage_axes, groups, strict=True)]
+        bounds = np.cumsum([0, *layout.chunk_layers])
+        chunks = len(layout.chunk_layers)
+        self.tied = model.cfg.family == "gpt" and chunks > 1
+        self.n_chunks = chunks
+        self.chunks: list[dict[str, Any]] = []
+        for c in range(chunks):
+            mesh = self.meshes[sched.stage_of(c)]
+            part = Chunk(model, range(bounds[c], bounds[c + 1]), first=c == 0, last=c == chunks - 1)
+            graphdef, state = nnx.split(part)
+            strat = strategy.with_param_axes(state)
+            params = nnx.to_pure_dict(state)
+            shardings = strat.shardings(params, mesh)
+            self.chunks.append(
+                {
+                    "graphdef": graphdef,
+                    "mesh": mesh,
+                    "constrain": strat.constrainer(mesh),
+                    "param_sh": shardings,
+                    "host_params": jax.tree.map(np.asarray, params),
+                    "act_sh": NamedSharding(mesh, strat.spec(("batch", "res_seq", "act_embed"))),
+                    "tok_sh": NamedSharding(mesh, strat.spec(("batch", "seq"))),
+                    "scalar_sh": NamedSharding(mesh, PartitionSpec()),
+                    "opt_sh": strat.shardings(jax.eval_shape(optimizer.init, self._trained(params, c)), mesh),
+                }
+            )
+        self._build_programs()
+
+    # ---- parameters ------------------------------------------------------------------------------------
+
+    def _trained(self, params: dict[str, Any], c: int) -> dict[str, Any]:
+        """The parameters chunk ``c``'s optimizer updates (not the last chunk's tied copy of the table)."""
+        if self.tied and c == self.n_chunks - 1:
+            return {k: v for k, v in params.items() if k != "head"}
+        return params
+
+    def memory_per_device(self, state: dict[str, Any]) -> int:
+        """Bytes per device of parameters, gradients and optimizer state on the fullest stage."""
+        per_stage = [0] * self.sched.stages
+        for c, (p, o) in enumerate(zip(state["params"], state["opt_state"], strict=True)):
+            shard = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(p))
+            opt = sum(
+                x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(o) if hasattr(x, "addressable_shards")
+            )
+            per_stage[self.sched.stage_of(c)] += 2 * shard + opt
+        return max(per_stage)
+
+    def init_state(self) -> dict[str, Any]:
+        """Parameters and optimizer state per chunk, on the chunks' submeshes."""
+        params, opt = [], []
+        for c, ch in enumerate(self.chunks):
+            p = jax.tree.map(lambda x, sh: jax.device_put(x, sh), ch["host_params"], ch["param_sh"])
+            params.append(p)
+            opt.append(jax.jit(self.optimizer.init, out_shardings=ch["opt_sh"])(self._trained(p, c)))
+        return {"params": params, "opt_state": opt, "step": 0}
+
+    # ---- programs ---------------------------------------------------------------------------------------
+
+    def _build_programs(self) -> None:
+        m = self.sched.microbatches
+        for c, ch in enumerate(self.chunks):
+            ch.update(_programs(ch["graphdef"], ch["constrain"], first=c == 0, last=c == len(self.chunks) - 1, m=m))
+            ch["zeros"] = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=ch["param_sh"])
+            ch["sumsq"] = jax.jit(lambda g: sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g)))
+
+            def update(params: Any, opt_state: Any, grads: Any, scale: jax.Array) -> tuple[Any, Any]:
+                grads = jax.tree.map(lambda g: g * scale, grads)
+                updates, opt_state = self.optimizer.update(grads, opt_state, params)
+                return optax.apply_updates(params, updates), opt_state
+
+            ch["update"] = jax.jit(update, donate_argnums=(0, 1))
+
+    # ---- one step ---------------------------------------------------------------------------------------
+
+    def step(
+        self, state: dict[str, Any], inputs: np.ndarray, targets: np.ndarray, *, timeline: list | None = None
+    ) -> tuple[dict[str, Any], dict[str, float]]:
+        """One optimizer step over the global batch ``(inputs, targets)`` (host arrays).
+
+        ``timeline``, when given, receives ``(stage, task, start_s, end_s)`` per task; each task is then
+        waited for, so the times are each task's own (the stages no longer overlap).
+        """
+        sched, chunks, m = self.sched, self.chunks, self.sched.microbatches
+        last = len(chunks) - 1
+        rows = inputs.shape[0] // m
+        params = state["params"]
+        grads = [ch["zeros"](p) for ch, p in zip(chunks, params, strict=True)]
+        xs: dict[tuple[int, int], jax.Array] = {}  # (microbatch, chunk) -> the chunk's input
+        dys: dict[tuple[int, int], jax.Array] = {}  # (microbatch, chunk) -> gradient of the chunk's output
+        losses: list[jax.Array] = []
+        for j in range(m):
+            xs[(j, 0)] = jax.device_put(inputs[j * rows : (j + 1) * rows], chunks[0]["tok_sh"])
+        tgt = [jax.device_put(targets[j * rows : (j + 1) * rows], chunks[last]["tok_sh"]) for j in range(m)]
+        origin = time.perf_counter()
+        for _, s, task in sched.starts():
+            start = time.perf_counter()
+            out = self._run(task, params, grads, xs, dys, tgt, losses)
+            if timeline is not None:
+                jax.block_until_ready(out)
+                timeline.append((s, task, start - origin, time.perf_counter() - origin))
+        if self.tied:  # the head's gradient joins the embedding's, on the first stage
+            head = jax.device_put(grads[last]["head"], chunks[0]["param_sh"]["embed"])
+            grads[0] = {**grads[0], "embed": grads[0]["embed"] + head}
+        trained = [self._trained(g, c) for c, g in enumerate(grads)]
+        norm = math.sqrt(sum(float(ch["sumsq"](g)) for ch, g in zip(chunks, trained, strict=True)))
+        scale = 1.0 if not self.grad_clip or norm < self.grad_clip else self.grad_clip / norm
+        new_params, new_opt = [], []
+        for c, ch in enumerate(chunks):
+            trainable = self._trained(params[c], c)
+            p, o = ch["update"](
+                trainable, state["opt_state"][c], trained[c], jax.device_put(np.float32(scale), ch["scalar_sh"])
+            )
+            new_params.append(p)
+            new_opt.append(o)
+        if self.tied:  # refresh the last chunk's copy of the table
+            new_params[last] = {
+                **new_params[last],
+                "head": jax.device_put(new_params[0]["embed"], chunks[last]["param_sh"]["head"]),
+            }
+        loss = sum(float(x) for x in losses)
+        return {"params": new_params, "opt_state": new_opt, "step": state["step"] + 1}, {
+            "loss": loss,
+            "grad_norm": norm,
+        }
+
+    def _run(self, task: Task, params, grads, xs, dys, tgt, losses) -> Any:
+        c, j, ch = task.chunk, task.microbatch, self.chunks[task.chunk]
+        last = c == len(self.chunks) - 1
+        x = xs[(j, c)]
+        if task.kind == "F":
+            if last:
+                losses.append(ch["forward"](params[c], x, tgt[j]))
+                return losses[-1]
+            xs[(j, c + 1)] = jax.device_put(ch["forward"](params[c], x), self.chunks[c + 1]["act_sh"])
+            return xs[(j, c + 1)]
+        dy = tgt[j] if last else dys[(j, c)]  # for the last chunk, the targets seed the backward
+        if task.kind == "B" and not self.sched.split_backward:  # both gradients at once
+            grads[c], dx = ch["backward"](params[c], x, dy, grads[c])
+            self._send_back(j, c, dx, dys)
+            self._forget(j, c, xs, dys)
+            return grads[c]
+        if task.kind == "B":  # the input gradient only; the weight gradient waits for W
+            if c == 0:
+                return x  # nothing flows into the tokens
+            return self._send_back(j, c, ch["inputs"](params[c], x, dy), dys)
+        grads[c] = ch["weights"](params[c], x, dy, grads[c])
+        self._forget(j, c, xs, dys)
+        return grads[c]
+
+    def _send_back(self, j: int, c: int, dx: Any, dys: dict) -> Any:
+        if c > 0:
+            dys[(j, c - 1)] = jax.device_put(dx, self.chunks[c - 1]["act_sh"])
+            return dys[(j, c - 1)]
+        return None
+
+    def _forget(self, j: int, c: int, xs: dict, dys: dict) -> None:
+        del xs[(j, c)]
+        dys.pop((j, c), None)
+
+
+def _programs(graphdef: Any, constrain: Constrain, *, first: bool, last: bool, m: int) -> dict[str, Any]:
+    """The jitted forward and backward programs of one chunk.
+
+    The last chunk's forward returns its micro-batch's loss divided by ``m`` (so the losses sum to the
+    step's mean), and its backward takes the targets where other chunks take their output's gradient.
+    """
+
+    def apply(params: Any, x: jax.Array) -> jax.Array:
+        return nnx.merge(graphdef, params)(x, constrain)
+
+    def loss(params: Any, x: jax.Array, targets: jax.Array) -> jax.Array:
+        return optax.softmax_cross_entropy_with_integer_labels(apply(params, x), targets).mean() / m
+
+    def pullback(params: Any, x: jax.Array, dy: jax.Array) -> tuple[Any, Any]:
+        f, seed = (lambda p, h: loss(p, h, dy), jnp.ones((), jnp.float32)) if last else (apply, dy)
+        if first:  # tokens have no gradient
+            _, pull = jax.vjp(lambda p: f(p, x), params)
+            return pull(seed)[0], None
+        _, pull = jax.vjp(f, params, x)
+        return pull(seed)
+
+    def backward(params: Any, x: jax.Array, dy: jax.Array, acc: Any) -> tuple[Any, Any]:
+        dparams, dx = pullback(params, x, dy)
+        return jax.tree.map(jnp.add, acc, dparams), dx
+
+    def weights(params: Any, x: jax.Array, dy: jax.Array, acc: Any) -> Any:
+        return jax.tree.map(jnp.add, acc, pullback(params, x, dy)[0])  # XLA drops the unused input half
+
+    def inputs(params: Any, x: jax.Array, dy: jax.Array) -> Any:
+        return pullback(params, x, dy)[1]  # and here the unused weight half
+
+    return {
+        "forward": jax.jit(loss if last else apply),
+        "backward": jax.jit(backward, donate_argnums=3),
+        "weights": jax.jit(weights, donate_argnums=3),
+        "inputs": jax.jit(inputs),
+    }

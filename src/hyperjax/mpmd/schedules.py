@@ -1,0 +1,344 @@
+"""Pipeline schedules as data: each is a pure function returning a stage x time grid.
+
+A grid has one row per pipeline stage (a submesh) and one column per time slot. A cell holds the
+:class:`Task` the stage runs in that slot, or ``None`` when the stage idles (a bubble). Tasks take whole
+slots: a forward one slot, a full backward two (it costs about twice the forward), and when the backward
+is split (zero-bubble) its input-gradient part ``B`` and weight-gradient part ``W`` one slot each. A task
+lasting several slots fills consecutive cells with the same value.
+
+With ``v`` virtual stages, stage ``s`` holds the model chunks ``s, s + p, s + 2p, ...`` (``p`` stages), so
+a micro-batch passes through every stage ``v`` times. Chunks are numbered in model order
+(:attr:`Task.chunk`), and a task's dependencies are on the neighbouring chunks.
+
+The grids are built the same way for every schedule: each stage's order of tasks (the part that makes
+a schedule what it is) is placed slot by slot, each task as soon as its stage is free and the tasks it
+depends on have finished in an earlier slot. :func:`validate` checks any grid; the runtime executes the
+grid column by column and the cost model reads the same grid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from hyperjax.errors import ConfigError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+_SLOTS = {"F": 1, "B": 2, "W": 1}  # slots per task; "B" is 1 slot when the backward is split
+
+
+class ScheduleError(ConfigError):
+    """A schedule grid breaks a rule (a bug in a schedule, or a hand-written grid)."""
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Task:
+    """One unit of pipeline work.
+
+    Attributes:
+      kind: ``F`` forward, ``B`` backward (input and weight gradients, or only the input gradient when
+        the schedule splits the backward), ``W`` weight gradient (split backward only).
+      microbatch: the micro-batch index.
+      chunk: the model chunk, in model order (``0 .. stages * virtual_stages - 1``).
+    """
+
+    kind: str
+    microbatch: int
+    chunk: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}.{self.chunk}"
+
+
+Grid = tuple[tuple[Task | None, ...], ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """A schedule's grid and the facts needed to read it.
+
+    Attributes:
+      name: one of :data:`SCHEDULES`.
+      stages: pipeline stages (rows).
+      microbatches: micro-batches per step.
+      virtual_stages: model chunks per stage.
+      split_backward: whether the backward is split into ``B`` and ``W``.
+      grid: ``grid[stage][slot]``.
+    """
+
+    name: str
+    stages: int
+    microbatches: int
+    virtual_stages: int
+    split_backward: bool
+    grid: Grid
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks in all."""
+        return self.stages * self.virtual_stages
+
+    @property
+    def slots(self) -> int:
+        """Columns of the grid."""
+        return len(self.grid[0]) if self.grid else 0
+
+    def stage_of(self, chunk: int) -> int:
+        """The stage that holds ``chunk``."""
+        return chunk % self.stages
+
+    def slots_of(self, task: Task) -> int:
+        """Slots ``task`` occupies."""
+        return 1 if self.split_backward else _SLOTS[task.kind]
+
+    def bubble_fraction(self) -> float:
+        """Idle cells over all cells (every task of a uniform pipeline takes its nominal slots)."""
+        cells = self.stages * self.slots
+        return sum(c is None for row in self.grid for c in row) / cells if cells else 0.0
+
+    def starts(self) -> list[tuple[int, int, Task]]:
+        """``(slot, stage, task)`` for each task where it starts, in time order then stage order."""
+        out = []
+        for s, row in enumerate(self.grid):
+            for t, cell in enumerate(row):
+                if cell is not None and (t == 0 or row[t - 1] != cell):
+                    out.append((t, s, cell))
+        return sorted(out)
+
+    def render(self) -> str:
+        """The grid as text, one line per stage (``.`` for a bubble)."""
+        width = max((len(str(c)) for row in self.grid for c in row if c is not None), default=1)
+        return "\n".join(
+            f"stage {s}: " + " ".join(("." if c is None else str(c)).ljust(width) for c in row)
+            for s, row in enumerate(self.grid)
+        )
+
+
+def theory_bubble(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """The textbook bubble fraction of a uniform pipeline under ``name``.
+
+    GPipe and 1F1B: ``(p-1)/(m+p-1)``; interleaved 1F1B: ``(p-1)/(v*m+p-1)`` (the bubble shrinks by v);
+    zero-bubble ZB-H1 with forward, input-gradient and weight-gradient parts of equal cost:
+    ``(p-1)/(3m+p-1)`` (a third of 1F1B's bubble).
+    """
+    p, m, v = stages, microbatches, virtual_stages
+    if name == "interleaved":
+        return (p - 1) / (v * m + p - 1)
+    if name == "zero-bubble":
+        return (p - 1) / (3 * m + p - 1)
+    return (p - 1) / (m + p - 1)
+
+
+def _check_sizes(name: str, stages: int, microbatches: int, virtual_stages: int) -> None:
+    if name not in SCHEDULES:
+        raise ConfigError(f"parallel.schedule={name!r} is not one of {SCHEDULES}")
+    for key, value in (
+        ("parallel.pipeline", stages),
+        ("train.microbatches", microbatches),
+        ("parallel.virtual_stages", virtual_stages),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{key}={value!r} must be a positive integer")
+    if virtual_stages > 1 and name != "interleaved":
+        raise ConfigError(
+            f"parallel.virtual_stages={virtual_stages} needs parallel.schedule: interleaved (got {name!r}); "
+            "set virtual_stages: 1 or use the interleaved schedule"
+        )
+    if name == "interleaved" and microbatches % stages:
+        raise ConfigError(
+            f"the interleaved schedule runs micro-batches in groups of parallel.pipeline={stages}, but "
+            f"train.microbatches={microbatches} is not a multiple of it; use a multiple of {stages}"
+        )
+
+
+def _gpipe_order(stage: int, stages: int, m: int, v: int) -> list[Task]:
+    return [Task("F", j, stage) for j in range(m)] + [Task("B", j, stage) for j in range(m)]
+
+
+def _one_f_one_b_order(stage: int, stages: int, m: int, v: int, *, backward: tuple[str, ...] = ("B",)) -> list[Task]:
+    warm = min(stages - stage - 1, m)
+    order = [Task("F", j, stage) for j in range(warm)]
+    f = warm
+    for b in range(m):
+        if f < m:
+            order.append(Task("F", f, stage))
+            f += 1
+        order.extend(Task(kind, b, stage) for kind in backward)
+    return order
+
+
+def _interleaved_order(stage: int, stages: int, m: int, v: int) -> list[Task]:
+    # Megatron-LM's interleaved 1F1B: micro-batches advance in groups of `stages` through the chunks
+    p, total = stages, m * v
+
+    def forward(i: int) -> Task:
+        group, k = divmod(i, p * v)
+        return Task("F", group * p + k % p, (k // p) * p + stage)
+
+    def backward(i: int) -> Task:
+        group, k = divmod(i, p * v)
+        return Task("B", group * p + k % p, (v - 1 - k // p) * p + stage)
+
+    warm = min((p - stage - 1) * 2 + (v - 1) * p, total)
+    order = [forward(i) for i in range(warm)]
+    f = warm
+    for b in range(total):
+        if f < total:
+            order.append(forward(f))
+            f += 1
+        order.append(backward(b))
+    return order
+
+
+def _zero_bubble_order(stage: int, stages: int, m: int, v: int) -> list[Task]:
+    # ZB-H1: 1F1B with the weight-gradient part of each backward deferred until the stage would
+    # otherwise wait; the placement below (not this order) decides when a deferred W runs
+    return _one_f_one_b_order(stage, stages, m, v, backward=("B",))
+
+
+_ORDERS: dict[str, Callable[[int, int, int, int], list[Task]]] = {
+    "gpipe": _gpipe_order,
+    "1f1b": _one_f_one_b_order,
+    "interleaved": _interleaved_order,
+    "zero-bubble": _zero_bubble_order,
+}
+
+
+def make_schedule(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """The grid of schedule ``name`` for ``stages`` stages and ``microbatches`` micro-batches.
+
+    Raises:
+      ConfigError: an unknown schedule or sizes it cannot take, naming the config key.
+    """
+    _check_sizes(name, stages, microbatches, virtual_stages)
+    split = name == "zero-bubble"
+    orders = [_ORDERS[name](s, stages, microbatches, virtual_stages) for s in range(stages)]
+    chunks = stages * virtual_stages
+    slots_of = (lambda t: 1) if split else (lambda t: _SLOTS[t.kind])
+    done: dict[Task, int] = {}  # task -> first free slot after it
+    rows: list[list[Task | None]] = [[] for _ in range(stages)]
+    position = [0] * stages
+    pending_w: list[list[Task]] = [[] for _ in range(stages)]
+
+    def ready_at(task: Task) -> int | None:
+        deps = _dependencies(task, chunks, split)
+        if any(d not in done for d in deps):
+            return None
+        return max((done[d] for d in deps), default=0)
+
+    def place(s: int, task: Task) -> None:
+        rows[s].extend([task] * slots_of(task))
+        done[task] = len(rows[s])
+
+    work = sum(slots_of(t) for o in orders for t in o) + (stages * microbatches * virtual_stages if split else 0)
+    t = 0
+    while any(position[s] < len(orders[s]) or pending_w[s] for s in range(stages)):
+        if t > 2 * work + stages:  # a schedule whose orders wait on each other: a bug, not user input
+            raise ScheduleError(f"schedule {name!r} deadlocks for {stages} stages, {microbatches} micro-batches")
+        for s in range(stages):
+            if len(rows[s]) > t or (position[s] >= len(orders[s]) and not pending_w[s]):
+                continue  # busy, or finished
+            task = orders[s][position[s]] if position[s] < len(orders[s]) else None
+            at = ready_at(task) if task is not None else None
+            if task is not None and at is not None and at <= t:
+                place(s, task)
+                position[s] += 1
+                if split and task.kind == "B":
+                    pending_w[s].append(Task("W", task.microbatch, task.chunk))
+            elif pending_w[s]:
+                place(s, pending_w[s].pop(0))  # deferred weight work fills what would be a bubble
+            else:
+                rows[s].append(None)
+        t += 1
+    width = max(len(r) for r in rows)
+    grid = tuple(tuple(r + [None] * (width - len(r))) for r in rows)
+    sched = Schedule(
+        name=name,
+        stages=stages,
+        microbatches=microbatches,
+        virtual_stages=virtual_stages,
+        split_backward=split,
+        grid=grid,
+    )
+    validate(sched)
+    return sched
+
+
+def _dependencies(task: Task, chunks: int, split: bool) -> list[Task]:
+    j, c = task.microbatch, task.chunk
+    if task.kind == "F":
+        return [Task("F", j, c - 1)] if c > 0 else []
+    if task.kind == "W":
+        return [Task("B", j, c)]
+    deps = [Task("F", j, c)]
+    if c < chunks - 1:
+        deps.append(Task("B", j, c + 1))
+    return deps
+
+
+def validate(sched: Schedule) -> None:
+    """Check a grid: every task exactly once on its stage, contiguous, after everything it depends on.
+
+    Raises:
+      ScheduleError: the first rule broken, naming the task, stage and slot.
+    """
+    p, m, v, split = sched.stages, sched.microbatches, sched.virtual_stages, sched.split_backward
+    if len(sched.grid) != p or len({len(r) for r in sched.grid}) > 1:
+        raise ScheduleError(f"schedule {sched.name!r}: the grid needs {p} rows of equal length")
+    kinds = ("F", "B", "W") if split else ("F", "B")
+    expected = {Task(k, j, c) for k in kinds for j in range(m) for c in range(p * v)}
+    span: dict[Task, tuple[int, int]] = {}
+    for s, row in enumerate(sched.grid):
+        t = 0
+        while t < len(row):
+            task = row[t]
+            if task is None:
+                t += 1
+                continue
+            length = sched.slots_of(task)
+            if tuple(row[t : t + length]) != (task,) * length:
+                raise ScheduleError(f"schedule {sched.name!r}: {task} on stage {s} at slot {t} needs {length} slots")
+            if task in span:
+                raise ScheduleError(f"schedule {sched.name!r}: {task} runs twice (stage {s}, slot {t})")
+            if task not in expected:
+                raise ScheduleError(f"schedule {sched.name!r}: {task} at stage {s}, slot {t} is not a task of it")
+            if sched.stage_of(task.chunk) != s:
+                raise ScheduleError(
+                    f"schedule {sched.name!r}: {task} runs on stage {s}, but chunk {task.chunk} lives on "
+                    f"stage {sched.stage_of(task.chunk)}"
+                )
+            span[task] = (t, t + length)
+            t += length
+    missing = expected - set(span)
+    if missing:
+        raise ScheduleError(f"schedule {sched.name!r}: {min(missing)} never runs ({len(missing)} tasks missing)")
+    chunks = p * v
+    for task, (start, _) in span.items():
+        for dep in _dependencies(task, chunks, split):
+            if span[dep][1] > start:
+                raise ScheduleError(
+                    f"schedule {sched.name!r}: {task} starts at slot {start} before {dep} ends at slot {span[dep][1]}"
+                )
+
+
+def replay(sched: Schedule, seconds: dict[Task, float]) -> dict[Task, tuple[int, float, float]]:
+    """Times of every task when each lasts ``seconds[task]``: ``{task: (stage, start, end)}``.
+
+    Each stage runs its tasks in the grid's order, each as soon as the stage is free and its
+    dependencies have ended. With every task at its nominal slots this reproduces the grid.
+    """
+    clock = [0.0] * sched.stages
+    out: dict[Task, tuple[int, float, float]] = {}
+    for _, s, task in sched.starts():
+        deps = _dependencies(task, sched.chunks, sched.split_backward)
+        start = max([clock[s], *(out[d][2] for d in deps)])
+        out[task] = (s, start, start + seconds[task])
+        clock[s] = start + seconds[task]
+    return out
+
+
+def replayed_bubble(sched: Schedule, seconds: dict[Task, float]) -> float:
+    """Idle time over stage time of :func:`replay` (from the first start to the last end)."""
+    times = replay(sched, seconds)
+    end = max(e for _, _, e in times.values())
+    return 1 - sum(seconds.values()) / (sched.stages * end) if end else 0.0

@@ -1,0 +1,109 @@
+"""Pipeline training gives the losses of one SPMD program (fp32, 1e-4), for every schedule and split."""
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hyperjax.errors import ConfigError, HyperjaxError
+from hyperjax.models import ModelConfig
+from hyperjax.mpmd.pipeline import balance_layers, split_devices
+from hyperjax.train import load_config, plan_run, train
+
+QUICKSTART = Path(__file__).parents[2] / "configs" / "quickstart.yaml"
+STEPS = 3
+BASE = [f"train.steps={STEPS}", "parallel.tensor=1"]  # quickstart's global batch: 32
+
+
+def losses(sets: list[str]) -> list[float]:
+    return train(plan_run(load_config(QUICKSTART, [*BASE, *sets])), log=io.StringIO()).losses
+
+
+@pytest.fixture(scope="module")
+def spmd() -> list[float]:
+    return losses(["parallel.data=8"])
+
+
+@pytest.fixture(scope="module")
+def spmd48() -> list[float]:
+    return losses(["parallel.data=8", "train.global_batch=48"])
+
+
+@pytest.fixture(scope="module")
+def spmd_deep() -> list[float]:
+    return losses(["parallel.data=8", "model.layers=8"])
+
+
+CASES = [
+    [f"parallel.pipeline={p}", f"train.microbatches={m}", f"parallel.schedule={s}"]
+    for s in ("gpipe", "1f1b", "zero-bubble")
+    for p in (2, 4)
+    for m in (4, 8)
+]
+CASES += [
+    ["parallel.pipeline=2", f"train.microbatches={m}", "parallel.schedule=interleaved", "parallel.virtual_stages=2"]
+    for m in (4, 8)
+]
+CASES += [["parallel.pipeline=2", "parallel.tensor=2", "train.microbatches=4"]]  # tensor parallel inside stages
+
+
+@pytest.mark.parametrize("sets", CASES, ids=lambda s: ",".join(x.split("=")[-1] for x in s))
+def test_pipeline_matches_spmd(spmd, sets):
+    plan = plan_run(load_config(QUICKSTART, [*BASE, *sets]))
+    assert plan.pipeline is not None
+    np.testing.assert_allclose(losses(sets), spmd, rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble"])
+def test_unequal_stages_match_spmd(spmd48, schedule):
+    # 2 + 6 devices: micro-batches of 12 sequences split 2 and 6 ways
+    sets = ["train.global_batch=48", "parallel.pipeline=2", "parallel.stage_devices=[2,6]", "train.microbatches=4"]
+    np.testing.assert_allclose(losses([*sets, f"parallel.schedule={schedule}"]), spmd48, rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("m", [4, 8])
+def test_interleaved_four_stages_matches_spmd(spmd_deep, m):
+    # four stages of two chunks each need eight layers
+    sets = ["model.layers=8", "parallel.pipeline=4", f"train.microbatches={m}", "parallel.schedule=interleaved"]
+    sets.append("parallel.virtual_stages=2")
+    np.testing.assert_allclose(losses(sets), spmd_deep, rtol=1e-4, atol=0)
+
+
+def test_unequal_stages_get_layers_by_their_devices():
+    sets = ["train.global_batch=48", "parallel.pipeline=2", "parallel.stage_devices=[2,6]"]
+    plan = plan_run(load_config(QUICKSTART, [*BASE, *sets]))
+    assert plan.pipeline.stage_devices == (2, 6)
+    assert plan.pipeline.chunk_layers == (1, 3)
+    assert [a["data"] for a in plan.pipeline.stage_axes] == [2, 6]
+
+
+def test_balance_weighs_the_output_layer():
+    cfg = ModelConfig(layers=8, d_model=64, heads=4, d_ff=256, vocab=50000, seq_len=64)
+    counts = balance_layers(cfg, [4, 4])
+    assert sum(counts) == 8 and counts[0] > counts[1]  # the big vocabulary makes the last stage heavy
+    assert balance_layers(cfg, [4, 4], stage_layers=[4, 4]) == [4, 4]
+
+
+def test_submeshes_are_consecutive_slices():
+    groups = split_devices(list(range(8)), [2, 6])
+    assert groups == [[0, 1], [2, 3, 4, 5, 6, 7]]
+    with pytest.raises(ConfigError, match="sum to 7"):
+        split_devices(list(range(8)), [2, 5])
+
+
+@pytest.mark.parametrize(
+    ("sets", "match"),
+    [
+        (["parallel.pipeline=8"], "8 chunks, but model.layers=4"),
+        (["parallel.pipeline=2", "parallel.stage_devices=[2,5]"], "sum to 7"),
+        (["parallel.pipeline=2", "parallel.stage_devices=[2,2,4]"], "names 3 stages"),
+        (["parallel.pipeline=2", "parallel.stage_devices=[2,6]"], "multiple of 24"),
+        (["parallel.pipeline=2", "parallel.stage_layers=[1,1]"], "summing to model.layers=4"),
+        (["parallel.pipeline=2", "parallel.schedule=pipedream"], "parallel.schedule"),
+        (["parallel.pipeline=3"], "does not divide the 8 devices"),
+    ],
+)
+def test_invalid_splits_name_the_key(sets, match):
+    with pytest.raises(HyperjaxError, match=match):
+        plan_run(load_config(QUICKSTART, [*BASE, *sets]))
