@@ -1,10 +1,11 @@
 """Pipeline bubbles on the emulated supernode, per schedule, against theory.
 
 For each schedule and size, the quickstart model (8 layers here, so four stages can hold two chunks)
-trains pipelined on 8 emulated devices. One step is run with every task timed on its own (each waited
-for), which gives each task's measured duration; the step's timeline is then rebuilt from those
-durations and the grid the runtime executed (each task starts when its stage is free and its inputs
-have arrived). The bubble fraction of that timeline is compared with the textbook figure:
+trains pipelined on 8 emulated devices. Five steps are run with every task timed on its own (each
+waited for), which gives each task's measured duration (its median over the five); the step's
+timeline is then rebuilt from those durations and the grid the runtime executed (each task starts
+when its stage is free and its inputs have arrived). The bubble fraction of that timeline is
+compared with the textbook figure:
 
 - GPipe and 1F1B: ``(p-1)/(m+p-1)``; interleaved 1F1B: ``(p-1)/(v*m+p-1)``; zero-bubble (ZB-H1):
   ``(p-1)/(3m+p-1)``.
@@ -16,9 +17,14 @@ The "at stage medians" column replays the same grid with each task at its stage'
 kind: the bubble these stage costs imply, without per-task timing noise. The gap column is measured
 minus theory.
 
+Second, the predicted step time on ``cloudmatrix384`` of ``configs/vlm-cm384.yaml`` (ViT-L/14 encoder,
+Llama-8B-shaped language model, 384 devices) under one SPMD program (the best single strategy for both
+modules, and the conventional tensor=8 one) and under MPMD with cost-balanced submeshes, each with its
+own best strategy (:mod:`hyperjax.cost.mpmd`).
+
 Writes ``benchmarks/results/mpmd.json``, a Perfetto trace and a Gantt chart per 4-stage schedule.
 
-    python benchmarks/mpmd.py
+    python benchmarks/mpmd.py [--vlm-only]
 """
 
 from __future__ import annotations
@@ -36,13 +42,14 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from hyperjax.models import build_model  # noqa: E402
-from hyperjax.mpmd.pipeline import PipelineRunner  # noqa: E402
+from hyperjax.mpmd.pipeline import PipelineRunner, transformer_chunks  # noqa: E402
 from hyperjax.mpmd.schedules import replay, replayed_bubble, theory_bubble  # noqa: E402
 from hyperjax.train import load_config, plan_run  # noqa: E402
 from hyperjax.train.data import Batches  # noqa: E402
 from hyperjax.train.step import make_optimizer  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+REPEATS = 5
 CONFIG = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
 CASES = [
     ("gpipe", 2, 8, 1),
@@ -60,7 +67,7 @@ def measure(schedule: str, p: int, m: int, v: int) -> dict:
     plan = plan_run(load_config(CONFIG, sets))
     t = plan.config.train
     runner = PipelineRunner(
-        model=build_model(plan.config.model, seed=t.seed),
+        chunks=transformer_chunks(build_model(plan.config.model, seed=t.seed), plan.pipeline),
         layout=plan.pipeline,
         strategy=plan.strategy,
         hardware=plan.hardware,
@@ -71,10 +78,13 @@ def measure(schedule: str, p: int, m: int, v: int) -> dict:
     state = runner.init_state()
     data = Batches(source=t.data, global_batch=t.global_batch, seq_len=plan.config.model.seq_len, vocab=256, seed=0)
     for i in range(2):  # compile every program
-        state, _ = runner.step(state, *data.rows(i, slice(None)))
-    timeline: list = []
-    state, _ = runner.step(state, *data.rows(2, slice(None)), timeline=timeline)
-    seconds = {task: end - start for _, task, start, end in timeline}
+        state, _ = runner.step(state, data.batch(i))
+    runs = []
+    for i in range(REPEATS):  # each task's duration: its median over repeated steps
+        timeline: list = []
+        state, _ = runner.step(state, data.batch(2 + i), timeline=timeline)
+        runs.append({task: end - start for _, task, start, end in timeline})
+    seconds = {task: statistics.median(run[task] for run in runs) for task in runs[0]}
     sched = runner.sched
     # the same grid with every task at its stage's median for its kind: the schedule's own bubble for
     # these stage costs, free of per-task timing noise
@@ -144,9 +154,53 @@ def write_gantt(row: dict, path: Path) -> None:
     tmp.replace(path)
 
 
+def vlm() -> dict:
+    from hyperjax.cost.mpmd import _fits_first, module_configs, mpmd, spmd
+    from hyperjax.topology import load_hardware
+
+    cfg = load_config(CONFIG.parent / "vlm-cm384.yaml")
+    hw = load_hardware("cloudmatrix384")
+    best = spmd(cfg, hw, 384)
+    conventional = {"parallel.data": 48, "parallel.tensor": 8, "parallel.sequence_parallel": True}
+    modules = {k: _fits_first(c, hw, conventional) for k, c in module_configs(cfg).items()}
+    split = mpmd(cfg, hw, 384, microbatches=cfg.train.microbatches or 8)
+    return {
+        "config": "configs/vlm-cm384.yaml",
+        "spmd_best": best,
+        "spmd_tensor8": {
+            "step_time_s": sum(e.step_time_s for _, e in modules.values()),
+            "module_step_s": {k: e.step_time_s for k, (_, e) in modules.items()},
+        },
+        "mpmd": split,
+        "speedup_vs_spmd_best": best["step_time_s"] / split["step_time_s"],
+    }
+
+
 def main() -> None:
+    import sys
+
     RESULTS.mkdir(exist_ok=True)
-    rows = [measure(*case) for case in CASES]
+    out = RESULTS / "mpmd.json"
+    previous = json.loads(out.read_text()) if out.exists() else {}
+    v = vlm()
+    console = Console(width=140)
+    table = Table(title="VLM on cloudmatrix384 (384 devices), predicted step time")
+    for col in ("program", "step (s)", "encoder", "language model", "devices"):
+        table.add_column(col, justify="right")
+    for name, row in (("SPMD, best single strategy", v["spmd_best"]), ("SPMD, tensor=8", v["spmd_tensor8"])):
+        ms = row["module_step_s"]
+        table.add_row(name, f"{row['step_time_s']:.3f}", f"{ms['encoder']:.3f}", f"{ms['language_model']:.3f}", "384")
+    ms, dev = v["mpmd"]["module_step_s"], v["mpmd"]["devices"]
+    table.add_row(
+        "MPMD, balanced submeshes",
+        f"{v['mpmd']['step_time_s']:.3f}",
+        f"{ms['encoder']:.3f}",
+        f"{ms['language_model']:.3f}",
+        f"{dev['encoder']} + {dev['language_model']}",
+    )
+    console.print(table)
+    print(f"MPMD vs best SPMD: {v['speedup_vs_spmd_best']:.2f}x")
+    rows = previous.get("bubbles", []) if "--vlm-only" in sys.argv else [measure(*case) for case in CASES]
     table = Table(title="pipeline bubble fraction: measured task times on the executed grid vs theory")
     cols = ("schedule", "p", "m", "v", "theory", "grid", "at stage medians", "measured", "gap (points)", "F/B/W ms")
     for col in cols:
@@ -169,10 +223,9 @@ def main() -> None:
             stem = f"mpmd-{r['schedule']}"
             write_trace(r, RESULTS / f"{stem}.trace.json")
             write_gantt(r, RESULTS / f"{stem}.png")
-    Console(width=140).print(table)
-    out = RESULTS / "mpmd.json"
+    console.print(table)
     tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps({"bubbles": rows}, indent=1))
+    tmp.write_text(json.dumps({"bubbles": rows, "vlm": v}, indent=1))
     tmp.replace(out)
     print(f"wrote {out}")
 

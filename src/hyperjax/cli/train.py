@@ -100,5 +100,8 @@ def _print_prediction(plan) -> None:
     from hyperjax.cost import estimate
 
     cfg = plan.config
+    if cfg.model.vision is not None:
+        print("  prediction: a vision-language model is priced by hyperjax.cost.mpmd (python benchmarks/mpmd.py)")
+        return
     same = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, data=plan.axes["data"]))
     print_estimate(estimate(same, plan.hardware), plan.hardware.name)

@@ -90,6 +90,11 @@ def estimate(cfg: Config, hardware: Hardware) -> Estimate:
       ConfigError: degrees that do not divide the model (heads, layers, batch, sequence).
     """
     m, t, p = cfg.model, cfg.train, cfg.parallel
+    if m.vision is not None:
+        raise ConfigError(
+            "model.vision: predict prices decoder-only models; a vision-language model is priced module by "
+            "module, as one SPMD program and as MPMD submeshes, by hyperjax.cost.mpmd (python benchmarks/mpmd.py)"
+        )
     axes = predict_axes(cfg)
     ordered = {k: axes[k] for k in PLACEMENT}
     spans = _spans(hardware, tuple(ordered.items()))

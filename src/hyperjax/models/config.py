@@ -10,6 +10,55 @@ FAMILIES = ("gpt", "llama")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class VisionConfig:
+    """A ViT image encoder whose patch tokens prefix the language model's input (``model.vision:``)."""
+
+    layers: int = 2  # encoder blocks (bidirectional attention, LayerNorm, GELU MLP)
+    d_model: int = 128  # encoder width
+    heads: int = 4  # encoder attention heads
+    d_ff: int = 512  # encoder MLP hidden width
+    image_size: int = 16  # square images of image_size x image_size pixels
+    patch: int = 4  # square patches of patch x patch pixels, one token each
+    channels: int = 3  # colour channels
+
+    def __post_init__(self) -> None:
+        for key in ("layers", "d_model", "heads", "d_ff", "image_size", "patch", "channels"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"model.vision.{key}={value!r} must be a positive integer")
+        if self.d_model % self.heads:
+            raise ConfigError(
+                f"model.vision.d_model={self.d_model} is not divisible by model.vision.heads={self.heads}"
+            )
+        if self.image_size % self.patch:
+            raise ConfigError(
+                f"model.vision.image_size={self.image_size} is not a multiple of model.vision.patch={self.patch}"
+            )
+
+    @property
+    def patches(self) -> int:
+        """Patch tokens per image."""
+        return (self.image_size // self.patch) ** 2
+
+    @property
+    def patch_dim(self) -> int:
+        """Pixels times channels of one patch."""
+        return self.patch * self.patch * self.channels
+
+    def as_model(self, d_out: int = 1) -> ModelConfig:
+        """The encoder's blocks as a GPT-style model config over the patch tokens (``vocab``: ``d_out``)."""
+        return ModelConfig(
+            family="gpt",
+            layers=self.layers,
+            d_model=self.d_model,
+            heads=self.heads,
+            d_ff=self.d_ff,
+            vocab=d_out,
+            seq_len=self.patches,
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Shape of a decoder-only transformer (the ``model:`` section of a config)."""
 
@@ -22,7 +71,8 @@ class ModelConfig:
     kv_heads: int | None = None  # key/value heads (grouped-query attention); None: as many as heads
     d_ff: int = 1024  # MLP hidden width
     vocab: int = 256  # vocabulary size (256 for byte-level text)
-    seq_len: int = 128  # tokens per sequence
+    seq_len: int = 128  # tokens per sequence (text tokens; a vision model's patch tokens come in front)
+    vision: VisionConfig | None = None  # an image encoder in front of the language model (llama family)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -35,6 +85,10 @@ class ModelConfig:
             raise ConfigError(
                 f"model.d_model={self.d_model} is not divisible by model.heads={self.heads}; "
                 "choose heads that divide d_model"
+            )
+        if self.vision is not None and self.family != "llama":
+            raise ConfigError(
+                f"model.vision needs model.family: llama (rotary positions cover the image tokens); got {self.family!r}"
             )
         if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
             raise ConfigError(

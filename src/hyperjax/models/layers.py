@@ -101,10 +101,19 @@ class Attention(nnx.Module):
     """Causal multi-head or grouped-query attention; the projections are Megatron column/row splits."""
 
     def __init__(
-        self, d_model: int, heads: int, kv_heads: int, *, bias: bool, use_rope: bool, layers: int, rngs: nnx.Rngs
+        self,
+        d_model: int,
+        heads: int,
+        kv_heads: int,
+        *,
+        bias: bool,
+        use_rope: bool,
+        layers: int,
+        rngs: nnx.Rngs,
+        causal: bool = True,
     ) -> None:
         hd = d_model // heads
-        self.heads, self.kv_heads, self.use_rope = heads, kv_heads, use_rope
+        self.heads, self.kv_heads, self.use_rope, self.causal = heads, kv_heads, use_rope, causal
         self.q_proj = param(rngs, (d_model, heads, hd), ("embed", "heads", "head_dim"))
         self.k_proj = param(rngs, (d_model, kv_heads, hd), ("embed", "kv_heads", "head_dim"))
         self.v_proj = param(rngs, (d_model, kv_heads, hd), ("embed", "kv_heads", "head_dim"))
@@ -144,8 +153,9 @@ class Attention(nnx.Module):
         g = h // self.kv_heads
         q = q.reshape(b, s, self.kv_heads, g, d)
         scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
-        causal = jnp.tril(jnp.ones((s, s), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        if self.causal:
+            mask = jnp.tril(jnp.ones((s, s), dtype=bool))
+            scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, h, d)
         out = constrain(checkpoint_name(out, "attention"), ("batch", "seq", "act_heads", None))

@@ -27,12 +27,19 @@ _POLICIES = {
 class Block(nnx.Module):
     """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, causal: bool = True) -> None:
         gpt = cfg.family == "gpt"
         norm = LayerNorm if gpt else RMSNorm
         self.norm1 = norm(cfg.d_model, rngs=rngs)
         self.attn = Attention(
-            cfg.d_model, cfg.heads, cfg.n_kv_heads, bias=gpt, use_rope=not gpt, layers=cfg.layers, rngs=rngs
+            cfg.d_model,
+            cfg.heads,
+            cfg.n_kv_heads,
+            bias=gpt,
+            use_rope=not gpt,
+            layers=cfg.layers,
+            rngs=rngs,
+            causal=causal,
         )
         self.norm2 = norm(cfg.d_model, rngs=rngs)
         self.mlp = MLP(cfg.d_model, cfg.d_ff, gated=not gpt, bias=gpt, layers=cfg.layers, rngs=rngs)
@@ -91,9 +98,17 @@ class Transformer(nnx.Module):
         return nnx.remat(lambda b, h: b(h, constrain), policy=_POLICIES[self.recompute])(block, x)
 
 
-def build_model(cfg: ModelConfig, *, dtype: str = "float32", recompute: str = "none", seed: int = 0) -> Transformer:
-    """Initialise a model of ``cfg`` from ``seed`` (the same parameters on any mesh)."""
-    return Transformer(cfg, dtype=dtype, recompute=recompute, rngs=nnx.Rngs(params=seed))
+def build_model(cfg: ModelConfig, *, dtype: str = "float32", recompute: str = "none", seed: int = 0) -> nnx.Module:
+    """Initialise a model of ``cfg`` from ``seed`` (the same parameters on any mesh).
+
+    A :class:`Transformer`, or with ``cfg.vision`` a :class:`hyperjax.models.vlm.VisionLanguageModel`.
+    """
+    rngs = nnx.Rngs(params=seed)
+    if cfg.vision is not None:
+        from hyperjax.models.vlm import VisionLanguageModel
+
+        return VisionLanguageModel(cfg, dtype=dtype, recompute=recompute, rngs=rngs)
+    return Transformer(cfg, dtype=dtype, recompute=recompute, rngs=rngs)
 
 
 def count_params(model: nnx.Module) -> int:

@@ -6,10 +6,11 @@ SPMD strategy (data, fsdp, tensor, ... over the stage's devices), so stages may 
 are balanced over the chunks by predicted compute time per device (:func:`balance_layers`), which
 gives a larger stage more layers.
 
-Per chunk there are three programs: forward, backward (input and weight gradients together) and, for
-a split-backward schedule, the input-gradient (``B``) and weight-gradient (``W``) halves. Each backward
-program recomputes its chunk's forward inside (stage-level rematerialisation), so no residuals cross
-program boundaries. The runtime walks the schedule's grid in time order and dispatches each task;
+Per chunk there are four programs: the forward, which also returns the chunk's pullback (its residuals
+as arrays, kept on the stage until the backward task), the backward (input and weight gradients
+together) and, for a split-backward schedule, the input-gradient (``B``) and weight-gradient (``W``)
+halves, each reading the same residuals. Nothing is recomputed unless the model's own
+``train.recompute`` says so. The runtime walks the schedule's grid in time order and dispatches each task;
 dispatch is asynchronous, so stages run concurrently, waiting only on the arrays they consume.
 Activations and their gradients move between submeshes with ``jax.device_put`` to the receiver's
 sharding.
@@ -146,6 +147,7 @@ class Chunk(nnx.Module):
             self.head = model.embed if model.cfg.family == "gpt" else model.lm_head
 
     def __call__(self, x: jax.Array, constrain: Constrain) -> jax.Array:
+        """Hidden states (or, for the last chunk, logits); the first chunk's ``x`` is the tokens."""
         if self.first:
             x = embed_tokens(self, x, constrain)
         for block in self.blocks:
@@ -162,12 +164,14 @@ class PipelineLayout:
       stage_devices: devices per stage.
       stage_axes: mesh axes per stage (its own data / fsdp / context / tensor degrees).
       chunk_layers: layers per chunk, model order.
+      names: a label per stage (the submeshes of a heterogeneous model); empty for a pipeline.
     """
 
     schedule: Schedule
     stage_devices: tuple[int, ...]
     stage_axes: tuple[dict[str, int], ...]
     chunk_layers: tuple[int, ...]
+    names: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """One line: stages with their devices and layers, and the schedule."""
@@ -175,67 +179,87 @@ class PipelineLayout:
         for s, n in enumerate(self.stage_devices):
             layers = [self.chunk_layers[c] for c in range(s, len(self.chunk_layers), len(self.stage_devices))]
             degrees = ",".join(f"{k}={v}" for k, v in self.stage_axes[s].items() if v > 1) or "1 device"
-            stages.append(f"{n} devices ({degrees}) {'+'.join(map(str, layers))} layers")
+            label = f"{self.names[s]}: " if self.names else ""
+            stages.append(f"{label}{n} devices ({degrees}) {'+'.join(map(str, layers))} layers")
         sched = self.schedule
         v = f" v={sched.virtual_stages}" if sched.virtual_stages > 1 else ""
-        return f"pipeline {' | '.join(stages)}, {sched.name}{v}, {sched.microbatches} micro-batches"
+        kind = "mpmd" if self.names else "pipeline"
+        return f"{kind} {' | '.join(stages)}, {sched.name}{v}, {sched.microbatches} micro-batches"
+
+
+def transformer_chunks(model: Transformer, layout: PipelineLayout) -> list[Chunk]:
+    """The chunks of a decoder-only model, ``layout.chunk_layers`` layers each."""
+    bounds = np.cumsum([0, *layout.chunk_layers])
+    n = len(layout.chunk_layers)
+    return [Chunk(model, range(bounds[c], bounds[c + 1]), first=c == 0, last=c == n - 1) for c in range(n)]
 
 
 class PipelineRunner:
-    """Runs training steps of a pipelined model on the stage submeshes (one process).
+    """Runs training steps of a model cut into chunks, each on its stage's submesh (one process).
 
     Args:
-      model: the full model (its parameters are the starting point).
-      layout: stages, chunks and schedule.
-      strategy: the SPMD strategy each stage applies on its own submesh.
+      chunks: the model's pieces in order, sharing its variables (so they start from its parameters).
+        Chunk ``c`` is called as ``chunk(x, constrain, **feeds)``: ``x`` is the previous chunk's output
+        (for the first, the batch entry ``entry``); ``feeds`` are the batch entries named by its
+        ``feeds`` attribute. The last returns logits for ``targets``.
+      layout: stages, their devices and mesh axes, and the schedule.
+      strategy: the SPMD rules each stage applies on its own submesh.
       hardware: the preset (for the meshes' capacity checks).
       devices: every device of the pipeline, in physical order.
       optimizer: the optimizer without clipping (applied per chunk; the global norm is combined here).
       grad_clip: global-norm clip (0: none).
+      entry: the batch entry the first chunk reads.
     """
 
     def __init__(
         self,
         *,
-        model: Transformer,
+        chunks: Sequence[nnx.Module],
         layout: PipelineLayout,
         strategy: Strategy,
         hardware: Hardware,
         devices: Sequence[Any],
         optimizer: optax.GradientTransformation,
         grad_clip: float,
+        entry: str = "inputs",
     ) -> None:
-        self.layout, self.optimizer, self.grad_clip = layout, optimizer, grad_clip
+        self.layout, self.optimizer, self.grad_clip, self.entry = layout, optimizer, grad_clip, entry
         sched = layout.schedule
         self.sched = sched
         groups = split_devices(list(devices), layout.stage_devices)
         self.meshes = [make_mesh(hardware, axes, devices=g) for axes, g in zip(layout.stage_axes, groups, strict=True)]
-        bounds = np.cumsum([0, *layout.chunk_layers])
-        chunks = len(layout.chunk_layers)
-        self.tied = model.cfg.family == "gpt" and chunks > 1
-        self.n_chunks = chunks
+        n = len(chunks)
+        last_chunk = chunks[-1]
+        # a tied GPT head: the last chunk's `head` is the first chunk's `embed`
+        self.tied = n > 1 and isinstance(last_chunk, Chunk) and last_chunk.cfg.family == "gpt"
+        self.n_chunks = n
+        self.feeds = [tuple(getattr(ch, "feeds", ())) for ch in chunks]
         self.chunks: list[dict[str, Any]] = []
-        for c in range(chunks):
+        for c, part in enumerate(chunks):
             mesh = self.meshes[sched.stage_of(c)]
-            part = Chunk(model, range(bounds[c], bounds[c + 1]), first=c == 0, last=c == chunks - 1)
             graphdef, state = nnx.split(part)
             strat = strategy.with_param_axes(state)
             params = nnx.to_pure_dict(state)
-            shardings = strat.shardings(params, mesh)
             self.chunks.append(
                 {
                     "graphdef": graphdef,
                     "mesh": mesh,
+                    "strategy": strat,
                     "constrain": strat.constrainer(mesh),
-                    "param_sh": shardings,
+                    "param_sh": strat.shardings(params, mesh),
                     "host_params": jax.tree.map(np.asarray, params),
                     "act_sh": NamedSharding(mesh, strat.spec(("batch", "res_seq", "act_embed"))),
-                    "tok_sh": NamedSharding(mesh, strat.spec(("batch", "seq"))),
                     "scalar_sh": NamedSharding(mesh, PartitionSpec()),
                     "opt_sh": strat.shardings(jax.eval_shape(optimizer.init, self._trained(params, c)), mesh),
                 }
             )
         self._build_programs()
+
+    def _batch_sharding(self, c: int, rank: int) -> NamedSharding:
+        """Where chunk ``c`` takes a batch entry of ``rank`` dimensions: split over its batch axes."""
+        ch = self.chunks[c]
+        logical = ("batch", "seq") if rank == 2 else ("batch",) + (None,) * (rank - 1)
+        return NamedSharding(ch["mesh"], ch["strategy"].spec(logical))
 
     # ---- parameters ------------------------------------------------------------------------------------
 
@@ -284,28 +308,36 @@ class PipelineRunner:
     # ---- one step ---------------------------------------------------------------------------------------
 
     def step(
-        self, state: dict[str, Any], inputs: np.ndarray, targets: np.ndarray, *, timeline: list | None = None
+        self, state: dict[str, Any], batch: dict[str, np.ndarray], *, timeline: list | None = None
     ) -> tuple[dict[str, Any], dict[str, float]]:
-        """One optimizer step over the global batch ``(inputs, targets)`` (host arrays).
+        """One optimizer step over the global ``batch`` (host arrays by entry, ``targets`` among them).
 
         ``timeline``, when given, receives ``(stage, task, start_s, end_s)`` per task; each task is then
         waited for, so the times are each task's own (the stages no longer overlap).
         """
         sched, chunks, m = self.sched, self.chunks, self.sched.microbatches
         last = len(chunks) - 1
-        rows = inputs.shape[0] // m
+        rows = batch["targets"].shape[0] // m
         params = state["params"]
         grads = [ch["zeros"](p) for ch, p in zip(chunks, params, strict=True)]
-        xs: dict[tuple[int, int], jax.Array] = {}  # (microbatch, chunk) -> the chunk's input
+        xs: dict[tuple, Any] = {}  # ("in", microbatch, chunk) -> the chunk's input; (microbatch, chunk) -> pullback
         dys: dict[tuple[int, int], jax.Array] = {}  # (microbatch, chunk) -> gradient of the chunk's output
+        feeds: dict[tuple[int, int], dict[str, jax.Array]] = {}  # (microbatch, chunk) -> its batch entries
         losses: list[jax.Array] = []
+
+        def put(key: str, j: int, c: int) -> jax.Array:
+            part = batch[key][j * rows : (j + 1) * rows]
+            return jax.device_put(part, self._batch_sharding(c, part.ndim))
+
         for j in range(m):
-            xs[(j, 0)] = jax.device_put(inputs[j * rows : (j + 1) * rows], chunks[0]["tok_sh"])
-        tgt = [jax.device_put(targets[j * rows : (j + 1) * rows], chunks[last]["tok_sh"]) for j in range(m)]
+            xs[("in", j, 0)] = put(self.entry, j, 0)
+            for c in range(len(chunks)):
+                feeds[(j, c)] = {key: put(key, j, c) for key in self.feeds[c]}
+            feeds[(j, last)]["targets"] = put("targets", j, last)
         origin = time.perf_counter()
         for _, s, task in sched.starts():
             start = time.perf_counter()
-            out = self._run(task, params, grads, xs, dys, tgt, losses)
+            out = self._run(task, params, grads, xs, dys, feeds, losses)
             if timeline is not None:
                 jax.block_until_ready(out)
                 timeline.append((s, task, start - origin, time.perf_counter() - origin))
@@ -317,44 +349,43 @@ class PipelineRunner:
         scale = 1.0 if not self.grad_clip or norm < self.grad_clip else self.grad_clip / norm
         new_params, new_opt = [], []
         for c, ch in enumerate(chunks):
-            trainable = self._trained(params[c], c)
             p, o = ch["update"](
-                trainable, state["opt_state"][c], trained[c], jax.device_put(np.float32(scale), ch["scalar_sh"])
+                self._trained(params[c], c),
+                state["opt_state"][c],
+                trained[c],
+                jax.device_put(np.float32(scale), ch["scalar_sh"]),
             )
             new_params.append(p)
             new_opt.append(o)
         if self.tied:  # refresh the last chunk's copy of the table
-            new_params[last] = {
-                **new_params[last],
-                "head": jax.device_put(new_params[0]["embed"], chunks[last]["param_sh"]["head"]),
-            }
+            head = jax.device_put(new_params[0]["embed"], chunks[last]["param_sh"]["head"])
+            new_params[last] = {**new_params[last], "head": head}
         loss = sum(float(x) for x in losses)
-        return {"params": new_params, "opt_state": new_opt, "step": state["step"] + 1}, {
-            "loss": loss,
-            "grad_norm": norm,
-        }
+        new_state = {"params": new_params, "opt_state": new_opt, "step": state["step"] + 1}
+        return new_state, {"loss": loss, "grad_norm": norm}
 
-    def _run(self, task: Task, params, grads, xs, dys, tgt, losses) -> Any:
+    def _run(self, task: Task, params, grads, xs, dys, feeds, losses) -> Any:
         c, j, ch = task.chunk, task.microbatch, self.chunks[task.chunk]
         last = c == len(self.chunks) - 1
-        x = xs[(j, c)]
         if task.kind == "F":
+            y, xs[(j, c)] = ch["forward"](params[c], xs.pop(("in", j, c)), feeds[(j, c)])  # keep the pullback
             if last:
-                losses.append(ch["forward"](params[c], x, tgt[j]))
-                return losses[-1]
-            xs[(j, c + 1)] = jax.device_put(ch["forward"](params[c], x), self.chunks[c + 1]["act_sh"])
-            return xs[(j, c + 1)]
-        dy = tgt[j] if last else dys[(j, c)]  # for the last chunk, the targets seed the backward
+                losses.append(y)
+                return y
+            xs[("in", j, c + 1)] = jax.device_put(y, self.chunks[c + 1]["act_sh"])
+            return xs[("in", j, c + 1)]
+        pullback = xs[(j, c)]
+        dy = None if last else dys[(j, c)]  # the last chunk's backward is seeded by its loss
         if task.kind == "B" and not self.sched.split_backward:  # both gradients at once
-            grads[c], dx = ch["backward"](params[c], x, dy, grads[c])
+            grads[c], dx = ch["backward"](pullback, dy, grads[c])
             self._send_back(j, c, dx, dys)
             self._forget(j, c, xs, dys)
             return grads[c]
         if task.kind == "B":  # the input gradient only; the weight gradient waits for W
             if c == 0:
-                return x  # nothing flows into the tokens
-            return self._send_back(j, c, ch["inputs"](params[c], x, dy), dys)
-        grads[c] = ch["weights"](params[c], x, dy, grads[c])
+                return pullback  # nothing flows into the batch
+            return self._send_back(j, c, ch["inputs"](pullback, dy), dys)
+        grads[c] = ch["weights"](pullback, dy, grads[c])
         self._forget(j, c, xs, dys)
         return grads[c]
 
@@ -370,39 +401,45 @@ class PipelineRunner:
 
 
 def _programs(graphdef: Any, constrain: Constrain, *, first: bool, last: bool, m: int) -> dict[str, Any]:
-    """The jitted forward and backward programs of one chunk.
+    """The jitted programs of one chunk.
 
-    The last chunk's forward returns its micro-batch's loss divided by ``m`` (so the losses sum to the
-    step's mean), and its backward takes the targets where other chunks take their output's gradient.
+    The forward returns the chunk's output and its pullback: a ``jax.tree_util.Partial`` whose leaves are
+    the residuals the backward needs, kept on the stage's devices between the two tasks (no recompute).
+    The last chunk's output is its micro-batch's loss divided by ``m`` (so the losses sum to the step's
+    mean), and its backward is seeded by that loss; other chunks take their output's gradient.
     """
 
-    def apply(params: Any, x: jax.Array) -> jax.Array:
-        return nnx.merge(graphdef, params)(x, constrain)
+    def apply(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> jax.Array:
+        feeds = {k: v for k, v in fed.items() if k != "targets"}
+        return nnx.merge(graphdef, params)(x, constrain, **feeds)
 
-    def loss(params: Any, x: jax.Array, targets: jax.Array) -> jax.Array:
-        return optax.softmax_cross_entropy_with_integer_labels(apply(params, x), targets).mean() / m
+    def loss(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> jax.Array:
+        return optax.softmax_cross_entropy_with_integer_labels(apply(params, x, fed), fed["targets"]).mean() / m
 
-    def pullback(params: Any, x: jax.Array, dy: jax.Array) -> tuple[Any, Any]:
-        f, seed = (lambda p, h: loss(p, h, dy), jnp.ones((), jnp.float32)) if last else (apply, dy)
-        if first:  # tokens have no gradient
-            _, pull = jax.vjp(lambda p: f(p, x), params)
-            return pull(seed)[0], None
-        _, pull = jax.vjp(f, params, x)
-        return pull(seed)
+    f = loss if last else apply
 
-    def backward(params: Any, x: jax.Array, dy: jax.Array, acc: Any) -> tuple[Any, Any]:
-        dparams, dx = pullback(params, x, dy)
+    def forward(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
+        if first:  # the batch has no gradient
+            return jax.vjp(lambda p: f(p, x, fed), params)
+        return jax.vjp(lambda p, h: f(p, h, fed), params, x)
+
+    def pull(pullback: Any, dy: jax.Array | None) -> tuple[Any, Any]:
+        grads = pullback(jnp.ones((), jnp.float32) if dy is None else dy)
+        return grads[0], (None if first else grads[1])
+
+    def backward(pullback: Any, dy: Any, acc: Any) -> tuple[Any, Any]:
+        dparams, dx = pull(pullback, dy)
         return jax.tree.map(jnp.add, acc, dparams), dx
 
-    def weights(params: Any, x: jax.Array, dy: jax.Array, acc: Any) -> Any:
-        return jax.tree.map(jnp.add, acc, pullback(params, x, dy)[0])  # XLA drops the unused input half
+    def weights(pullback: Any, dy: Any, acc: Any) -> Any:
+        return jax.tree.map(jnp.add, acc, pull(pullback, dy)[0])  # XLA drops the unused input half
 
-    def inputs(params: Any, x: jax.Array, dy: jax.Array) -> Any:
-        return pullback(params, x, dy)[1]  # and here the unused weight half
+    def inputs(pullback: Any, dy: Any) -> Any:
+        return pull(pullback, dy)[1]  # and here the unused weight half
 
     return {
-        "forward": jax.jit(loss if last else apply),
-        "backward": jax.jit(backward, donate_argnums=3),
-        "weights": jax.jit(weights, donate_argnums=3),
+        "forward": jax.jit(forward),
+        "backward": jax.jit(backward, donate_argnums=2),
+        "weights": jax.jit(weights, donate_argnums=2),
         "inputs": jax.jit(inputs),
     }

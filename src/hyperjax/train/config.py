@@ -116,6 +116,29 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SubmeshConfig:
+    """One submesh of an MPMD run (an item of ``mpmd.submeshes``)."""
+
+    name: str = ""  # a label for logs and traces
+    modules: tuple[str, ...] = ()  # the model's modules that run here (vision models: encoder, language_model)
+    devices: int | None = None  # devices of this submesh; null: sized by the cost model
+    data: int | None = None  # data-parallel degree inside it; null: what fsdp and tensor leave
+    fsdp: int = 1  # ZeRO-3 degree inside it
+    tensor: int = 1  # tensor-parallel degree inside it
+
+    def __post_init__(self) -> None:
+        _positive(self, "mpmd.submeshes[]", ("fsdp", "tensor"))
+        _positive(self, "mpmd.submeshes[]", ("devices", "data"), optional=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MPMDConfig:
+    """Separate programs on separate submeshes (``mpmd:``); empty: one SPMD program (or a pipeline)."""
+
+    submeshes: tuple[SubmeshConfig, ...] = ()  # in the order data flows through them
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """A whole run."""
 
@@ -125,6 +148,7 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     shard: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # logical axis -> mesh axes overrides
+    mpmd: MPMDConfig = dataclasses.field(default_factory=MPMDConfig)
 
     def __post_init__(self) -> None:
         if self.train.data == "text" and self.model.vocab < 256:
@@ -204,8 +228,17 @@ def build(cls: type, raw: Any, prefix: str) -> Any:
             hint = f"; did you mean {prefix}{close[0]}?" if close else ""
             raise ConfigError(f"unknown config key {prefix}{key}{hint} Known keys here: {', '.join(fields)}")
         hint_type = hints[key]
+        options = typing.get_args(hint_type) if isinstance(hint_type, types.UnionType) else ()
+        nested = [o for o in options if dataclasses.is_dataclass(o)]
+        items = typing.get_args(hint_type) if typing.get_origin(hint_type) is tuple else ()
         if dataclasses.is_dataclass(hint_type):
             kwargs[key] = build(hint_type, value if value is not None else {}, f"{prefix}{key}.")
+        elif nested and value is not None:  # an optional section
+            kwargs[key] = build(nested[0], value, f"{prefix}{key}.")
+        elif items and dataclasses.is_dataclass(items[0]):  # a list of sections
+            if not isinstance(value, list):
+                raise ConfigError(f"{prefix}{key} must be a list of mappings, got {value!r}")
+            kwargs[key] = tuple(build(items[0], v, f"{prefix}{key}[{i}].") for i, v in enumerate(value))
         else:
             kwargs[key] = _coerce(value, hint_type, f"{prefix}{key}")
     return cls(**kwargs)
@@ -237,12 +270,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             return value
         if option is Any or (typing.get_origin(option) in (Mapping, dict) and isinstance(value, dict)):
             return value
-        if (
-            typing.get_origin(option) is tuple
-            and isinstance(value, list | tuple)
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
-        ):
-            return tuple(value)
+        if typing.get_origin(option) is tuple and isinstance(value, list | tuple):
+            kind = typing.get_args(option)[0]
+            if all(isinstance(x, kind) and not isinstance(x, bool) for x in value):
+                return tuple(value)
     raise ConfigError(f"{key}={value!r} has the wrong type: expected {_name(hint)}, got {type(value).__name__}")
 
 

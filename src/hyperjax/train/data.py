@@ -41,6 +41,11 @@ class Batches:
         if source == "text" and len(corpus_bytes()) <= seq_len + 1:
             raise ValueError(f"seq_len={seq_len} is longer than the corpus ({len(corpus_bytes())} bytes)")
 
+    def batch(self, step: int, rows: slice | range = slice(None)) -> dict[str, np.ndarray]:
+        """``inputs`` and ``targets`` for ``rows`` of the global batch of ``step``, as host arrays."""
+        inputs, targets = self.rows(step, rows)
+        return {"inputs": inputs, "targets": targets}
+
     def rows(self, step: int, rows: slice | range) -> tuple[np.ndarray, np.ndarray]:
         """Inputs and targets for ``rows`` of the global batch of ``step``."""
         rng = np.random.default_rng([self.seed, step])
@@ -58,8 +63,12 @@ class Batches:
             window = window.astype(np.int32)
         return window[:, :-1], window[:, 1:]
 
-    def global_batch_arrays(self, step: int, sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
+    def global_batch_arrays(
+        self, step: int, sharding: jax.sharding.Sharding | dict[str, jax.sharding.Sharding]
+    ) -> dict[str, jax.Array]:
         """The batch of ``step`` as global arrays; this process builds only the rows it holds."""
+        if isinstance(sharding, dict):
+            sharding = sharding["inputs"]
         shape = (self.global_batch, self.seq_len)
         cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -73,4 +82,52 @@ class Batches:
         return {
             "inputs": jax.make_array_from_callback(shape, sharding, lambda i: part(i, 0)),
             "targets": jax.make_array_from_callback(shape, sharding, lambda i: part(i, 1)),
+        }
+
+
+class CaptionBatches:
+    """Synthetic captioned images: ``images`` ``(batch, H, W, C)`` and ``(inputs, targets)`` text.
+
+    Each image shows a random code, one symbol per patch (the patch's pixels encode the symbol, every
+    channel differently); its caption spells the code out, patch by patch, over and over. The text
+    after the first pass is predictable from the text; the first pass only from the image, so the
+    model learns to read its encoder's tokens. A pure function of ``(seed, step)`` like :class:`Batches`.
+    """
+
+    def __init__(
+        self, *, global_batch: int, seq_len: int, vocab: int, image_size: int, patch: int, channels: int, seed: int
+    ) -> None:
+        self.global_batch, self.seq_len, self.vocab, self.seed = global_batch, seq_len, vocab, seed
+        self.image_size, self.patch, self.channels = image_size, patch, channels
+        self.patches = (image_size // patch) ** 2
+
+    def batch(self, step: int, rows: slice | range = slice(None)) -> dict[str, np.ndarray]:
+        """``images``, ``inputs`` and ``targets`` for ``rows`` of the global batch of ``step``."""
+        rng = np.random.default_rng([self.seed, step, 1])
+        codes = rng.integers(0, self.vocab, size=(self.global_batch, self.patches))[np.arange(self.global_batch)[rows]]
+        side = self.image_size // self.patch
+        level = codes.reshape(-1, side, side, 1).astype(np.float32) / self.vocab  # (b, side, side, 1)
+        shades = (np.arange(self.channels, dtype=np.float32) + 1) / self.channels
+        pixels = np.repeat(np.repeat(level, self.patch, axis=1), self.patch, axis=2) * shades  # (b, H, W, C)
+        text = codes[:, np.arange(self.seq_len + 1) % self.patches].astype(np.int32)
+        return {"images": pixels.astype(np.float32), "inputs": text[:, :-1], "targets": text[:, 1:]}
+
+    def global_batch_arrays(self, step: int, shardings: dict[str, jax.sharding.Sharding]) -> dict[str, jax.Array]:
+        """The batch of ``step`` as global arrays (this process builds only the rows it holds)."""
+        shapes = {
+            "images": (self.global_batch, self.image_size, self.image_size, self.channels),
+            "inputs": (self.global_batch, self.seq_len),
+            "targets": (self.global_batch, self.seq_len),
+        }
+        cache: dict[tuple, dict[str, np.ndarray]] = {}
+
+        def part(index: tuple[slice, ...], key: str) -> np.ndarray:
+            rows = index[0]
+            if (rows.start, rows.stop) not in cache:
+                cache[(rows.start, rows.stop)] = self.batch(step, rows)
+            return cache[(rows.start, rows.stop)][key][(slice(None), *index[1:])]
+
+        return {
+            key: jax.make_array_from_callback(shape, shardings[key], lambda i, key=key: part(i, key))
+            for key, shape in shapes.items()
         }

@@ -17,9 +17,10 @@ import jax
 from flax import nnx
 
 from hyperjax.models import build_model, count_params
-from hyperjax.mpmd.pipeline import PipelineRunner
+from hyperjax.models.vlm import LanguageChunk
+from hyperjax.mpmd.pipeline import PipelineRunner, transformer_chunks
 from hyperjax.topology import make_mesh
-from hyperjax.train.data import Batches
+from hyperjax.train.data import Batches, CaptionBatches
 from hyperjax.train.plan import Plan
 from hyperjax.train.step import build_train_step, init_state, make_optimizer
 
@@ -62,9 +63,7 @@ def train(
     lead = jax.process_index() == 0
     log = (sys.stdout if lead else None) if log is None else log
     model = build_model(cfg.model, dtype=t.dtype, recompute=t.recompute, seed=t.seed)
-    data = Batches(
-        source=t.data, global_batch=t.global_batch, seq_len=cfg.model.seq_len, vocab=cfg.model.vocab, seed=t.seed
-    )
+    data = _data(cfg)
     run, state, memory = (_pipeline if plan.pipeline is not None else _spmd)(plan, model, data)
     tokens = t.global_batch * cfg.model.seq_len
     losses: list[float] = []
@@ -108,7 +107,23 @@ def train(
     return result
 
 
-def _spmd(plan: Plan, model: nnx.Module, data: Batches) -> tuple[Any, Any, int]:
+def _data(cfg: Any) -> Batches | CaptionBatches:
+    t, m = cfg.train, cfg.model
+    if m.vision is not None:
+        v = m.vision
+        return CaptionBatches(
+            global_batch=t.global_batch,
+            seq_len=m.seq_len,
+            vocab=m.vocab,
+            image_size=v.image_size,
+            patch=v.patch,
+            channels=v.channels,
+            seed=t.seed,
+        )
+    return Batches(source=t.data, global_batch=t.global_batch, seq_len=m.seq_len, vocab=m.vocab, seed=t.seed)
+
+
+def _spmd(plan: Plan, model: nnx.Module, data: Batches | CaptionBatches) -> tuple[Any, Any, int]:
     """One SPMD program over the whole mesh: ``(run(state, step) -> (state, metrics), state, bytes)``."""
     t = plan.config.train
     mesh = make_mesh(plan.hardware, plan.axes, devices=jax.devices()[: plan.devices])
@@ -121,9 +136,10 @@ def _spmd(plan: Plan, model: nnx.Module, data: Batches) -> tuple[Any, Any, int]:
         mesh=mesh,
         optimizer=optimizer,
         microbatches=plan.microbatches,
+        feeds={"images": 4} if plan.config.model.vision is not None else None,
     )
     state = init_state(param_state, optimizer, step)
-    compiled = step.fn.lower(state, data.global_batch_arrays(0, step.batch_sharding)).compile()
+    compiled = step.fn.lower(state, data.global_batch_arrays(0, step.batch_shardings)).compile()
     mem = compiled.memory_analysis()
     memory = (
         0
@@ -132,16 +148,21 @@ def _spmd(plan: Plan, model: nnx.Module, data: Batches) -> tuple[Any, Any, int]:
     )
 
     def run(state: Any, i: int) -> tuple[Any, dict[str, Any]]:
-        return compiled(state, data.global_batch_arrays(i, step.batch_sharding))
+        return compiled(state, data.global_batch_arrays(i, step.batch_shardings))
 
     return run, state, memory
 
 
-def _pipeline(plan: Plan, model: nnx.Module, data: Batches) -> tuple[Any, Any, int]:
+def _pipeline(plan: Plan, model: nnx.Module, data: Batches | CaptionBatches) -> tuple[Any, Any, int]:
     """One program per chunk on its stage's submesh, run by the schedule's grid (see hyperjax.mpmd)."""
     t = plan.config.train
+    if plan.config.model.vision is not None:  # the encoder on one submesh, the language model on the other
+        chunks, entry = [model.encoder, LanguageChunk(model.language_model)], "images"
+    else:
+        chunks, entry = transformer_chunks(model, plan.pipeline), "inputs"
     runner = PipelineRunner(
-        model=model,
+        chunks=chunks,
+        entry=entry,
         layout=plan.pipeline,
         strategy=plan.strategy,
         hardware=plan.hardware,
@@ -152,8 +173,7 @@ def _pipeline(plan: Plan, model: nnx.Module, data: Batches) -> tuple[Any, Any, i
     state = runner.init_state()
 
     def run(state: Any, i: int) -> tuple[Any, dict[str, Any]]:
-        inputs, targets = data.rows(i, slice(None))
-        return runner.step(state, inputs, targets)
+        return runner.step(state, data.batch(i))
 
     return run, state, runner.memory_per_device(state)
 

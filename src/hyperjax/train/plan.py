@@ -17,7 +17,7 @@ from hyperjax.emulate import plan_processes
 from hyperjax.errors import ConfigError, ShardingError
 from hyperjax.models import build_model
 from hyperjax.mpmd import make_schedule
-from hyperjax.mpmd.pipeline import PipelineLayout, balance_layers
+from hyperjax.mpmd.pipeline import PipelineLayout, balance_layers, layer_costs
 from hyperjax.shard import Strategy, mesh_axes_for, strategy_for
 from hyperjax.topology import Hardware, axis_spans, load_hardware
 from hyperjax.train.config import Config
@@ -76,6 +76,8 @@ def plan_run(cfg: Config, *, devices: int | None = None) -> Plan:
     hw = load_hardware(cfg.hardware)
     p, t, m = cfg.parallel, cfg.train, cfg.model
     devices = cfg.emulate.devices if devices is None else devices
+    if cfg.mpmd.submeshes:
+        return _plan_mpmd(cfg, hw, devices)
     if p.pipeline > 1:
         return _plan_pipeline(cfg, hw, devices)
     axes = mesh_axes_for(devices=devices, data=p.data, fsdp=p.fsdp, context=p.context, tensor=p.tensor)
@@ -156,19 +158,8 @@ def _plan_pipeline(cfg: Config, hw: Hardware, devices: int) -> Plan:
     strategy = strategy_for(sequence_parallel=p.sequence_parallel, zero_stage=p.zero_stage, overrides=cfg.shard)
     model = nnx.eval_shape(lambda: build_model(m, dtype=t.dtype, recompute=t.recompute, seed=t.seed))
     for s, axes in enumerate(stage_axes):
-        axis_spans(hw, axes)
-        mesh = jax.sharding.AbstractMesh(tuple(axes.values()), tuple(axes))
-        try:
-            strategy.shardings(nnx.state(model), mesh)
-            _check_activations(cfg, strategy, mesh, t.global_batch // microbatches)
-        except ShardingError as e:
-            raise ShardingError(f"pipeline stage {s}: {e}") from None
-    processes = plan_processes(devices, cfg.emulate.processes)
-    if processes > 1:
-        raise ConfigError(
-            f"a pipeline of {devices} devices needs {processes} processes here, but pipeline stages run in one "
-            "process for now; use at most 256 devices (emulate.devices) with emulate.processes: 1"
-        )
+        _check_submesh(cfg, hw, strategy, nnx.state(model), axes, f"pipeline stage {s}", t.global_batch // microbatches)
+    processes = _one_process(cfg, devices, "a pipeline")
     layout = PipelineLayout(
         schedule=schedule, stage_devices=tuple(sizes), stage_axes=tuple(stage_axes), chunk_layers=tuple(layers)
     )
@@ -181,3 +172,144 @@ def _plan_pipeline(cfg: Config, hw: Hardware, devices: int) -> Plan:
         microbatches=microbatches,
         pipeline=layout,
     )
+
+
+def module_flops(cfg: Config) -> dict[str, float]:
+    """Training FLOPs per sample of each module of a vision-language model (what sizes its submeshes)."""
+    m = cfg.model
+    v = m.vision
+    assert v is not None
+    block, _, _ = layer_costs(v.as_model())
+    encoder = v.patches * (v.layers * block + 6 * v.patch_dim * v.d_model + 6 * v.d_model * m.d_model)
+    lm = dataclasses.replace(m, vision=None, seq_len=m.seq_len + v.patches)
+    block, _, head = layer_costs(lm)
+    language = lm.seq_len * m.layers * block + m.seq_len * head
+    return {"encoder": encoder, "language_model": language}
+
+
+def _plan_mpmd(cfg: Config, hw: Hardware, devices: int) -> Plan:
+    from hyperjax.models.vlm import MODULES
+
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    subs = cfg.mpmd.submeshes
+    if m.vision is None:
+        raise ConfigError("mpmd.submeshes places the modules of a vision-language model; set model.vision")
+    if p.pipeline > 1:
+        raise ConfigError("mpmd.submeshes and parallel.pipeline > 1 both split the devices; use one of them")
+    placed = [name for sub in subs for name in sub.modules]
+    for name in placed:
+        if name not in MODULES:
+            raise ConfigError(f"mpmd.submeshes: module {name!r} does not exist; the modules are {', '.join(MODULES)}")
+    for name in MODULES:
+        if placed.count(name) != 1:
+            where = "no submesh" if name not in placed else f"{placed.count(name)} submeshes"
+            raise ConfigError(f"mpmd.submeshes: module {name!r} is assigned to {where}; assign it to exactly one")
+    if [sub.modules for sub in subs] != [(name,) for name in MODULES]:
+        raise ConfigError(
+            "mpmd.submeshes must list two submeshes in data-flow order, the first running [encoder], the "
+            f"second [language_model]; got {[list(sub.modules) for sub in subs]}"
+        )
+    microbatches = t.microbatches or 2 * len(subs)
+    if t.global_batch % microbatches:
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} does not split into train.microbatches={microbatches}; "
+            f"use a multiple of {microbatches}"
+        )
+    rows = t.global_batch // microbatches
+    sizes = _submesh_sizes(cfg, devices, rows)
+    stage_axes = []
+    for sub, n in zip(subs, sizes, strict=True):
+        try:
+            stage_axes.append(mesh_axes_for(devices=n, data=sub.data, fsdp=sub.fsdp, tensor=sub.tensor))
+        except ShardingError as e:
+            raise ShardingError(f"mpmd submesh {sub.name or sub.modules[0]!r} ({n} devices): {e}") from None
+        dp = stage_axes[-1]["data"] * sub.fsdp
+        if rows % dp:
+            raise ConfigError(
+                f"mpmd submesh {sub.name or sub.modules[0]!r}: micro-batches of {rows} sequences "
+                f"(train.global_batch / train.microbatches) do not split over its {dp} data-parallel replicas"
+            )
+    strategy = strategy_for(sequence_parallel=p.sequence_parallel, zero_stage=p.zero_stage, overrides=cfg.shard)
+    model = nnx.eval_shape(lambda: build_model(m, dtype=t.dtype, recompute=t.recompute, seed=t.seed))
+    for sub, axes, part in zip(subs, stage_axes, (model.encoder, model.language_model), strict=True):
+        _check_submesh(cfg, hw, strategy, nnx.state(part), axes, f"mpmd submesh {sub.name or sub.modules[0]!r}")
+    processes = _one_process(cfg, devices, "an MPMD run")
+    layout = PipelineLayout(
+        schedule=make_schedule(p.schedule, len(subs), microbatches, 1),
+        stage_devices=tuple(sizes),
+        stage_axes=tuple(stage_axes),
+        chunk_layers=(m.vision.layers, m.layers),
+        names=tuple(sub.name or sub.modules[0] for sub in subs),
+    )
+    return Plan(
+        config=cfg,
+        hardware=hw,
+        axes=stage_axes[-1],
+        strategy=strategy,
+        processes=processes,
+        microbatches=microbatches,
+        pipeline=layout,
+    )
+
+
+def _submesh_sizes(cfg: Config, devices: int, rows: int) -> list[int]:
+    """Devices per submesh: as configured, or (``devices: null``) balanced by predicted compute per device."""
+    subs = cfg.mpmd.submeshes
+    given = [sub.devices for sub in subs]
+    if None not in given:
+        if sum(given) != devices:
+            raise ConfigError(
+                f"mpmd.submeshes devices {given} sum to {sum(given)}, but there are {devices} devices "
+                "(emulate.devices); make them sum to it, or set a submesh's devices: null to size it automatically"
+            )
+        return given
+    flops = module_flops(cfg)
+    work = [flops[sub.modules[0]] for sub in subs]
+    best: tuple[float, list[int]] | None = None
+    free = devices - sum(n for n in given if n is not None)
+    open_ = [i for i, n in enumerate(given) if n is None]
+    for first in range(1, free) if len(open_) == 2 else [free]:
+        sizes = list(given)
+        if len(open_) == 2:
+            sizes[open_[0]], sizes[open_[1]] = first, free - first
+        else:
+            sizes[open_[0]] = free
+        if any(n is None or n < 1 for n in sizes):
+            continue
+        ok = all(
+            n % (sub.fsdp * sub.tensor) == 0 and rows % (n // sub.tensor) == 0
+            for sub, n in zip(subs, sizes, strict=True)
+        )
+        slowest = max(w / n for w, n in zip(work, sizes, strict=True))
+        if ok and (best is None or slowest < best[0]):
+            best = (slowest, sizes)
+    if best is None:
+        raise ConfigError(
+            f"mpmd: no split of the {devices} devices fits the submeshes' degrees and micro-batches of {rows} "
+            "sequences; give each submesh's devices, or change train.global_batch / train.microbatches"
+        )
+    return best[1]
+
+
+def _check_submesh(
+    cfg: Config, hw: Hardware, strategy: Strategy, state: Any, axes: dict[str, int], label: str, rows: int = 0
+) -> None:
+    """The submesh fits the machine and the strategy places ``state`` (and, given ``rows``, the activations)."""
+    axis_spans(hw, axes)
+    mesh = jax.sharding.AbstractMesh(tuple(axes.values()), tuple(axes))
+    try:
+        strategy.shardings(state, mesh)
+        if rows:
+            _check_activations(cfg, strategy, mesh, rows)
+    except ShardingError as e:
+        raise ShardingError(f"{label}: {e}") from None
+
+
+def _one_process(cfg: Config, devices: int, what: str) -> int:
+    processes = plan_processes(devices, cfg.emulate.processes)
+    if processes > 1:
+        raise ConfigError(
+            f"{what} of {devices} devices needs {processes} processes here, but its submeshes run in one "
+            "process for now; use at most 256 devices (emulate.devices) with emulate.processes: 1"
+        )
+    return processes

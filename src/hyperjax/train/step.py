@@ -43,8 +43,9 @@ def make_optimizer(train: TrainConfig, *, clip: bool = True) -> optax.GradientTr
 
 
 def loss_fn(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array], constrain: Any) -> jax.Array:
-    """Mean next-token cross-entropy over every token of ``batch``."""
-    logits = nnx.merge(graphdef, params)(batch["inputs"], constrain)
+    """Mean next-token cross-entropy over every token of ``batch``; other entries (``images``) feed the model."""
+    feeds = {k: v for k, v in batch.items() if k not in ("inputs", "targets")}
+    logits = nnx.merge(graphdef, params)(batch["inputs"], constrain, **feeds)
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 
@@ -57,12 +58,14 @@ class TrainStep:
       state_shardings: where ``{"params", "opt_state", "step"}`` live between steps.
       batch_sharding: where each ``(global_batch, seq_len)`` token array lives.
       microbatches: gradient-accumulation steps inside one optimizer step.
+      batch_shardings: where every entry of the batch lives (tokens, and images for a vision model).
     """
 
     fn: Any
     state_shardings: Any
     batch_sharding: NamedSharding
     microbatches: int
+    batch_shardings: dict[str, NamedSharding]
 
 
 def build_train_step(
@@ -73,6 +76,7 @@ def build_train_step(
     mesh: jax.sharding.Mesh,
     optimizer: optax.GradientTransformation,
     microbatches: int = 1,
+    feeds: dict[str, int] | None = None,
 ) -> TrainStep:
     """Build the jitted step for one plan.
 
@@ -84,6 +88,7 @@ def build_train_step(
       optimizer: the optax transformation.
       microbatches: gradient-accumulation steps (each takes every ``microbatches``-th sequence, so each
         micro-batch is spread over all data-parallel replicas without moving data).
+      feeds: extra batch entries the model takes, by name and rank (``{"images": 4}``), split over batch.
     """
     strategy = strategy.with_param_axes(param_state)
     params = nnx.to_pure_dict(param_state)
@@ -93,6 +98,9 @@ def build_train_step(
     replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
     state_sh = {"params": param_sh, "opt_state": opt_sh, "step": replicated}
     batch_sh = NamedSharding(mesh, strategy.spec(("batch", "seq")))
+    batch_shs = {"inputs": batch_sh, "targets": batch_sh}
+    for name, rank in (feeds or {}).items():
+        batch_shs[name] = NamedSharding(mesh, strategy.spec(("batch",) + (None,) * (rank - 1)))
     constrain = strategy.constrainer(mesh)
 
     def grads_of(p: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
@@ -122,8 +130,10 @@ def build_train_step(
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         return {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
-    fn = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated), donate_argnums=0)
-    return TrainStep(fn=fn, state_shardings=state_sh, batch_sharding=batch_sh, microbatches=microbatches)
+    fn = jax.jit(step, in_shardings=(state_sh, batch_shs), out_shardings=(state_sh, replicated), donate_argnums=0)
+    return TrainStep(
+        fn=fn, state_shardings=state_sh, batch_sharding=batch_sh, microbatches=microbatches, batch_shardings=batch_shs
+    )
 
 
 def init_state(param_state: Any, optimizer: optax.GradientTransformation, step: TrainStep) -> dict[str, Any]:

@@ -1,0 +1,85 @@
+"""A small vision-language model: a ViT encoder whose patch tokens prefix a llama-family decoder.
+
+The encoder cuts each image into patches, embeds them, runs bidirectional blocks and projects to the
+language model's width; the decoder reads ``[image tokens; text tokens]`` causally and predicts the
+text. The two halves are separate modules (``encoder``, ``language_model``), so HyperMPMD can place
+them on different submeshes with their own strategies.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hyperjax.models.config import ModelConfig, VisionConfig
+from hyperjax.models.layers import Constrain, LayerNorm, no_constraint, param, use
+from hyperjax.models.transformer import Block, Transformer, logits
+
+MODULES = ("encoder", "language_model")
+
+
+def patchify(images: jax.Array, patch: int) -> jax.Array:
+    """``(batch, H, W, C)`` images to ``(batch, patches, patch * patch * C)`` rows, row-major over patches."""
+    b, h, w, c = images.shape
+    x = images.reshape(b, h // patch, patch, w // patch, patch, c).transpose(0, 1, 3, 2, 4, 5)
+    return x.reshape(b, (h // patch) * (w // patch), patch * patch * c)
+
+
+class VisionEncoder(nnx.Module):
+    """ViT: patch embedding, learned positions, bidirectional pre-norm blocks, projection to ``d_out``."""
+
+    def __init__(self, v: VisionConfig, d_out: int, *, dtype: str, recompute: str, rngs: nnx.Rngs) -> None:
+        self.vision, self.dtype, self.recompute = v, dtype, recompute
+        self.cfg = v.as_model()
+        self.patch_embed = param(rngs, (v.patch_dim, v.d_model), (None, "embed"))
+        self.pos_embed = param(rngs, (v.patches, v.d_model), (None, "embed"), scale=0.01)
+        self.blocks = nnx.List([Block(self.cfg, rngs=rngs, causal=False) for _ in range(v.layers)])
+        self.final_norm = LayerNorm(v.d_model, rngs=rngs)
+        self.project = param(rngs, (v.d_model, d_out), (None, "embed"))
+
+    def __call__(self, images: jax.Array, constrain: Constrain = no_constraint) -> jax.Array:
+        """Image tokens ``(batch, patches, d_out)`` for float images ``(batch, H, W, C)``."""
+        dt = jnp.dtype(self.dtype)
+        x = patchify(images.astype(dt), self.vision.patch) @ use(self.patch_embed, constrain).astype(dt)
+        x = constrain(x + use(self.pos_embed, constrain).astype(dt), ("batch", "res_seq", "act_embed"))
+        for block in self.blocks:
+            x = Transformer.run_block(self, block, x, constrain)  # type: ignore[arg-type]
+        x = self.final_norm(x, constrain) @ use(self.project, constrain).astype(dt)
+        return constrain(x, ("batch", "res_seq", "act_embed"))
+
+
+def decode(lm: Transformer, prefix: jax.Array, tokens: jax.Array, constrain: Constrain) -> jax.Array:
+    """Logits of the text positions when ``prefix`` (image tokens) comes before ``tokens``."""
+    x = lm.embed_tokens(tokens, constrain)
+    x = jnp.concatenate([prefix.astype(x.dtype), x], axis=1)
+    x = constrain(x, ("batch", "res_seq", "act_embed"))
+    for block in lm.blocks:
+        x = lm.run_block(block, x, constrain)
+    return logits(lm, lm.lm_head, x[:, prefix.shape[1] :], constrain)
+
+
+class VisionLanguageModel(nnx.Module):
+    """``encoder`` (ViT) then ``language_model`` (llama family) over ``[image tokens; text]``."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: str = "float32", recompute: str = "none", rngs: nnx.Rngs) -> None:
+        assert cfg.vision is not None
+        self.cfg = cfg
+        self.encoder = VisionEncoder(cfg.vision, cfg.d_model, dtype=dtype, recompute=recompute, rngs=rngs)
+        self.language_model = Transformer(cfg, dtype=dtype, recompute=recompute, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, constrain: Constrain = no_constraint, *, images: jax.Array) -> jax.Array:
+        """Float32 logits ``(batch, seq, vocab)`` of the text ``tokens`` after the ``images``."""
+        return decode(self.language_model, self.encoder(images, constrain), tokens, constrain)
+
+
+class LanguageChunk(nnx.Module):
+    """The language model as a pipeline chunk: its input is the image tokens, the text comes as a feed."""
+
+    feeds = ("inputs",)
+
+    def __init__(self, lm: Transformer) -> None:
+        self.lm = lm
+
+    def __call__(self, prefix: jax.Array, constrain: Constrain, *, inputs: jax.Array) -> jax.Array:
+        return decode(self.lm, prefix, inputs, constrain)

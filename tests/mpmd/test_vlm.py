@@ -1,0 +1,82 @@
+"""A vision-language model under MPMD (encoder and language model on separate submeshes) gives the
+losses of the same model under one SPMD program (fp32, 1e-4)."""
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hyperjax.errors import HyperjaxError
+from hyperjax.train import load_config, plan_run, train
+from hyperjax.train.data import CaptionBatches
+
+VLM = Path(__file__).parents[2] / "configs" / "vlm-tiny-mpmd.yaml"
+STEPS = ["train.steps=4", "train.warmup_steps=1"]
+
+
+def losses(sets: list[str]) -> list[float]:
+    return train(plan_run(load_config(VLM, [*STEPS, *sets])), log=io.StringIO()).losses
+
+
+@pytest.fixture(scope="module")
+def spmd() -> list[float]:
+    return losses(["mpmd.submeshes=[]", "parallel.data=8"])
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        [],  # the shipped split: encoder on 2 devices (data), language model on 6 (data=3 x tensor=2)
+        ["parallel.schedule=gpipe", "train.microbatches=2"],
+        ["parallel.schedule=zero-bubble"],
+    ],
+    ids=["1f1b", "gpipe", "zero-bubble"],
+)
+def test_mpmd_matches_spmd(spmd, sets):
+    plan = plan_run(load_config(VLM, [*STEPS, *sets]))
+    assert plan.pipeline is not None and plan.pipeline.names == ("vision", "language")
+    got = losses(sets)
+    assert np.all(np.isfinite(got)) and len(set(got)) == len(got)  # training moves the parameters
+    np.testing.assert_allclose(got, spmd, rtol=1e-4, atol=0)
+
+
+def test_spmd_vlm_matches_one_device():
+    one = train(plan_run(load_config(VLM, [*STEPS, "mpmd.submeshes=[]"]), devices=1), log=io.StringIO()).losses
+    many = losses(["mpmd.submeshes=[]", "parallel.data=4", "parallel.tensor=2"])
+    np.testing.assert_allclose(many, one, rtol=1e-4, atol=0)
+
+
+def test_auto_sizes_submeshes_by_predicted_compute():
+    auto = "mpmd.submeshes=[{name: vision, modules: [encoder]}, {name: language, modules: [language_model]}]"
+    plan = plan_run(load_config(VLM, [auto, "train.global_batch=56", "train.microbatches=1"]))
+    # the language model does about 10x the encoder's work: 1 + 7 devices balances best
+    assert plan.pipeline.stage_devices == (1, 7)
+
+
+def test_captions_need_the_image():
+    data = CaptionBatches(global_batch=4, seq_len=20, vocab=64, image_size=16, patch=4, channels=3, seed=0)
+    b = data.batch(0)
+    assert b["images"].shape == (4, 16, 16, 3) and b["inputs"].shape == (4, 20)
+    # the caption spells the image's patch codes: the first patch's pixel level is the first token
+    np.testing.assert_allclose(b["images"][:, 0, 0, 2], b["inputs"][:, 0] / 64)
+    np.testing.assert_array_equal(b["inputs"][:, 16], b["inputs"][:, 0])
+
+
+@pytest.mark.parametrize(
+    ("sets", "match"),
+    [
+        (["mpmd.submeshes=[{modules: [encoder], devices: 8}]"], "'language_model' is assigned to no submesh"),
+        (["mpmd.submeshes=[{modules: [encoder], devices: 2}, {modules: [decoder], devices: 6}]"], "'decoder'"),
+        (["mpmd.submeshes=[{modules: [encoder], devices: 3}, {modules: [language_model], devices: 6}]"], "sum to 9"),
+        (
+            ["mpmd.submeshes=[{modules: [language_model], devices: 6}, {modules: [encoder], devices: 2}]"],
+            "data-flow order",
+        ),
+        (["model.vision=null"], "set model.vision"),
+        (["train.global_batch=20"], "do not split over its 2 data-parallel replicas"),
+    ],
+)
+def test_invalid_mpmd_names_the_key(sets, match):
+    with pytest.raises(HyperjaxError, match=match):
+        plan_run(load_config(VLM, sets))
