@@ -17,7 +17,7 @@ The "at stage medians" column replays the same grid with each task at its stage'
 kind: the bubble these stage costs imply, without per-task timing noise. The gap column is measured
 minus theory.
 
-Second, the predicted step time on ``cloudmatrix384`` of ``configs/vlm-cm384.yaml`` (ViT-L/14 encoder,
+Second, the predicted step time on ``cloudmatrix384`` of ``configs/vlm-8b-cm384.yaml`` (ViT-L/14 encoder,
 Llama-8B-shaped language model, 384 devices) under one SPMD program (the best single strategy for both
 modules, and the conventional tensor=8 one) and under MPMD with cost-balanced submeshes, each with its
 own best strategy (:mod:`hyperjax.cost.mpmd`).
@@ -158,14 +158,14 @@ def vlm() -> dict:
     from hyperjax.cost.mpmd import _fits_first, module_configs, mpmd, spmd
     from hyperjax.topology import load_hardware
 
-    cfg = load_config(CONFIG.parent / "vlm-cm384.yaml")
+    cfg = load_config(CONFIG.parent / "vlm-8b-cm384.yaml")
     hw = load_hardware("cloudmatrix384")
     best = spmd(cfg, hw, 384)
     conventional = {"parallel.data": 48, "parallel.tensor": 8, "parallel.sequence_parallel": True}
     modules = {k: _fits_first(c, hw, conventional) for k, c in module_configs(cfg).items()}
     split = mpmd(cfg, hw, 384, microbatches=cfg.train.microbatches or 8)
     return {
-        "config": "configs/vlm-cm384.yaml",
+        "config": "configs/vlm-8b-cm384.yaml",
         "spmd_best": best,
         "spmd_tensor8": {
             "step_time_s": sum(e.step_time_s for _, e in modules.values()),

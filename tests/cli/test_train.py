@@ -103,3 +103,31 @@ def test_two_processes_give_the_same_losses(tmp_path: Path):
 
     two = run(2)
     assert two == pytest.approx(run(1), rel=1e-4)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("config", "sets"),
+    [
+        # the encoder's submesh in process 0, the language model's across processes 0 and 1
+        ("vlm-tiny-mpmd.yaml", ()),
+        # a 2-stage GPT pipeline, one stage per process (the tied embedding crosses too)
+        ("quickstart.yaml", ("--set", "parallel.tensor=1", "--set", "parallel.pipeline=2")),
+    ],
+    ids=["vlm", "pipeline"],
+)
+def test_mpmd_across_processes_gives_the_same_losses(tmp_path: Path, config: str, sets: tuple[str, ...]):
+    def run(processes: int) -> list[float]:
+        args = ("--steps", "3", *sets, "--set", f"emulate.processes={processes}")
+        return train_losses(str(CONFIGS / config), *args, tmp_path=tmp_path, name=f"m{processes}")[0]
+
+    two = run(2)
+    assert two == pytest.approx(run(1), rel=1e-4)
+
+
+@pytest.mark.large
+@pytest.mark.multiprocess
+def test_vlm_cm384_trains_mpmd_across_processes(tmp_path: Path):
+    losses, out = train_losses(str(CONFIGS / "vlm-cm384.yaml"), tmp_path=tmp_path)
+    assert "384 emulated cloudmatrix384 devices (12 process(es))" in out and "mpmd vision: 128 devices" in out
+    assert len(losses) == 2 and all(0 < x < 10 for x in losses)

@@ -23,6 +23,7 @@ copy is refreshed, as Megatron-LM does. Gradient clipping uses the global norm o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -240,10 +241,14 @@ class PipelineRunner:
             graphdef, state = nnx.split(part)
             strat = strategy.with_param_axes(state)
             params = nnx.to_pure_dict(state)
+            owners = {d.process_index for d in mesh.devices.flat}
             self.chunks.append(
                 {
                     "graphdef": graphdef,
                     "mesh": mesh,
+                    "mine": jax.process_index() in owners,  # this process holds some of its devices
+                    "lead": jax.process_index() == min(owners),  # ... and is the one that reports for it
+                    "local": owners == {jax.process_index()},  # ... all of them
                     "strategy": strat,
                     "constrain": strat.constrainer(mesh),
                     "param_sh": strat.shardings(params, mesh),
@@ -253,6 +258,10 @@ class PipelineRunner:
                     "opt_sh": strat.shardings(jax.eval_shape(optimizer.init, self._trained(params, c)), mesh),
                 }
             )
+        self.shapes: list[Any] | None = None  # each chunk's output, found at the first step
+        self.steps_done = 0
+        self.handovers = 0  # hand-overs so far in this step
+        self.published: list[str] = []  # keys this process wrote to the key-value store this step
         self._build_programs()
 
     def _batch_sharding(self, c: int, rank: int) -> NamedSharding:
@@ -273,6 +282,8 @@ class PipelineRunner:
         """Bytes per device of parameters, gradients and optimizer state on the fullest stage."""
         per_stage = [0] * self.sched.stages
         for c, (p, o) in enumerate(zip(state["params"], state["opt_state"], strict=True)):
+            if not self.chunks[c]["mine"]:
+                continue
             shard = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(p))
             opt = sum(
                 x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(o) if hasattr(x, "addressable_shards")
@@ -284,7 +295,11 @@ class PipelineRunner:
         """Parameters and optimizer state per chunk, on the chunks' submeshes."""
         params, opt = [], []
         for c, ch in enumerate(self.chunks):
-            p = jax.tree.map(lambda x, sh: jax.device_put(x, sh), ch["host_params"], ch["param_sh"])
+            if not ch["mine"]:  # another process's submesh
+                params.append(None)
+                opt.append(None)
+                continue
+            p = jax.tree.map(_place, ch["host_params"], ch["param_sh"])
             params.append(p)
             opt.append(jax.jit(self.optimizer.init, out_shardings=ch["opt_sh"])(self._trained(p, c)))
         return {"params": params, "opt_state": opt, "step": 0}
@@ -312,22 +327,26 @@ class PipelineRunner:
     ) -> tuple[dict[str, Any], dict[str, float]]:
         """One optimizer step over the global ``batch`` (host arrays by entry, ``targets`` among them).
 
-        ``timeline``, when given, receives ``(stage, task, start_s, end_s)`` per task; each task is then
-        waited for, so the times are each task's own (the stages no longer overlap).
+        Every process walks the whole grid and runs the tasks of the chunks whose submesh holds some of
+        its devices; hand-overs between processes are ``jax.device_put`` calls both sides make.
+        ``timeline``, when given, receives ``(stage, task, start_s, end_s)`` per task this process runs;
+        each task is then waited for, so the times are each task's own (the stages no longer overlap).
         """
         sched, chunks, m = self.sched, self.chunks, self.sched.microbatches
         last = len(chunks) - 1
         rows = batch["targets"].shape[0] // m
         params = state["params"]
-        grads = [ch["zeros"](p) for ch, p in zip(chunks, params, strict=True)]
+        if self.shapes is None:
+            self.shapes = self._activation_shapes(batch, rows)
+        grads = [ch["zeros"](p) if ch["mine"] else None for ch, p in zip(chunks, params, strict=True)]
         xs: dict[tuple, Any] = {}  # ("in", microbatch, chunk) -> the chunk's input; (microbatch, chunk) -> pullback
-        dys: dict[tuple[int, int], jax.Array] = {}  # (microbatch, chunk) -> gradient of the chunk's output
+        dys: dict[tuple[int, int], Any] = {}  # (microbatch, chunk) -> gradient of the chunk's output
         feeds: dict[tuple[int, int], dict[str, jax.Array]] = {}  # (microbatch, chunk) -> its batch entries
         losses: list[jax.Array] = []
 
         def put(key: str, j: int, c: int) -> jax.Array:
             part = batch[key][j * rows : (j + 1) * rows]
-            return jax.device_put(part, self._batch_sharding(c, part.ndim))
+            return _place(part, self._batch_sharding(c, part.ndim))
 
         for j in range(m):
             xs[("in", j, 0)] = put(self.entry, j, 0)
@@ -338,42 +357,104 @@ class PipelineRunner:
         for _, s, task in sched.starts():
             start = time.perf_counter()
             out = self._run(task, params, grads, xs, dys, feeds, losses)
-            if timeline is not None:
+            if timeline is not None and chunks[task.chunk]["mine"]:
                 jax.block_until_ready(out)
                 timeline.append((s, task, start - origin, time.perf_counter() - origin))
         if self.tied:  # the head's gradient joins the embedding's, on the first stage
-            head = jax.device_put(grads[last]["head"], chunks[0]["param_sh"]["embed"])
-            grads[0] = {**grads[0], "embed": grads[0]["embed"] + head}
-        trained = [self._trained(g, c) for c, g in enumerate(grads)]
-        norm = math.sqrt(sum(float(ch["sumsq"](g)) for ch, g in zip(chunks, trained, strict=True)))
+            table = jax.ShapeDtypeStruct(chunks[0]["host_params"]["embed"].shape, np.float32)
+            g_head = grads[last]["head"] if chunks[last]["mine"] else None
+            head = self._hand_over(g_head, last, 0, chunks[0]["param_sh"]["embed"], table)
+            if chunks[0]["mine"]:
+                grads[0] = {**grads[0], "embed": grads[0]["embed"] + head}
+        trained = [self._trained(g, c) if g is not None else None for c, g in enumerate(grads)]
+        # every process of a submesh runs its programs; one of them reports each value
+        sums = [_scalar(ch["sumsq"](g)) if ch["mine"] else 0.0 for ch, g in zip(chunks, trained, strict=True)]
+        local = sum(x for x, ch in zip(sums, chunks, strict=True) if ch["lead"])
+        norm = math.sqrt(_sum_over_processes(local))
         scale = 1.0 if not self.grad_clip or norm < self.grad_clip else self.grad_clip / norm
         new_params, new_opt = [], []
         for c, ch in enumerate(chunks):
-            p, o = ch["update"](
-                self._trained(params[c], c),
-                state["opt_state"][c],
-                trained[c],
-                jax.device_put(np.float32(scale), ch["scalar_sh"]),
-            )
+            if not ch["mine"]:
+                new_params.append(None)
+                new_opt.append(None)
+                continue
+            factor = _place(np.float32(scale), ch["scalar_sh"])
+            p, o = ch["update"](self._trained(params[c], c), state["opt_state"][c], trained[c], factor)
             new_params.append(p)
             new_opt.append(o)
         if self.tied:  # refresh the last chunk's copy of the table
-            head = jax.device_put(new_params[0]["embed"], chunks[last]["param_sh"]["head"])
-            new_params[last] = {**new_params[last], "head": head}
-        loss = sum(float(x) for x in losses)
+            table = jax.ShapeDtypeStruct(chunks[0]["host_params"]["embed"].shape, np.float32)
+            embed = new_params[0]["embed"] if chunks[0]["mine"] else None
+            head = self._hand_over(embed, 0, last, chunks[last]["param_sh"]["head"], table)
+            if chunks[last]["mine"]:
+                new_params[last] = {**new_params[last], "head": head}
+        loss = _sum_over_processes(sum(_scalar(x) for x in losses) if chunks[last]["lead"] else 0.0)
+        # every process has passed the gather above, so every hand-over of this step has been read
+        if self.published:
+            from jax._src import distributed
+
+            for key in self.published:
+                distributed.global_state.client.key_value_delete(key)
+        self.published, self.handovers, self.steps_done = [], 0, self.steps_done + 1
         new_state = {"params": new_params, "opt_state": new_opt, "step": state["step"] + 1}
         return new_state, {"loss": loss, "grad_norm": norm}
+
+    def _activation_shapes(self, batch: dict[str, np.ndarray], rows: int) -> list[Any]:
+        """The shape and dtype of every chunk's output for one micro-batch.
+
+        A process hands over (or back) arrays of chunks it does not run; it then passes a placeholder
+        of this shape in the sender's layout.
+        """
+        out = []
+        x = jax.ShapeDtypeStruct((rows, *batch[self.entry].shape[1:]), batch[self.entry].dtype)
+        for c, ch in enumerate(self.chunks):
+            fed = {k: jax.ShapeDtypeStruct((rows, *batch[k].shape[1:]), batch[k].dtype) for k in self.feeds[c]}
+            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), ch["host_params"])
+            graphdef, constrain = ch["graphdef"], ch["constrain"]
+
+            def apply(p: Any, h: Any, f: Any, graphdef: Any = graphdef, constrain: Any = constrain) -> Any:
+                return nnx.merge(graphdef, p)(h, constrain, **f)
+
+            x = jax.eval_shape(apply, abstract, x, fed)
+            out.append(x)
+        return out
+
+    def _hand_over(self, value: Any, src: int, dst: int, sharding: NamedSharding, shape: Any) -> Any:
+        """Move ``value`` from chunk ``src``'s submesh to ``sharding`` on chunk ``dst``'s.
+
+        The processes of both sides take part; one that holds only the receiving side passes a
+        placeholder of ``shape`` in the sender's layout. ``None`` where this process holds neither side.
+        """
+        sender, receiver = self.chunks[src], self.chunks[dst]
+        key = f"hyperjax/mpmd/{self.steps_done}/{self.handovers}"  # the same in every process
+        self.handovers += 1
+        if not (sender["mine"] or receiver["mine"]):
+            return None
+        if jax.process_count() == 1 or (sender["local"] and receiver["local"]):
+            return jax.device_put(value, sharding)
+        if sender["lead"]:
+            self.published.append(key)
+        return _transfer(value, sender["mesh"], sharding, shape, sender["mine"], key)
 
     def _run(self, task: Task, params, grads, xs, dys, feeds, losses) -> Any:
         c, j, ch = task.chunk, task.microbatch, self.chunks[task.chunk]
         last = c == len(self.chunks) - 1
         if task.kind == "F":
-            y, xs[(j, c)] = ch["forward"](params[c], xs.pop(("in", j, c)), feeds[(j, c)])  # keep the pullback
+            y = None
+            if ch["mine"]:
+                y, xs[(j, c)] = ch["forward"](params[c], xs.pop(("in", j, c)), feeds[(j, c)])  # keep the pullback
             if last:
-                losses.append(y)
+                if y is not None:
+                    losses.append(y)
                 return y
-            xs[("in", j, c + 1)] = jax.device_put(y, self.chunks[c + 1]["act_sh"])
+            if y is not None:
+                y = jax.device_put(y, ch["act_sh"])  # a known layout, so a receiving process can mirror it
+            xs[("in", j, c + 1)] = self._hand_over(y, c, c + 1, self.chunks[c + 1]["act_sh"], self.shapes[c])
             return xs[("in", j, c + 1)]
+        if not ch["mine"]:
+            if task.kind == "B" and c > 0:  # take part in handing the input gradient back
+                self._send_back(j, c, None, dys)
+            return None
         pullback = xs[(j, c)]
         dy = None if last else dys[(j, c)]  # the last chunk's backward is seeded by its loss
         if task.kind == "B" and not self.sched.split_backward:  # both gradients at once
@@ -390,10 +471,12 @@ class PipelineRunner:
         return grads[c]
 
     def _send_back(self, j: int, c: int, dx: Any, dys: dict) -> Any:
-        if c > 0:
-            dys[(j, c - 1)] = jax.device_put(dx, self.chunks[c - 1]["act_sh"])
-            return dys[(j, c - 1)]
-        return None
+        if c == 0:
+            return None
+        if dx is not None:
+            dx = jax.device_put(dx, self.chunks[c]["act_sh"])
+        dys[(j, c - 1)] = self._hand_over(dx, c, c - 1, self.chunks[c - 1]["act_sh"], self.shapes[c - 1])
+        return dys[(j, c - 1)]
 
     def _forget(self, j: int, c: int, xs: dict, dys: dict) -> None:
         del xs[(j, c)]
@@ -443,3 +526,68 @@ def _programs(graphdef: Any, constrain: Constrain, *, first: bool, last: bool, m
         "weights": jax.jit(weights, donate_argnums=2),
         "inputs": jax.jit(inputs),
     }
+
+
+def _place(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A host value as a global array on ``sharding``; each process fills only the shards it holds."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx], dtype=x.dtype)
+
+
+def _placeholder(shape: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A global array of ``shape`` (a ``ShapeDtypeStruct``) with no shard in this process."""
+    # the callback runs only for a replicated sharding (once, whatever the devices): any value will do
+    return jax.make_array_from_callback(
+        shape.shape, sharding, lambda idx: np.zeros(shape.shape, shape.dtype)[idx], dtype=shape.dtype
+    )
+
+
+def _sum_over_processes(value: float) -> float:
+    """The sum of ``value`` over every process (each adds what its submeshes report)."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return float(np.sum(multihost_utils.process_allgather(np.asarray(value, np.float64))))
+
+
+@functools.cache
+def _identity(sharding: NamedSharding) -> Any:
+    return jax.jit(lambda v: v, out_shardings=sharding)
+
+
+def _relayout(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """``x`` laid out as ``sharding`` on the same devices (every process holding some of them calls it)."""
+    return _identity(sharding)(x)
+
+
+def _transfer(value: Any, src: jax.sharding.Mesh, dst: NamedSharding, shape: Any, sending: bool, key: str) -> Any:
+    """Move an array from mesh ``src`` to ``dst`` when the two submeshes span different processes.
+
+    The array goes through the distributed runtime's key-value store under ``key`` (one key per
+    hand-over, the same in every process because every process walks the same grid): the sending
+    submesh gathers it whole and its first process publishes the bytes; each receiving process reads
+    them and places its shards. XLA's own cross-process copies (``jax.device_put`` with
+    ``jax_cross_host_transfer_socket_address``) need equal device counts on both sides, and on CPU
+    they matched concurrent copies between the same devices out of order, mixing micro-batches.
+    """
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    me = jax.process_index()
+    if sending:
+        whole = _relayout(value, NamedSharding(src, PartitionSpec()))  # every sending process takes part
+        if me == min(d.process_index for d in src.devices.flat):
+            client.key_value_set_bytes(key, np.asarray(whole.addressable_data(0)).tobytes())
+    if me not in {d.process_index for d in dst.mesh.devices.flat}:
+        return None
+    raw = client.blocking_key_value_get_bytes(key, _TRANSFER_TIMEOUT_MS)
+    return _place(np.frombuffer(raw, dtype=shape.dtype).reshape(shape.shape), dst)
+
+
+_TRANSFER_TIMEOUT_MS = 600_000  # a stage may compute for minutes on an emulated supernode
+
+
+def _scalar(x: jax.Array) -> float:
+    """A replicated scalar's value, read from this process's copy."""
+    return float(x.addressable_data(0))

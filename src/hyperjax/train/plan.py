@@ -159,7 +159,7 @@ def _plan_pipeline(cfg: Config, hw: Hardware, devices: int) -> Plan:
     model = nnx.eval_shape(lambda: build_model(m, dtype=t.dtype, recompute=t.recompute, seed=t.seed))
     for s, axes in enumerate(stage_axes):
         _check_submesh(cfg, hw, strategy, nnx.state(model), axes, f"pipeline stage {s}", t.global_batch // microbatches)
-    processes = _one_process(cfg, devices, "a pipeline")
+    processes = plan_processes(devices, cfg.emulate.processes)
     layout = PipelineLayout(
         schedule=schedule, stage_devices=tuple(sizes), stage_axes=tuple(stage_axes), chunk_layers=tuple(layers)
     )
@@ -233,7 +233,7 @@ def _plan_mpmd(cfg: Config, hw: Hardware, devices: int) -> Plan:
     model = nnx.eval_shape(lambda: build_model(m, dtype=t.dtype, recompute=t.recompute, seed=t.seed))
     for sub, axes, part in zip(subs, stage_axes, (model.encoder, model.language_model), strict=True):
         _check_submesh(cfg, hw, strategy, nnx.state(part), axes, f"mpmd submesh {sub.name or sub.modules[0]!r}")
-    processes = _one_process(cfg, devices, "an MPMD run")
+    processes = plan_processes(devices, cfg.emulate.processes)
     layout = PipelineLayout(
         schedule=make_schedule(p.schedule, len(subs), microbatches, 1),
         stage_devices=tuple(sizes),
@@ -303,13 +303,3 @@ def _check_submesh(
             _check_activations(cfg, strategy, mesh, rows)
     except ShardingError as e:
         raise ShardingError(f"{label}: {e}") from None
-
-
-def _one_process(cfg: Config, devices: int, what: str) -> int:
-    processes = plan_processes(devices, cfg.emulate.processes)
-    if processes > 1:
-        raise ConfigError(
-            f"{what} of {devices} devices needs {processes} processes here, but its submeshes run in one "
-            "process for now; use at most 256 devices (emulate.devices) with emulate.processes: 1"
-        )
-    return processes
