@@ -13,7 +13,9 @@ halves, each reading the same residuals. Nothing is recomputed unless the model'
 ``train.recompute`` says so. The runtime walks the schedule's grid in time order and dispatches each task;
 dispatch is asynchronous, so stages run concurrently, waiting only on the arrays they consume.
 Activations and their gradients move between submeshes with ``jax.device_put`` to the receiver's
-sharding.
+sharding, or, when the submeshes lie in different emulated processes, through the distributed
+runtime's key-value store (:func:`_transfer`). Every process walks the whole grid and runs the tasks
+of the submeshes that hold its devices.
 
 A GPT model ties its output projection to the embedding: the last chunk holds a copy of the table.
 The two gradients are summed on the first stage, the optimizer updates the one table there, and the
