@@ -270,9 +270,7 @@ def _spans(hardware: Hardware, axes: tuple[tuple[str, int], ...]) -> dict[str, A
 
 def matrix_params(cfg: Config) -> float:
     """Parameters in one block's attention and MLP matrices (what tensor parallelism splits)."""
-    m = cfg.model
-    attn = m.d_model * (m.heads + 2 * m.n_kv_heads) * m.head_dim + m.heads * m.head_dim * m.d_model
-    return attn + m.d_model * m.d_ff * (3 if m.family == "llama" else 2)
+    return cfg.model.block_matrix_params
 
 
 def _layer_params(cfg: Config) -> float:
@@ -290,16 +288,7 @@ def model_flops_per_step(cfg: Config) -> float:
     """Forward + backward FLOPs over the global batch, recomputation excluded (Korthikanti eq. 7 for GPT)."""
     m = cfg.model
     s, h = m.seq_len, m.d_model
-    per_layer = (
-        2
-        * s
-        * (
-            h * (m.heads + 2 * m.n_kv_heads) * m.head_dim
-            + m.heads * m.head_dim * h
-            + h * m.d_ff * (3 if m.family == "llama" else 2)
-        )
-        + 4 * s * s * m.heads * m.head_dim
-    )
+    per_layer = 2 * s * m.block_matrix_params + 4 * s * s * m.heads * m.head_dim
     forward = m.layers * per_layer + 2 * s * h * m.vocab
     return 3 * forward * cfg.train.global_batch
 

@@ -102,6 +102,15 @@ class ModelConfig:
         return self.d_model // self.heads
 
     @property
+    def block_matrix_params(self) -> int:
+        """Parameters in one block's attention and MLP matrices (what tensor parallelism splits)."""
+        attn = (
+            self.d_model * (self.heads + 2 * self.n_kv_heads) * self.head_dim
+            + self.heads * self.head_dim * self.d_model
+        )
+        return attn + self.d_model * self.d_ff * (3 if self.family == "llama" else 2)
+
+    @property
     def n_kv_heads(self) -> int:
         """Key/value heads actually used."""
         return self.heads if self.kv_heads is None else self.kv_heads

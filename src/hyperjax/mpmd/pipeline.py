@@ -43,7 +43,7 @@ from hyperjax.models.config import ModelConfig
 from hyperjax.models.layers import Constrain
 from hyperjax.models.transformer import Transformer, embed_tokens, logits
 from hyperjax.mpmd.schedules import Schedule, Task
-from hyperjax.shard import Strategy
+from hyperjax.shard import Strategy, place
 from hyperjax.topology import Hardware, make_mesh
 
 
@@ -73,9 +73,7 @@ def split_devices(devices: Sequence[Any], sizes: Sequence[int]) -> list[list[Any
 def layer_costs(cfg: ModelConfig) -> tuple[float, float, float]:
     """Training FLOPs per token of one block, of the embedding and of the output layer (with the loss)."""
     s, h = cfg.seq_len, cfg.d_model
-    proj = h * (cfg.heads + 2 * cfg.n_kv_heads) * cfg.head_dim + cfg.heads * cfg.head_dim * h
-    mlp = (3 if cfg.family == "llama" else 2) * h * cfg.d_ff
-    block = 6 * (proj + mlp) + 6 * 2 * s * cfg.heads * cfg.head_dim
+    block = 6 * cfg.block_matrix_params + 6 * 2 * s * cfg.heads * cfg.head_dim
     return float(block), float(6 * h), float(6 * h * cfg.vocab)
 
 
@@ -301,7 +299,7 @@ class PipelineRunner:
                 params.append(None)
                 opt.append(None)
                 continue
-            p = jax.tree.map(_place, ch["host_params"], ch["param_sh"])
+            p = jax.tree.map(place, ch["host_params"], ch["param_sh"])
             params.append(p)
             opt.append(jax.jit(self.optimizer.init, out_shardings=ch["opt_sh"])(self._trained(p, c)))
         return {"params": params, "opt_state": opt, "step": 0}
@@ -313,7 +311,7 @@ class PipelineRunner:
         for c, ch in enumerate(self.chunks):
             ch.update(_programs(ch["graphdef"], ch["constrain"], first=c == 0, last=c == len(self.chunks) - 1, m=m))
             ch["zeros"] = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=ch["param_sh"])
-            ch["sumsq"] = jax.jit(lambda g: sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g)))
+            ch["sumsq"] = jax.jit(lambda g: optax.tree.norm(g, squared=True))
 
             def update(params: Any, opt_state: Any, grads: Any, scale: jax.Array) -> tuple[Any, Any]:
                 grads = jax.tree.map(lambda g: g * scale, grads)
@@ -348,7 +346,7 @@ class PipelineRunner:
 
         def put(key: str, j: int, c: int) -> jax.Array:
             part = batch[key][j * rows : (j + 1) * rows]
-            return _place(part, self._batch_sharding(c, part.ndim))
+            return place(part, self._batch_sharding(c, part.ndim))
 
         for j in range(m):
             xs[("in", j, 0)] = put(self.entry, j, 0)
@@ -380,7 +378,7 @@ class PipelineRunner:
                 new_params.append(None)
                 new_opt.append(None)
                 continue
-            factor = _place(np.float32(scale), ch["scalar_sh"])
+            factor = place(np.float32(scale), ch["scalar_sh"])
             p, o = ch["update"](self._trained(params[c], c), state["opt_state"][c], trained[c], factor)
             new_params.append(p)
             new_opt.append(o)
@@ -404,8 +402,8 @@ class PipelineRunner:
     def _activation_shapes(self, batch: dict[str, np.ndarray], rows: int) -> list[Any]:
         """The shape and dtype of every chunk's output for one micro-batch.
 
-        A process hands over (or back) arrays of chunks it does not run; it then passes a placeholder
-        of this shape in the sender's layout.
+        A process that receives an array from another process's submesh reads it as bytes and needs
+        its shape and dtype to rebuild it.
         """
         out = []
         x = jax.ShapeDtypeStruct((rows, *batch[self.entry].shape[1:]), batch[self.entry].dtype)
@@ -424,8 +422,8 @@ class PipelineRunner:
     def _hand_over(self, value: Any, src: int, dst: int, sharding: NamedSharding, shape: Any) -> Any:
         """Move ``value`` from chunk ``src``'s submesh to ``sharding`` on chunk ``dst``'s.
 
-        The processes of both sides take part; one that holds only the receiving side passes a
-        placeholder of ``shape`` in the sender's layout. ``None`` where this process holds neither side.
+        The processes of both sides take part (see :func:`_transfer`); ``shape`` is the array's shape and
+        dtype. ``None`` where this process holds neither side.
         """
         sender, receiver = self.chunks[src], self.chunks[dst]
         key = f"hyperjax/mpmd/{self.steps_done}/{self.handovers}"  # the same in every process
@@ -449,8 +447,6 @@ class PipelineRunner:
                 if y is not None:
                     losses.append(y)
                 return y
-            if y is not None:
-                y = jax.device_put(y, ch["act_sh"])  # a known layout, so a receiving process can mirror it
             xs[("in", j, c + 1)] = self._hand_over(y, c, c + 1, self.chunks[c + 1]["act_sh"], self.shapes[c])
             return xs[("in", j, c + 1)]
         if not ch["mine"]:
@@ -475,8 +471,6 @@ class PipelineRunner:
     def _send_back(self, j: int, c: int, dx: Any, dys: dict) -> Any:
         if c == 0:
             return None
-        if dx is not None:
-            dx = jax.device_put(dx, self.chunks[c]["act_sh"])
         dys[(j, c - 1)] = self._hand_over(dx, c, c - 1, self.chunks[c - 1]["act_sh"], self.shapes[c - 1])
         return dys[(j, c - 1)]
 
@@ -530,20 +524,6 @@ def _programs(graphdef: Any, constrain: Constrain, *, first: bool, last: bool, m
     }
 
 
-def _place(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
-    """A host value as a global array on ``sharding``; each process fills only the shards it holds."""
-    x = np.asarray(x)
-    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx], dtype=x.dtype)
-
-
-def _placeholder(shape: Any, sharding: jax.sharding.Sharding) -> jax.Array:
-    """A global array of ``shape`` (a ``ShapeDtypeStruct``) with no shard in this process."""
-    # the callback runs only for a replicated sharding (once, whatever the devices): any value will do
-    return jax.make_array_from_callback(
-        shape.shape, sharding, lambda idx: np.zeros(shape.shape, shape.dtype)[idx], dtype=shape.dtype
-    )
-
-
 def _sum_over_processes(value: float) -> float:
     """The sum of ``value`` over every process (each adds what its submeshes report)."""
     if jax.process_count() == 1:
@@ -584,7 +564,7 @@ def _transfer(value: Any, src: jax.sharding.Mesh, dst: NamedSharding, shape: Any
     if me not in {d.process_index for d in dst.mesh.devices.flat}:
         return None
     raw = client.blocking_key_value_get_bytes(key, _TRANSFER_TIMEOUT_MS)
-    return _place(np.frombuffer(raw, dtype=shape.dtype).reshape(shape.shape), dst)
+    return place(np.frombuffer(raw, dtype=shape.dtype).reshape(shape.shape), dst)
 
 
 _TRANSFER_TIMEOUT_MS = 600_000  # a stage may compute for minutes on an emulated supernode

@@ -332,6 +332,12 @@ def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+def place(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A host value as a global array on ``sharding``; each process fills only the shards it holds."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx], dtype=x.dtype)
+
+
 def key_path_str(path: Sequence[Any]) -> str:
     """``(DictKey('blocks'), SequenceKey(0), ...)`` -> ``"blocks/0/..."``."""
     parts = []

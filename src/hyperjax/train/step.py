@@ -11,12 +11,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from hyperjax.shard import Strategy
+from hyperjax.shard import Strategy, place
 from hyperjax.train.config import TrainConfig
 
 
@@ -141,7 +140,7 @@ def init_state(param_state: Any, optimizer: optax.GradientTransformation, step: 
     params = jax.tree.map(jax.device_get, nnx.to_pure_dict(param_state))
     host = {"params": params, "opt_state": jax.device_get(optimizer.init(params)), "step": jnp.zeros((), jnp.int32)}
     return jax.tree.map(
-        lambda x, sh: jax.make_array_from_callback(np.shape(x), sh, lambda idx, x=x: np.asarray(x)[idx]),
+        place,
         host,
         step.state_shardings,
     )
