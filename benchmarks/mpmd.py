@@ -29,6 +29,7 @@ Writes ``benchmarks/results/mpmd.json``, a Perfetto trace and a Gantt chart per 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -41,9 +42,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from hyperjax.cost import estimate  # noqa: E402
+from hyperjax.cost.trace import predicted_schedule, stage_metadata, task_events, write_json  # noqa: E402
 from hyperjax.models import build_model  # noqa: E402
 from hyperjax.mpmd.pipeline import PipelineRunner, transformer_chunks  # noqa: E402
-from hyperjax.mpmd.schedules import replay, replayed_bubble, theory_bubble  # noqa: E402
+from hyperjax.mpmd.schedules import Task, replay, replayed_bubble, theory_bubble, uniform_bubble  # noqa: E402
 from hyperjax.train import load_config, plan_run  # noqa: E402
 from hyperjax.train.data import Batches  # noqa: E402
 from hyperjax.train.step import make_optimizer  # noqa: E402
@@ -95,6 +98,12 @@ def measure(schedule: str, p: int, m: int, v: int) -> dict:
         for k in {tk.kind for tk in seconds}
     }
     smooth = {task: medians[(stage_of[task], task.kind)] for task in seconds}
+    mean = {k: _mean([d for tk, d in seconds.items() if tk.kind == k]) for k in "FBW"}
+    # the same program priced by the cost model on the run's hardware preset, replayed on the same grid
+    cfg = plan.config
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, data=len(jax.devices()) // p))
+    est = estimate(cfg, plan.hardware)
+    predicted_sched, predicted = predicted_schedule(est)
     return {
         "schedule": schedule,
         "stages": p,
@@ -103,13 +112,32 @@ def measure(schedule: str, p: int, m: int, v: int) -> dict:
         "layout": plan.pipeline.describe(),
         "grid_bubble": sched.bubble_fraction(),
         "theory_bubble": theory_bubble(schedule, p, m, v),
+        "measured_kind_bubble": uniform_bubble(schedule, p, m, v, mean["F"], mean["B"], mean["W"]),
         "measured_bubble": replayed_bubble(sched, seconds),
         "stage_cost_bubble": replayed_bubble(sched, smooth),
-        "mean_task_ms": {k: 1e3 * _mean([s for tk, s in seconds.items() if tk.kind == k]) for k in "FBW"},
-        "timeline": [
-            {"stage": s, "task": str(task), "kind": task.kind, "start_s": a, "end_s": b}
-            for task, (s, a, b) in sorted(replay(sched, seconds).items(), key=lambda kv: kv[1][1])
-        ],
+        "mean_task_ms": {k: 1e3 * x for k, x in mean.items()},
+        "stage_task_ms": {f"{k}{s}": 1e3 * x for (s, k), x in sorted(medians.items()) if x == x},
+        "timeline": _timeline(replay(sched, seconds)),
+        "predicted": {
+            "hardware": plan.hardware.name,
+            "step_time_s": est.step_time_s,
+            "bubble": replayed_bubble(predicted_sched, predicted),
+            "task_ms": {k: 1e3 * x for k, x in est.details["task_s"].items()},
+            "timeline": _timeline(replay(predicted_sched, predicted)),
+        },
+    }
+
+
+def _timeline(times: dict[Task, tuple[int, float, float]]) -> list[dict]:
+    return [
+        {"stage": s, "task": str(task), "kind": task.kind, "start_s": a, "end_s": b}
+        for task, (s, a, b) in sorted(times.items(), key=lambda kv: kv[1][1])
+    ]
+
+
+def _times(timeline: list[dict]) -> dict[Task, tuple[int, float, float]]:
+    return {
+        Task(e["kind"], *map(int, e["task"][1:].split("."))): (e["stage"], e["start_s"], e["end_s"]) for e in timeline
     }
 
 
@@ -118,35 +146,52 @@ def _mean(xs: list[float]) -> float:
 
 
 def write_trace(row: dict, path: Path) -> None:
-    events = [
-        {"name": e["task"], "ph": "X", "ts": e["start_s"] * 1e6, "dur": (e["end_s"] - e["start_s"]) * 1e6}
-        | {"pid": e["stage"], "tid": 0, "args": {"kind": e["kind"]}}
-        for e in row["timeline"]
-    ]
-    meta = [{"name": "process_name", "ph": "M", "pid": s, "args": {"name": f"stage {s}"}} for s in range(row["stages"])]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}))
-    tmp.replace(path)
+    """The emulated step and the predicted one in one Perfetto trace: one process per stage each."""
+    p, hw = row["stages"], row["predicted"]["hardware"]
+    data = {
+        "traceEvents": stage_metadata(p, label="emulated (CPU), stage")
+        + task_events(_times(row["timeline"]))
+        + stage_metadata(p, pid=p, label=f"predicted ({hw}), stage")
+        + task_events(_times(row["predicted"]["timeline"]), pid=p),
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "schedule": row["schedule"],
+            "emulated_bubble": row["measured_bubble"],
+            "predicted_bubble": row["predicted"]["bubble"],
+            "predicted_step_time_s": row["predicted"]["step_time_s"],
+        },
+    }
+    write_json(data, path)
 
 
 def write_gantt(row: dict, path: Path) -> None:
+    """Gantt charts of the emulated step (top) and the predicted one (bottom), each on its own time axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     colours = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
-    fig, ax = plt.subplots(figsize=(10, 0.6 * row["stages"] + 1.2), dpi=100)
-    for e in row["timeline"]:
-        ax.broken_barh(
-            [(e["start_s"] * 1e3, (e["end_s"] - e["start_s"]) * 1e3)],
-            (e["stage"] - 0.4, 0.8),
-            color=colours[e["kind"]],
-            edgecolor="white",
-        )
-    ax.set(xlabel="ms", ylabel="stage", yticks=range(row["stages"]))
-    ax.invert_yaxis()
-    ax.set_title(f"{row['schedule']}: p={row['stages']}, m={row['microbatches']}, bubble {row['measured_bubble']:.1%}")
+    p = row["stages"]
+    fig, axes = plt.subplots(2, 1, figsize=(11, 1.2 * p + 2.4), dpi=100)
+    panels = (
+        (row["timeline"], f"emulated on CPU, bubble {row['measured_bubble']:.1%}"),
+        (
+            row["predicted"]["timeline"],
+            f"predicted on {row['predicted']['hardware']}, bubble {row['predicted']['bubble']:.1%}",
+        ),
+    )
+    for ax, (timeline, label) in zip(axes, panels, strict=True):
+        for e in timeline:
+            ax.broken_barh(
+                [(e["start_s"] * 1e3, (e["end_s"] - e["start_s"]) * 1e3)],
+                (e["stage"] - 0.4, 0.8),
+                color=colours[e["kind"]],
+                edgecolor="white",
+            )
+        ax.set(xlabel="ms", ylabel="stage", yticks=range(p))
+        ax.invert_yaxis()
+        ax.set_title(f"{row['schedule']} (p={p}, m={row['microbatches']}): {label}", fontsize=10)
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp")
     fig.savefig(tmp, format="png")
@@ -202,7 +247,8 @@ def main() -> None:
     print(f"MPMD vs best SPMD: {v['speedup_vs_spmd_best']:.2f}x")
     rows = previous.get("bubbles", []) if "--vlm-only" in sys.argv else [measure(*case) for case in CASES]
     table = Table(title="pipeline bubble fraction: measured task times on the executed grid vs theory")
-    cols = ("schedule", "p", "m", "v", "theory", "grid", "at stage medians", "measured", "gap (points)", "F/B/W ms")
+    cols = ("schedule", "p", "m", "v", "theory", "at mean F/B/W", "at stage medians", "measured", "gap (points)")
+    cols += ("F/B/W ms", "predicted")
     for col in cols:
         table.add_column(col, justify="right")
     for r in rows:
@@ -213,11 +259,12 @@ def main() -> None:
             str(r["microbatches"]),
             str(r["virtual_stages"]),
             f"{r['theory_bubble']:.1%}",
-            f"{r['grid_bubble']:.1%}",
+            f"{r['measured_kind_bubble']:.1%}",
             f"{r['stage_cost_bubble']:.1%}",
             f"{r['measured_bubble']:.1%}",
             f"{100 * (r['measured_bubble'] - r['theory_bubble']):+.1f}",
             f"{ms['F']:.0f}/{ms['B']:.0f}/{ms['W']:.0f}",
+            f"{r['predicted']['bubble']:.1%}",
         )
         if r["stages"] == 4:
             stem = f"mpmd-{r['schedule']}"

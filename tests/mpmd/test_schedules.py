@@ -88,3 +88,15 @@ def test_validator_catches_broken_grids():
 def test_bad_sizes_name_the_key(args, match):
     with pytest.raises(ConfigError, match=match):
         make_schedule(*args)
+
+
+@pytest.mark.parametrize(("name", "v"), [("zero-bubble", 1), ("interleaved", 2), ("1f1b", 1), ("gpipe", 1)])
+def test_uniform_bubble_is_the_whole_grid_replayed(name, v):
+    from hyperjax.mpmd.schedules import replayed_bubble, task_seconds, uniform_bubble
+
+    for p in (2, 4):
+        for m in (p, 3 * p, 8 * p):
+            for b, w in ((2.0, 0.0), (1.3, 0.7), (0.9, 1.6)) if name == "zero-bubble" else ((2.0, 0.0), (1.4, 0.0)):
+                sched = make_schedule(name, p, m, v)
+                full = replayed_bubble(sched, task_seconds(sched, 1.0, b, w))
+                assert uniform_bubble(name, p, m, v, 1.0, b, w) == pytest.approx(full, rel=1e-9), (p, m, b, w)

@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         "schedule",
         "micro",
         "recompute",
+        "offload",
         "step s",
         "MFU",
         "peak GiB",
@@ -92,9 +93,10 @@ def run(args: argparse.Namespace) -> int:
             sched if o["parallel.pipeline"] > 1 else "-",
             str(o["train.micro_batch"] or "all"),
             o["train.recompute"],
+            f"{c.offload['host_gib_per_device']:.2g}" if c.offload else "-",
             f"{e.step_time_s:.4g}",
             f"{e.mfu:.1%}",
-            f"{e.memory_per_device_gib['peak']:.1f}",
+            f"{e.memory_per_device_gib['peak']:.3g}",
         )
     out.print(table)
     return 0

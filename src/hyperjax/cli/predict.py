@@ -33,13 +33,43 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     hw = load_hardware(cfg.hardware)
     est = estimate(cfg, hw)
+    offload = None
+    if cfg.offload.policy != "none":
+        from hyperjax.offload.plan import plan_offload, with_offload
+
+        offload = plan_offload(cfg, hw)
+        est = with_offload(offload)
     if args.trace:
         write_trace(est, args.trace, title=f"{cfg.model.family} on {hw.name}")
     if args.json:
-        print(json.dumps(est.to_dict(), indent=2))
+        print(json.dumps(est.to_dict() | ({"offload": offload.to_dict()} if offload else {}), indent=2))
         return 0
     print_estimate(est, hw.name)
+    if offload is not None:
+        print_offload(offload)
     return 0
+
+
+def print_offload(plan) -> None:
+    """The placement table of an :class:`hyperjax.offload.plan.OffloadPlan` and its price."""
+    from hyperjax.offload.placement import ACTIVATIONS, KINDS
+
+    out = console()
+    p = plan.priced
+    table = Table(title=f"offload placement ({plan.policy}), per layer")
+    for col in ("layers", *KINDS, *(f"act.{a}" for a in ACTIVATIONS)):
+        table.add_column(col)
+    for row in p.placement.rows(plan.problem.layers):
+        table.add_row(*row)
+    out.print(table)
+    verdict = "fits" if plan.fits else f"[red]does not fit[/red]: {plan.cannot_fit} cannot leave the device"
+    out.print(
+        f"  peak {p.peak_bytes / 2**30:.3g} GiB per device of a {plan.budget_gib:.3g} GiB budget ({verdict}); "
+        f"{p.host_bytes / 2**30:.3g} GiB on the host; host transfers {p.transfer_s * 1e3:.3g} ms a step, "
+        f"{p.exposed_transfer_s * 1e3:.3g} ms of it exposed; recomputation {p.recompute_s * 1e3:.3g} ms"
+    )
+    if not plan.fits:
+        out.print(f"  the smallest budget any placement fits: {plan.smallest_budget_gib:g} GiB")
 
 
 def print_estimate(est, hardware: str) -> None:

@@ -77,6 +77,10 @@ def _train(plan, args: argparse.Namespace, out_dir: str) -> int:
             f"training {plan.config.model.family} on {plan.devices} emulated {plan.hardware.name} devices "
             f"({jax.process_count()} process(es)); strategy: {plan.describe()}"
         )
+    if lead and plan.offload is not None:
+        from hyperjax.cli.predict import print_offload
+
+        print_offload(plan.offload)
     result = train(plan, metrics_out=args.metrics_out, out_dir=out_dir)
     if lead:
         s = summary(plan, result)
@@ -104,4 +108,9 @@ def _print_prediction(plan) -> None:
         print("  prediction: a vision-language model is priced by hyperjax.cost.mpmd (python benchmarks/mpmd.py)")
         return
     same = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, data=plan.axes["data"]))
+    if plan.offload is not None:
+        from hyperjax.offload.plan import with_offload
+
+        print_estimate(with_offload(plan.offload), plan.hardware.name)
+        return
     print_estimate(estimate(same, plan.hardware), plan.hardware.name)

@@ -16,13 +16,13 @@ Conventions (Megatron's, so published runs compare directly):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
 from hyperjax.cost.collectives import collective_time
 from hyperjax.cost.compute import gemm_time, stream_time
 from hyperjax.errors import ConfigError
+from hyperjax.mpmd.schedules import grid_bubble, uniform_bubble
 from hyperjax.shard import mesh_axes_for
 from hyperjax.topology import Hardware, axis_spans
 from hyperjax.train.config import Config
@@ -63,13 +63,6 @@ class Estimate:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready data (the ``hyperjax predict --json`` object)."""
         return dataclasses.asdict(self)
-
-
-@functools.lru_cache(maxsize=4096)
-def _grid_bubble(schedule: str, stages: int, microbatches: int, virtual_stages: int) -> float:
-    from hyperjax.mpmd.schedules import make_schedule
-
-    return make_schedule(schedule, stages, microbatches, virtual_stages).bubble_fraction()
 
 
 def predict_axes(cfg: Config) -> dict[str, int]:
@@ -125,12 +118,12 @@ def estimate(cfg: Config, hardware: Hardware) -> Estimate:
     )
 
     # ---- one layer, one micro-batch, one device --------------------------------------------------------
-    proj = (
-        gemm(tokens, (a + 2 * kv) * hd / tp, h)
-        + gemm(tokens, h, a * hd / tp)
-        + gemm(tokens, f * (2 if gated else 1) / tp, h)
-        + gemm(tokens, h, f / tp)
-    )
+    gemms = {
+        "qkv": gemm(tokens, (a + 2 * kv) * hd / tp, h),
+        "attn_out": gemm(tokens, h, a * hd / tp),
+        "mlp_hidden": gemm(tokens, f * (2 if gated else 1) / tp, h) + gemm(tokens, h, f / tp),
+    }
+    proj = sum(gemms.values())
     core = 2 * gemm(s / cp, s, hd, count=micro * a / tp)  # scores and attention-weighted values
     sbh = micro * (s / cp) * h
     scale = e / 2  # Korthikanti's byte counts are for 16-bit activations
@@ -148,6 +141,27 @@ def estimate(cfg: Config, hardware: Hardware) -> Estimate:
         "selective": replicated + split,
         "full": 2 * sbh * scale / (tp if p.sequence_parallel else 1),
     }[t.recompute]
+
+    # the activations kept for backward, by the names the models tag (Korthikanti's 34 sbh + 5 a s^2 b:
+    # the block input 2, the norms and the mid-block residual 8, Q/K/V 6, the output projection's input 2,
+    # the MLP's hidden 16, the attention core 5 a s / h), and what recomputing each costs: the forward ops
+    # that produce or read it, so that recomputing all of them costs the whole forward (``full``) and the
+    # attention core alone is ``selective``
+    rep = tp if p.sequence_parallel else 1
+    layer_acts = {
+        "block_in": 2 * sbh * scale / rep,
+        "norms": 8 * sbh * scale / rep,
+        "qkv": 6 * sbh * scale / tp,
+        "attn_out": 2 * sbh * scale / tp,
+        "mlp_hidden": 16 * sbh * scale / tp,
+        "attn_core": attn_acts,
+    }
+    ew_share = lambda name: ew_fwd * layer_acts[name] / (replicated + split)
+    layer_recompute = {
+        "norms": ew_fwd * (layer_acts["norms"] + layer_acts["block_in"]) / (replicated + split),
+        **{k: g + ew_share(k) for k, g in gemms.items()},
+        "attn_core": core + ew_core_fwd,
+    }
 
     comm: dict[str, float] = {}
 
@@ -182,8 +196,23 @@ def estimate(cfg: Config, hardware: Hardware) -> Estimate:
     add("fsdp", microbatches * layers_per_stage * (2 * fsdp_gather + fsdp_scatter))
     add("pipeline_p2p", microbatches * p2p)
 
-    # the bubble is read off the schedule's own grid (the one the runtime executes): idle over busy cells
-    idle = _grid_bubble(p.schedule, pp, microbatches, v) if pp > 1 else 0.0
+    # one task of one chunk (a stage holds v chunks); exposed communication is split between F and B.
+    # A split backward (zero-bubble) leaves the weight-gradient GEMMs (as many FLOPs as the forward's)
+    # and the head's to W.
+    half_comm = (stage_comm + p2p) / 2
+    task_f = (layers_per_stage * fwd + logits / 3 + half_comm) / v
+    task_b = (layers_per_stage * (bwd + recompute) + 2 * logits / 3 + half_comm) / v
+    task_w = (layers_per_stage * proj + logits / 3) / v if p.schedule == "zero-bubble" else 0.0
+    task_b -= task_w
+    # the bubble: the schedule's own grid (the one the runtime executes) replayed with these task lengths.
+    # For GPipe and 1F1B over equal stages that is the grid's own fraction, whatever the lengths; for
+    # interleaved and zero-bubble only the ratios matter, rounded to three figures so the cache is shared
+    idle = 0.0
+    if pp > 1 and p.schedule in ("gpipe", "1f1b"):
+        idle = grid_bubble(p.schedule, pp, microbatches, v)
+    elif pp > 1:
+        ratio = lambda x: float(f"{x / task_f:.3g}")
+        idle = uniform_bubble(p.schedule, pp, microbatches, v, 1.0, ratio(task_b), ratio(task_w))
     bubble = microbatches * per_micro * idle / (1 - idle)
 
     # ---- data parallel, optimizer -----------------------------------------------------------------------
@@ -223,6 +252,18 @@ def estimate(cfg: Config, hardware: Hardware) -> Estimate:
         "activations": in_flight * layers_per_stage * stored + tokens * vocab / tp * 4 * 2,
     }
     memory["peak"] = sum(memory.values()) * 1.05  # allocator fragmentation and workspace
+    layer_params = _layer_params(cfg) / (tp * p.fsdp)
+    layer = {
+        # one layer on one device: its tensor groups (bytes) and its compute per micro-batch (seconds)
+        "params_bytes": layer_params * (4 + (2 if e == 2 else 0)),
+        "param_transfer_bytes": layer_params * e,
+        "gradients_bytes": layer_params / (axes["data"] if p.zero_stage >= 2 else 1) * 4,
+        "optimizer_bytes": layer_params / (axes["data"] if p.zero_stage >= 1 else 1) * 8,
+        "activation_bytes": layer_acts,
+        "recompute_s": layer_recompute,
+        "forward_s": fwd,
+        "backward_s": bwd,
+    }
     fits = memory["peak"] <= hardware.device.hbm_bytes
     overflow = None if fits else max(("params", "optimizer", "gradients", "activations"), key=memory.__getitem__)
 
@@ -249,10 +290,17 @@ def estimate(cfg: Config, hardware: Hardware) -> Estimate:
             "stage_forward_s": layers_per_stage * fwd + logits / 3,
             "stage_backward_s": layers_per_stage * (bwd + recompute) + 2 * logits / 3,
             "stage_comm_s": stage_comm + p2p,
+            # one task of one chunk, exposed communication included: what the schedule grid is replayed with
+            "task_s": {"F": task_f, "B": task_b, "W": task_w},
+            "task_comm_s": half_comm / v,
             "dp_exposed_s": dp_exposed if dp > 1 else 0.0,
             "optimizer_s": optimizer,
             "schedule": p.schedule,
             "virtual_stages": v,
+            "in_flight": in_flight,
+            "logits_s": logits,
+            "bubble_ratio": idle / (1 - idle),
+            "layer": layer,
         },
     )
 

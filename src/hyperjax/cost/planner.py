@@ -2,7 +2,10 @@
 
 The search space: data, fsdp, tensor (with and without sequence parallelism), context, pipeline (with
 schedule and virtual stages), ZeRO stage, micro-batch size and recomputation. Each candidate is priced by
-:func:`hyperjax.cost.estimate` (milliseconds each); those that do not fit device memory are dropped.
+:func:`hyperjax.cost.estimate` (milliseconds each); those that do not fit the device-memory budget
+(``offload.device_memory_gib``, default the preset's HBM) are dropped. Under ``offload.policy: auto`` or
+``greedy`` the fastest strategies that do not fit are also given to the placement pass
+(:mod:`hyperjax.offload`), and those it makes fit compete with the rest.
 """
 
 from __future__ import annotations
@@ -29,17 +32,19 @@ class Candidate:
 
     overrides: dict[str, Any]
     estimate: Estimate
+    offload: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The candidate as JSON-ready data: its overrides plus the headline predictions."""
         e = self.estimate
-        return {
+        out = {
             **self.overrides,
             "step_time_s": e.step_time_s,
             "mfu": e.mfu,
             "peak_gib": e.memory_per_device_gib["peak"],
             "fits": e.fits,
         }
+        return out | ({"offload": self.offload} if self.offload is not None else {})
 
 
 def divisors(n: int) -> list[int]:
@@ -111,6 +116,9 @@ def plan(cfg: Config, hardware: Hardware, devices: int, *, keep: int = 10) -> tu
     ranked: list[Candidate] = []
     priced = fitting = 0
     leanest: Estimate | None = None
+    budget = cfg.offload.device_memory_gib if cfg.offload.device_memory_gib is not None else None
+    budget_gib = budget if budget is not None else hardware.device.hbm_bytes / 2**30
+    too_big: list[tuple[dict[str, Any], Estimate]] = []  # fast strategies that do not fit: offload candidates
     for combination in strategies(cfg, devices):
         for recompute in ("none", "selective", "full"):
             overrides = {**combination, "train.recompute": recompute}
@@ -119,12 +127,16 @@ def plan(cfg: Config, hardware: Hardware, devices: int, *, keep: int = 10) -> tu
             except HyperjaxError:
                 break
             priced += 1
-            if est.fits:
+            if est.memory_per_device_gib["peak"] <= budget_gib:
                 fitting += 1
-                ranked.append(Candidate(overrides=overrides, estimate=est))
+                ranked.append(Candidate(overrides=overrides, estimate=dataclasses.replace(est, fits=True)))
                 break
+            if recompute == "none":
+                too_big.append((overrides, est))
             if leanest is None or est.memory_per_device_gib["peak"] < leanest.memory_per_device_gib["peak"]:
                 leanest = est
+    if cfg.offload.policy in ("auto", "greedy"):
+        fitting += _with_offload(cfg, hardware, too_big, ranked)
     if not priced:
         raise ConfigError(
             f"no valid strategy for this model on {devices} devices: check that heads, layers, "
@@ -132,10 +144,33 @@ def plan(cfg: Config, hardware: Hardware, devices: int, *, keep: int = 10) -> tu
         )
     if not ranked and leanest is not None:
         mem = leanest.memory_per_device_gib
+        term = max(("params", "optimizer", "gradients", "activations"), key=mem.__getitem__)
         raise ConfigError(
-            f"none of the {priced} strategies on {devices} devices fits {hardware.device.hbm_bytes / 2**30:.0f} GiB "
-            f"per device; the leanest needs {mem['peak']:.1f} GiB, most of it {leanest.overflow} "
-            f"({mem[leanest.overflow]:.1f} GiB). Use more devices or a smaller model."
+            f"none of the {priced} strategies on {devices} devices fits {budget_gib:.3g} GiB "
+            f"per device; the leanest needs {mem['peak']:.3g} GiB, most of it {term} "
+            f"({mem[term]:.3g} GiB). Use more devices, a smaller model or offload.policy: auto."
         )
     ranked.sort(key=lambda c: c.estimate.step_time_s)
     return ranked[:keep], priced, fitting
+
+
+OFFLOAD_TRIES = 8  # strategies handed to the placement pass (each an integer program)
+
+
+def _with_offload(
+    cfg: Config, hardware: Hardware, too_big: list[tuple[dict[str, Any], Estimate]], ranked: list[Candidate]
+) -> int:
+    """Give the fastest strategies that do not fit to the placement pass; add those it fits to ``ranked``."""
+    from hyperjax.offload.plan import plan_offload, with_offload
+
+    best = min((c.estimate.step_time_s for c in ranked), default=float("inf"))
+    added = 0
+    for overrides, est in sorted(too_big, key=lambda oe: oe[1].step_time_s)[:OFFLOAD_TRIES]:
+        if est.step_time_s >= best:
+            break  # offloading only adds time: it cannot beat a strategy that fits as it is
+        chosen = {**overrides, "offload.policy": cfg.offload.policy}
+        offload = plan_offload(apply(cfg, chosen), hardware)
+        if offload.fits:
+            ranked.append(Candidate(overrides=chosen, estimate=with_offload(offload), offload=offload.to_dict()))
+            added += 1
+    return added

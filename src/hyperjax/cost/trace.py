@@ -1,10 +1,11 @@
 """A predicted training step as a Chrome / Perfetto trace (open it in ui.perfetto.dev).
 
-One process per pipeline stage; per stage a compute track (forward and backward of each micro-batch,
-recomputation included) and a communication track (the exposed collectives of each micro-batch, the
-data-parallel gradient reduction, the optimizer step). Stages run the schedule's order, GPipe (all
-forwards, then all backwards) or 1F1B (warm-up forwards, then one forward and one backward in turn),
-and each waits for the data it needs from its neighbours, so bubbles appear where they occur.
+The step is the schedule's own grid (:mod:`hyperjax.mpmd.schedules`, the one the runtime executes)
+replayed with the cost model's task lengths: each stage runs its tasks in the grid's order, each as soon
+as the stage is free and its inputs have arrived, so bubbles appear where they occur. One process per
+pipeline stage, with a compute track (forward ``F``, backward ``B`` and, when the backward is split,
+weight-gradient ``W`` tasks of each micro-batch and chunk, recomputation included) and a communication
+track (each task's exposed collectives, the data-parallel gradient reduction, then the optimizer step).
 """
 
 from __future__ import annotations
@@ -14,119 +15,85 @@ from pathlib import Path
 from typing import Any
 
 from hyperjax.cost.estimate import Estimate
+from hyperjax.mpmd.schedules import Schedule, Task, make_schedule, replay, task_seconds
+
+COMPUTE, COMMUNICATION = 0, 1
 
 
-def stage_order(stage: int, stages: int, microbatches: int, schedule: str) -> list[tuple[str, int]]:
-    """The order stage ``stage`` runs its tasks: ``("F", j)`` forward and ``("B", j)`` backward of micro-batch j."""
-    if schedule == "gpipe":
-        return [("F", j) for j in range(microbatches)] + [("B", j) for j in range(microbatches)]
-    warm = min(stages - stage - 1, microbatches)
-    order = [("F", j) for j in range(warm)]
-    f, b = warm, 0
-    while b < microbatches:
-        if f < microbatches:
-            order.append(("F", f))
-            f += 1
-        order.append(("B", b))
-        b += 1
-    return order
-
-
-def simulate(est: Estimate) -> list[dict[str, Any]]:
-    """Trace events (microseconds) of one predicted step."""
+def predicted_schedule(est: Estimate) -> tuple[Schedule, dict[Task, float]]:
+    """The grid ``est`` was priced on and each task's predicted length (exposed communication included)."""
     d = est.details
-    stages, m = d["axes"]["pipeline"], d["microbatches"]
-    fwd, bwd, comm = d["stage_forward_s"], d["stage_backward_s"], d["stage_comm_s"]
-    schedule = "gpipe" if d["schedule"] == "gpipe" else "1f1b"
-    # interleaving splits each stage into v chunks: the bubble shrinks by v (drawn as a shorter warm-up)
-    scale = 1.0 / d["virtual_stages"] if d["virtual_stages"] > 1 else 1.0
-    done: dict[tuple[str, int, int], float] = {}
-    clock = [0.0] * stages
-    orders = [stage_order(i, stages, m, schedule) for i in range(stages)]
-    position = [0] * stages
-    events: list[dict[str, Any]] = []
-    while any(position[i] < len(orders[i]) for i in range(stages)):
-        progressed = False
-        for i in range(stages):
-            if position[i] >= len(orders[i]):
-                continue
-            kind, j = orders[i][position[i]]
-            # the neighbour's output is ready one chunk (1/v of its work) after it started
-            upstream = [("F", i - 1, j, fwd)] if kind == "F" and i > 0 else []
-            if kind == "B" and i < stages - 1:
-                upstream = [("B", i + 1, j, bwd)]
-            need = [(k, st, mb) for k, st, mb, _ in upstream] + ([("F", i, j)] if kind == "B" else [])
-            if any(n not in done for n in need):
-                continue
-            ready = max(
-                [clock[i], *(done[(k, st, mb)] - (1 - scale) * (work + comm / 2) for k, st, mb, work in upstream)]
-            )
-            if kind == "B":
-                ready = max(ready, done[("F", i, j)])
-            length = (fwd if kind == "F" else bwd) + comm / 2
-            events.append(
-                _event(
-                    "forward" if kind == "F" else "backward",
-                    ready,
-                    fwd if kind == "F" else bwd,
-                    i,
-                    "compute",
-                    {"microbatch": j},
-                )
-            )
-            events.append(
-                _event(
-                    "exposed collectives",
-                    ready + (fwd if kind == "F" else bwd),
-                    comm / 2,
-                    i,
-                    "communication",
-                    {"microbatch": j},
-                )
-            )
-            done[(kind, i, j)] = clock[i] = ready + length
-            position[i] += 1
-            progressed = True
-        if not progressed:
-            raise RuntimeError("pipeline schedule deadlocked")  # a bug in stage_order, never user input
-    end = max(clock)
-    for i in range(stages):
-        t = end
-        if d["dp_exposed_s"]:
-            events.append(
-                _event("data-parallel gradient reduction (exposed)", t, d["dp_exposed_s"], i, "communication", {})
-            )
-            t += d["dp_exposed_s"]
-        events.append(_event("optimizer step", t, d["optimizer_s"], i, "compute", {}))
+    stages = d["axes"]["pipeline"]
+    name, v = (d["schedule"], d["virtual_stages"]) if stages > 1 else ("1f1b", 1)
+    sched = make_schedule(name, stages, d["microbatches"], v)
+    t = d["task_s"]
+    return sched, task_seconds(sched, t["F"], t["B"], t["W"])
+
+
+def task_events(
+    times: dict[Task, tuple[int, float, float]], *, pid: int = 0, comm_s: float = 0.0
+) -> list[dict[str, Any]]:
+    """Trace events of replayed tasks (``{task: (stage, start, end)}`` in seconds), one process per stage
+    from ``pid`` on. ``comm_s`` of each ``F`` and ``B`` task is drawn on the communication track."""
+    events = []
+    for task, (stage, start, end) in sorted(times.items(), key=lambda kv: kv[1][1]):
+        comm = comm_s if task.kind != "W" else 0.0
+        name = {"F": "forward", "B": "backward", "W": "weight gradient"}[task.kind]
+        args = {"task": str(task), "microbatch": task.microbatch, "chunk": task.chunk}
+        events.append(_event(name, start, end - start - comm, pid + stage, COMPUTE, args))
+        if comm > 0:
+            events.append(_event("exposed collectives", end - comm, comm, pid + stage, COMMUNICATION, args))
     return events
 
 
-def _event(name: str, start_s: float, dur_s: float, stage: int, track: str, args: dict) -> dict[str, Any]:
-    return {
-        "name": name,
-        "ph": "X",
-        "ts": start_s * 1e6,
-        "dur": dur_s * 1e6,
-        "pid": stage,
-        "tid": 0 if track == "compute" else 1,
-        "args": args,
-    }
-
-
-def write_trace(est: Estimate, path: str | Path, *, title: str) -> None:
-    """Write the trace of ``est`` to ``path`` (JSON in the Chrome trace event format), atomically."""
-    events = simulate(est)
+def stage_metadata(stages: int, *, pid: int = 0, label: str = "stage") -> list[dict[str, Any]]:
+    """Process and thread names for ``stages`` stages from ``pid`` on."""
     meta = []
-    for i in range(est.details["axes"]["pipeline"]):
-        meta.append({"name": "process_name", "ph": "M", "pid": i, "args": {"name": f"stage {i}"}})
-        meta.append({"name": "thread_name", "ph": "M", "pid": i, "tid": 0, "args": {"name": "compute"}})
-        meta.append({"name": "thread_name", "ph": "M", "pid": i, "tid": 1, "args": {"name": "communication"}})
-    data = {
-        "traceEvents": meta + events,
-        "displayTimeUnit": "ms",
-        "otherData": {"title": title, "predicted_step_time_s": est.step_time_s},
-    }
+    for i in range(stages):
+        meta.append({"name": "process_name", "ph": "M", "pid": pid + i, "args": {"name": f"{label} {i}"}})
+        meta.append({"name": "process_sort_index", "ph": "M", "pid": pid + i, "args": {"sort_index": pid + i}})
+        meta.append({"name": "thread_name", "ph": "M", "pid": pid + i, "tid": COMPUTE, "args": {"name": "compute"}})
+        meta.append(
+            {"name": "thread_name", "ph": "M", "pid": pid + i, "tid": COMMUNICATION, "args": {"name": "communication"}}
+        )
+    return meta
+
+
+def simulate(est: Estimate, *, pid: int = 0) -> list[dict[str, Any]]:
+    """Trace events (microseconds) of one predicted step."""
+    d = est.details
+    sched, seconds = predicted_schedule(est)
+    times = replay(sched, seconds)
+    events = task_events(times, pid=pid, comm_s=d["task_comm_s"])
+    end = max(e for _, _, e in times.values())
+    for i in range(sched.stages):
+        t = end
+        if d["dp_exposed_s"]:
+            events.append(
+                _event("data-parallel gradient reduction (exposed)", t, d["dp_exposed_s"], pid + i, COMMUNICATION, {})
+            )
+            t += d["dp_exposed_s"]
+        events.append(_event("optimizer step", t, d["optimizer_s"], pid + i, COMPUTE, {}))
+    return events
+
+
+def _event(name: str, start_s: float, dur_s: float, pid: int, tid: int, args: dict) -> dict[str, Any]:
+    return {"name": name, "ph": "X", "ts": start_s * 1e6, "dur": dur_s * 1e6, "pid": pid, "tid": tid, "args": args}
+
+
+def write_json(data: dict[str, Any], path: str | Path) -> None:
+    """Write ``data`` as JSON to ``path`` atomically (a temporary file beside it, then a rename)."""
     target = Path(path)
     tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_text(json.dumps(data))
     tmp.replace(target)
+
+
+def write_trace(est: Estimate, path: str | Path, *, title: str) -> None:
+    """Write the trace of ``est`` to ``path`` (JSON in the Chrome trace event format), atomically."""
+    data = {
+        "traceEvents": stage_metadata(est.details["axes"]["pipeline"]) + simulate(est),
+        "displayTimeUnit": "ms",
+        "otherData": {"title": title, "predicted_step_time_s": est.step_time_s},
+    }
+    write_json(data, path)

@@ -144,11 +144,11 @@ class Attention(nnx.Module):
             q, k = rope(q, positions), rope(k, positions)
         # queries keep their sequence shard (context parallel); keys and values are projected on the local
         # shard (so their weight gradients stay local too) and then gathered whole
-        q = constrain(checkpoint_name(q, "query"), ("batch", "seq", "act_heads", None))
+        q = constrain(checkpoint_name(q, "qkv"), ("batch", "seq", "act_heads", None))
         k = constrain(k, ("batch", "seq", "act_kv_heads", None))
         v = constrain(v, ("batch", "seq", "act_kv_heads", None))
-        k = constrain(checkpoint_name(k, "key"), ("batch", None, "act_kv_heads", None))
-        v = constrain(checkpoint_name(v, "value"), ("batch", None, "act_kv_heads", None))
+        k = constrain(checkpoint_name(k, "qkv"), ("batch", None, "act_kv_heads", None))
+        v = constrain(checkpoint_name(v, "qkv"), ("batch", None, "act_kv_heads", None))
         b, s, h, d = q.shape
         g = h // self.kv_heads
         q = q.reshape(b, s, self.kv_heads, g, d)
@@ -156,9 +156,9 @@ class Attention(nnx.Module):
         if self.causal:
             mask = jnp.tril(jnp.ones((s, s), dtype=bool))
             scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(dt), "attn_core")
         out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, h, d)
-        out = constrain(checkpoint_name(out, "attention"), ("batch", "seq", "act_heads", None))
+        out = constrain(checkpoint_name(out, "attn_out"), ("batch", "seq", "act_heads", None))
         y = jnp.einsum("bshk,hkd->bsd", out, use(self.o_proj, constrain).astype(dt))
         if self.bias:
             y = y + use(self.o_bias, constrain).astype(dt)
@@ -183,8 +183,9 @@ class MLP(nnx.Module):
         h = x @ use(self.w_in, constrain).astype(dt)
         if self.bias:
             h = h + use(self.b_in, constrain).astype(dt)
+        h = checkpoint_name(h, "mlp_hidden")  # the up-projection's output and the activation's are both kept
         h = (
-            jax.nn.silu(x @ use(self.w_gate, constrain).astype(dt)) * h
+            jax.nn.silu(checkpoint_name(x @ use(self.w_gate, constrain).astype(dt), "mlp_hidden")) * h
             if self.gated
             else jax.nn.gelu(h, approximate=True)
         )

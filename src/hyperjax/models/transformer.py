@@ -7,6 +7,8 @@ pipeline can hand different blocks to different stages.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -15,13 +17,33 @@ from jax.ad_checkpoint import checkpoint_name
 from hyperjax.errors import ConfigError
 from hyperjax.models.config import ModelConfig
 from hyperjax.models.layers import MLP, Attention, Constrain, LayerNorm, RMSNorm, no_constraint, param, use
+from hyperjax.offload.placement import from_recompute
 
 RECOMPUTE = ("none", "selective", "full")
-_POLICIES = {
-    # selective (Korthikanti et al.): keep the linear layers' outputs, recompute the attention core
-    "selective": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-    "full": jax.checkpoint_policies.nothing_saveable,
-}
+# what a block keeps for backward, by checkpoint name: on the device, on the host (pinned_host) or
+# neither (recomputed); ``None``: no rematerialisation at all. See hyperjax.offload for the names.
+BlockPolicy = tuple[tuple[str, ...], tuple[str, ...]] | None
+
+
+def block_policies(placement: Any, layers: int) -> tuple[BlockPolicy, ...]:
+    """Each block's policy under ``placement`` (a :class:`hyperjax.offload.Placement`)."""
+    out: list[BlockPolicy] = []
+    for i in range(layers):
+        where = placement.block(i)
+        saved = tuple(a for a, o in where.items() if o == "device")
+        offloaded = tuple(a for a, o in where.items() if o == "host")
+        out.append(None if len(saved) == len(where) else (saved, offloaded))
+    return tuple(out)
+
+
+def _remat(policy: BlockPolicy) -> Any:
+    saved, offloaded = policy
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=saved,
+        names_which_can_be_offloaded=offloaded,
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
 
 
 class Block(nnx.Module):
@@ -45,9 +67,9 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg.d_model, cfg.d_ff, gated=not gpt, bias=gpt, layers=cfg.layers, rngs=rngs)
 
     def __call__(self, x: jax.Array, constrain: Constrain) -> jax.Array:
-        x = x + self.attn(self.norm1(x, constrain), constrain)
-        x = constrain(x, ("batch", "res_seq", "act_embed"))
-        x = x + self.mlp(self.norm2(x, constrain), constrain)
+        x = x + self.attn(checkpoint_name(self.norm1(x, constrain), "norms"), constrain)
+        x = checkpoint_name(constrain(x, ("batch", "res_seq", "act_embed")), "norms")
+        x = x + self.mlp(checkpoint_name(self.norm2(x, constrain), "norms"), constrain)
         return constrain(checkpoint_name(x, "block_out"), ("batch", "res_seq", "act_embed"))
 
 
@@ -59,14 +81,25 @@ class Transformer(nnx.Module):
       dtype: compute dtype (``float32`` or ``bfloat16``); parameters stay float32.
       recompute: activation recomputation per block: ``none``, ``selective`` or ``full``.
       rngs: parameter initialisation randomness.
+      placement: where each block's activations live (a :class:`hyperjax.offload.Placement`); ``None``:
+        what ``recompute`` says.
     """
 
-    def __init__(self, cfg: ModelConfig, *, dtype: str = "float32", recompute: str = "none", rngs: nnx.Rngs) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: str = "float32",
+        recompute: str = "none",
+        rngs: nnx.Rngs,
+        placement: Any = None,
+    ) -> None:
         if recompute not in RECOMPUTE:
             raise ConfigError(f"train.recompute={recompute!r} is not one of {RECOMPUTE}")
         if dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"train.dtype={dtype!r} is not one of ('float32', 'bfloat16')")
         self.cfg, self.dtype, self.recompute = cfg, dtype, recompute
+        self.policies = block_policies(placement or from_recompute(recompute, cfg.layers), cfg.layers)
         self.embed = param(rngs, (cfg.vocab, cfg.d_model), ("vocab", "embed"))
         if cfg.family == "gpt":
             self.pos_embed = param(rngs, (cfg.seq_len, cfg.d_model), (None, "embed"), scale=0.01)
@@ -78,8 +111,8 @@ class Transformer(nnx.Module):
     def __call__(self, tokens: jax.Array, constrain: Constrain = no_constraint) -> jax.Array:
         """Logits of shape ``(batch, seq, vocab)`` for integer ``tokens`` of shape ``(batch, seq)``."""
         x = self.embed_tokens(tokens, constrain)
-        for block in self.blocks:
-            x = self.run_block(block, x, constrain)
+        for i, block in enumerate(self.blocks):
+            x = self.run_block(block, x, constrain, layer=i)
         return self.logits(x, constrain)
 
     def embed_tokens(self, tokens: jax.Array, constrain: Constrain = no_constraint) -> jax.Array:
@@ -91,24 +124,33 @@ class Transformer(nnx.Module):
         head = self.embed if self.cfg.family == "gpt" else self.lm_head
         return logits(self, head, x, constrain)
 
-    def run_block(self, block: Block, x: jax.Array, constrain: Constrain) -> jax.Array:
-        """One block, under this model's recomputation policy."""
-        if self.recompute == "none":
+    def run_block(self, block: Block, x: jax.Array, constrain: Constrain, *, layer: int = 0) -> jax.Array:
+        """Block ``layer``, keeping its activations where the model's placement says.
+
+        Modules that borrow this method (pipeline chunks, the vision encoder) have no ``policies`` and
+        follow their ``recompute``.
+        """
+        policies = getattr(self, "policies", None)
+        policy = policies[layer] if policies is not None else block_policies(from_recompute(self.recompute, 1), 1)[0]
+        if policy is None:
             return block(x, constrain)
-        return nnx.remat(lambda b, h: b(h, constrain), policy=_POLICIES[self.recompute])(block, x)
+        return nnx.remat(lambda b, h: b(h, constrain), policy=_remat(policy))(block, x)
 
 
-def build_model(cfg: ModelConfig, *, dtype: str = "float32", recompute: str = "none", seed: int = 0) -> nnx.Module:
+def build_model(
+    cfg: ModelConfig, *, dtype: str = "float32", recompute: str = "none", seed: int = 0, placement: Any = None
+) -> nnx.Module:
     """Initialise a model of ``cfg`` from ``seed`` (the same parameters on any mesh).
 
     A :class:`Transformer`, or with ``cfg.vision`` a :class:`hyperjax.models.vlm.VisionLanguageModel`.
+    ``placement`` (a :class:`hyperjax.offload.Placement`) says where a transformer's activations live.
     """
     rngs = nnx.Rngs(params=seed)
     if cfg.vision is not None:
         from hyperjax.models.vlm import VisionLanguageModel
 
         return VisionLanguageModel(cfg, dtype=dtype, recompute=recompute, rngs=rngs)
-    return Transformer(cfg, dtype=dtype, recompute=recompute, rngs=rngs)
+    return Transformer(cfg, dtype=dtype, recompute=recompute, rngs=rngs, placement=placement)
 
 
 def count_params(model: nnx.Module) -> int:

@@ -54,8 +54,8 @@ def decode(lm: Transformer, prefix: jax.Array, tokens: jax.Array, constrain: Con
     x = lm.embed_tokens(tokens, constrain)
     x = jnp.concatenate([prefix.astype(x.dtype), x], axis=1)
     x = constrain(x, ("batch", "res_seq", "act_embed"))
-    for block in lm.blocks:
-        x = lm.run_block(block, x, constrain)
+    for i, block in enumerate(lm.blocks):
+        x = lm.run_block(block, x, constrain, layer=i)
     return logits(lm, lm.lm_head, x[:, prefix.shape[1] :], constrain)
 
 

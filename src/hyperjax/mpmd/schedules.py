@@ -19,6 +19,7 @@ grid column by column and the cost model reads the same grid.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 from hyperjax.errors import ConfigError
@@ -342,3 +343,44 @@ def replayed_bubble(sched: Schedule, seconds: dict[Task, float]) -> float:
     times = replay(sched, seconds)
     end = max(e for _, _, e in times.values())
     return 1 - sum(seconds.values()) / (sched.stages * end) if end else 0.0
+
+
+def task_seconds(sched: Schedule, forward: float, backward: float, weight: float = 0.0) -> dict[Task, float]:
+    """Every task of a pipeline of equal stages: ``F`` lasts ``forward``, ``B`` ``backward`` and ``W`` ``weight``.
+
+    For a split backward, ``backward`` is the input-gradient part only.
+    """
+    length = {"F": forward, "B": backward, "W": weight}
+    return {task: length[task.kind] for _, _, task in sched.starts()}
+
+
+@functools.lru_cache(maxsize=8192)
+def grid_bubble(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """The bubble fraction of a schedule's grid (every task at its nominal slots), cached."""
+    return _schedule(name, stages, microbatches, virtual_stages).bubble_fraction()
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(name: str, stages: int, microbatches: int, virtual_stages: int) -> Schedule:
+    return make_schedule(name, stages, microbatches, virtual_stages)
+
+
+@functools.lru_cache(maxsize=8192)
+def uniform_bubble(
+    name: str, stages: int, microbatches: int, virtual_stages: int, forward: float, backward: float, weight: float
+) -> float:
+    """The bubble fraction of the grid replayed with equal stages and the given task lengths.
+
+    Only the ratios of the lengths matter; callers round them so that the cache is shared. With a
+    backward twice the forward (or ``F = B = W`` when split) this is the grid's own bubble. Over equal
+    stages the idle time of these grids does not depend on the micro-batch count once it reaches the
+    stage count (the steady state has no gaps), so the grid is replayed for at most ``2 * stages``
+    micro-batches and the idle time set against the full count's work.
+    """
+    m = min(microbatches, 2 * stages)
+    sched = _schedule(name, stages, m, virtual_stages)
+    seconds = task_seconds(sched, forward, backward, weight)
+    end = max(e for _, _, e in replay(sched, seconds).values())
+    idle = end - sum(seconds.values()) / stages
+    work = microbatches * virtual_stages * (forward + backward + weight)
+    return idle / (idle + work) if idle + work > 0 else 0.0

@@ -138,6 +138,31 @@ class MPMDConfig:
     submeshes: tuple[SubmeshConfig, ...] = ()  # in the order data flows through them
 
 
+OFFLOAD_OPTIONS = ("device", "host", "recompute")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """Where each tensor group lives during a step (``offload:``; see :mod:`hyperjax.offload`)."""
+
+    policy: str = "none"  # none: train.recompute decides; auto: the exact pass; greedy: evict by size x reuse; manual
+    device_memory_gib: float | None = None  # the device-memory budget; null: the preset's HBM
+    prefetch: int = 1  # layers of compute a host transfer may overlap (0: fetched when needed)
+    manual: Mapping[str, str] = dataclasses.field(default_factory=dict)  # group pattern -> device|host|recompute
+
+    def __post_init__(self) -> None:
+        _choice(self, "offload", "policy", ("none", "auto", "greedy", "manual"))
+        if self.device_memory_gib is not None and not self.device_memory_gib > 0:
+            raise ConfigError(f"offload.device_memory_gib={self.device_memory_gib} must be > 0 (GiB per device)")
+        if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
+            raise ConfigError(f"offload.prefetch={self.prefetch!r} must be an integer >= 0 (layers)")
+        for pattern, option in self.manual.items():
+            if option not in OFFLOAD_OPTIONS:
+                raise ConfigError(f"offload.manual[{pattern!r}]={option!r} is not one of {OFFLOAD_OPTIONS}")
+        if self.manual and self.policy != "manual":
+            raise ConfigError(f"offload.manual is given but offload.policy={self.policy!r}; set offload.policy: manual")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """A whole run."""
@@ -149,6 +174,7 @@ class Config:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     shard: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # logical axis -> mesh axes overrides
     mpmd: MPMDConfig = dataclasses.field(default_factory=MPMDConfig)
+    offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
 
     def __post_init__(self) -> None:
         if self.train.data == "text" and self.model.vocab < 256:

@@ -62,7 +62,8 @@ def train(
     cfg, t = plan.config, plan.config.train
     lead = jax.process_index() == 0
     log = (sys.stdout if lead else None) if log is None else log
-    model = build_model(cfg.model, dtype=t.dtype, recompute=t.recompute, seed=t.seed)
+    placement = plan.offload.placement if plan.offload is not None else None
+    model = build_model(cfg.model, dtype=t.dtype, recompute=t.recompute, seed=t.seed, placement=placement)
     data = _data(cfg)
     run, state, memory = (_pipeline if plan.pipeline is not None else _spmd)(plan, model, data)
     tokens = t.global_batch * cfg.model.seq_len
@@ -137,6 +138,7 @@ def _spmd(plan: Plan, model: nnx.Module, data: Batches | CaptionBatches) -> tupl
         optimizer=optimizer,
         microbatches=plan.microbatches,
         feeds={"images": 4} if plan.config.model.vision is not None else None,
+        placement=plan.offload.placement if plan.offload is not None else None,
     )
     state = init_state(param_state, optimizer, step)
     compiled = step.fn.lower(state, data.global_batch_arrays(0, step.batch_shardings)).compile()

@@ -36,6 +36,8 @@ class Plan:
       microbatches: gradient-accumulation steps per optimizer step (micro-batches of a pipeline).
       pipeline: the stages, chunks and schedule of a pipelined run (``None``: one SPMD program);
         ``axes`` are then the first stage's.
+      offload: the placement ``offload.policy`` gives (a :class:`hyperjax.offload.plan.OffloadPlan`);
+        ``None`` under policy ``none``.
     """
 
     config: Config
@@ -45,6 +47,7 @@ class Plan:
     processes: int
     microbatches: int
     pipeline: PipelineLayout | None = None
+    offload: Any = None
 
     @property
     def devices(self) -> int:
@@ -76,6 +79,12 @@ def plan_run(cfg: Config, *, devices: int | None = None) -> Plan:
     hw = load_hardware(cfg.hardware)
     p, t, m = cfg.parallel, cfg.train, cfg.model
     devices = cfg.emulate.devices if devices is None else devices
+    if cfg.offload.policy != "none" and (cfg.mpmd.submeshes or p.pipeline > 1 or m.vision is not None):
+        raise ConfigError(
+            f"offload.policy={cfg.offload.policy!r}: training applies a placement to one SPMD program of a "
+            "decoder-only model, not to a pipeline, MPMD submeshes or a vision model; set offload.policy: none "
+            "(hyperjax predict prices offload for pipelines too)"
+        )
     if cfg.mpmd.submeshes:
         return _plan_mpmd(cfg, hw, devices)
     if p.pipeline > 1:
@@ -98,7 +107,23 @@ def plan_run(cfg: Config, *, devices: int | None = None) -> Plan:
     strategy.shardings(nnx.state(model), mesh)
     _check_activations(cfg, strategy, mesh, t.global_batch // microbatches)
     processes = plan_processes(devices, cfg.emulate.processes)
-    return Plan(config=cfg, hardware=hw, axes=axes, strategy=strategy, processes=processes, microbatches=microbatches)
+    offload = None
+    if cfg.offload.policy != "none":
+        from hyperjax.offload.plan import plan_offload
+
+        resolved = dataclasses.replace(cfg, parallel=dataclasses.replace(p, data=axes["data"]))
+        offload = plan_offload(resolved, hw)
+        if not offload.fits:
+            raise offload.error()
+    return Plan(
+        config=cfg,
+        hardware=hw,
+        axes=axes,
+        strategy=strategy,
+        processes=processes,
+        microbatches=microbatches,
+        offload=offload,
+    )
 
 
 def _check_activations(cfg: Config, strategy: Strategy, mesh: Any, batch: int) -> None:

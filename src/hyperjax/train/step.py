@@ -15,6 +15,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from hyperjax.offload.apply import DEVICE, HOST, on_device, place_kinds, to_kind
+from hyperjax.offload.placement import Placement
 from hyperjax.shard import Strategy, place
 from hyperjax.train.config import TrainConfig
 
@@ -76,6 +78,7 @@ def build_train_step(
     optimizer: optax.GradientTransformation,
     microbatches: int = 1,
     feeds: dict[str, int] | None = None,
+    placement: Any = None,
 ) -> TrainStep:
     """Build the jitted step for one plan.
 
@@ -88,12 +91,17 @@ def build_train_step(
       microbatches: gradient-accumulation steps (each takes every ``microbatches``-th sequence, so each
         micro-batch is spread over all data-parallel replicas without moving data).
       feeds: extra batch entries the model takes, by name and rank (``{"images": 4}``), split over batch.
+      placement: where parameters, optimizer state and gradients live (a
+        :class:`hyperjax.offload.Placement`; ``None``: all on the device). Host-placed state is kept in
+        ``pinned_host`` between steps and moved to the device inside the step.
     """
+    placement = placement if placement is not None else Placement(())
     strategy = strategy.with_param_axes(param_state)
     params = nnx.to_pure_dict(param_state)
-    param_sh = strategy.shardings(params, mesh)
-    grad_sh = strategy.shardings(params, mesh, role="gradients")
-    opt_sh = strategy.shardings(jax.eval_shape(optimizer.init, params), mesh, role="optimizer")
+    param_sh = place_kinds(strategy.shardings(params, mesh), placement, "params")
+    grad_sh = place_kinds(strategy.shardings(params, mesh, role="gradients"), placement, "gradients")
+    opt_state_shape = jax.eval_shape(optimizer.init, params)
+    opt_sh = place_kinds(strategy.shardings(opt_state_shape, mesh, role="optimizer"), placement, "optimizer")
     replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
     state_sh = {"params": param_sh, "opt_state": opt_sh, "step": replicated}
     batch_sh = NamedSharding(mesh, strategy.spec(("batch", "seq")))
@@ -106,7 +114,8 @@ def build_train_step(
         return jax.value_and_grad(loss_fn, argnums=1)(graphdef, p, batch, constrain)
 
     def step(state: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[dict[str, Any], dict[str, jax.Array]]:
-        p = state["params"]
+        p = to_kind(state["params"], param_sh, DEVICE)  # host-placed layers come to the device for the step
+        opt_state = to_kind(state["opt_state"], opt_sh, DEVICE)
         if microbatches == 1:
             loss, grads = grads_of(p, batch)
         else:
@@ -118,16 +127,19 @@ def build_train_step(
                 carry: tuple[jax.Array, Any], mb: dict[str, jax.Array]
             ) -> tuple[tuple[jax.Array, Any], None]:
                 loss, grads = grads_of(p, mb)
-                return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], grads)), None
+                acc = to_kind(jax.tree.map(jnp.add, to_kind(carry[1], grad_sh, DEVICE), grads), grad_sh, HOST)
+                return (carry[0] + loss, acc), None
 
-            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, p))
+            zeros = (jnp.zeros((), jnp.float32), to_kind(jax.tree.map(jnp.zeros_like, p), grad_sh, HOST))
             (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro)
+            grads = to_kind(grads, grad_sh, DEVICE)
             loss, grads = loss / microbatches, jax.tree.map(lambda g: g / microbatches, grads)
-        grads = jax.lax.with_sharding_constraint(grads, grad_sh)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], p)
-        new_params = jax.lax.with_sharding_constraint(optax.apply_updates(p, updates), param_sh)
+        grads = jax.lax.with_sharding_constraint(grads, on_device(grad_sh))
+        updates, opt_state = optimizer.update(grads, opt_state, p)
+        new_params = jax.lax.with_sharding_constraint(optax.apply_updates(p, updates), on_device(param_sh))
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-        return {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+        new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}
+        return new_state, metrics  # the output shardings put host-placed state back on the host
 
     fn = jax.jit(step, in_shardings=(state_sh, batch_shs), out_shardings=(state_sh, replicated), donate_argnums=0)
     return TrainStep(

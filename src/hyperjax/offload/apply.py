@@ -1,0 +1,52 @@
+"""A placement applied to a training step's arrays: memory kinds per leaf, and the moves inside the step.
+
+Parameters and optimizer state a placement puts on the host live in ``pinned_host`` shardings between
+steps; the step moves them to the device where it starts and back when it ends (its output shardings).
+Host gradients are moved to ``pinned_host`` after each micro-batch is accumulated. Activations go by
+the models' rematerialisation policies (:func:`hyperjax.models.transformer.block_policies`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+
+HOST, DEVICE = "pinned_host", "device"
+
+
+def layer_of(path: tuple[Any, ...]) -> int | None:
+    """The block index of a leaf's path (``...["blocks"][i]...``), or ``None`` outside the blocks."""
+    keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", None))) for k in path]
+    for a, b in itertools.pairwise(keys):
+        if a == "blocks" and isinstance(b, int):
+            return b
+        if a == "blocks" and isinstance(b, str) and b.isdigit():
+            return int(b)
+    return None
+
+
+def place_kinds(shardings: Any, placement: Any, kind: str) -> Any:
+    """``shardings`` with each leaf's memory kind set by ``placement`` for group kind ``kind``
+    (``params``, ``optimizer`` or ``gradients``): ``pinned_host`` for host-placed layers."""
+
+    def one(path: tuple[Any, ...], sharding: NamedSharding) -> NamedSharding:
+        layer = layer_of(path)
+        where = placement[f"layers.{layer}.{kind}"] if layer is not None else "device"
+        return sharding.with_memory_kind(HOST if where == "host" else DEVICE)
+
+    return jax.tree_util.tree_map_with_path(one, shardings)
+
+
+def to_kind(tree: Any, shardings: Any, kind: str) -> Any:
+    """Move every leaf of ``tree`` whose sharding is on the host to memory kind ``kind`` (inside ``jit``)."""
+    return jax.tree.map(
+        lambda x, s: jax.device_put(x, s.with_memory_kind(kind)) if s.memory_kind == HOST else x, tree, shardings
+    )
+
+
+def on_device(shardings: Any) -> Any:
+    """``shardings`` with every memory kind the device's (for sharding constraints inside the step)."""
+    return jax.tree.map(lambda s: s.with_memory_kind(DEVICE), shardings)

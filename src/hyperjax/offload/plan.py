@@ -1,0 +1,137 @@
+"""``offload:`` applied to a config: the placement its policy gives, priced, and the estimate it changes."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hyperjax.errors import ConfigError
+from hyperjax.offload.placement import Placement, from_patterns, from_recompute
+from hyperjax.offload.solve import (
+    GIB,
+    Priced,
+    Problem,
+    build_problem,
+    ceil_gib,
+    describe_infeasible,
+    evaluate,
+    greedy,
+    solve_exact,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadPlan:
+    """The placement a config's ``offload`` policy gives and its price.
+
+    Attributes:
+      policy: ``offload.policy``.
+      priced: the placement and its predicted step; for a budget nothing fits, the smallest-peak placement.
+      fits: whether the placement's peak fits the budget.
+      budget_gib: the device-memory budget.
+      cannot_fit: when nothing fits, the memory term that makes it so (a tensor group or fixed term).
+      smallest_budget_gib: when nothing fits, the smallest budget that would.
+    """
+
+    policy: str
+    priced: Priced
+    fits: bool
+    budget_gib: float
+    problem: Problem
+    base: Any  # the estimate without offload or recomputation the placement is priced against
+    cannot_fit: str | None = None
+    smallest_budget_gib: float | None = None
+
+    @property
+    def placement(self) -> Placement:
+        return self.priced.placement
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``"offload"`` object of ``--json``."""
+        p = self.priced
+        out = {
+            "policy": self.policy,
+            "placement": p.placement.to_dict(),
+            "host_gib_per_device": p.host_bytes / GIB,
+            "transfer_s": p.transfer_s,
+            "exposed_transfer_s": p.exposed_transfer_s,
+            "recompute_s": p.recompute_s,
+            "step_time_s": p.step_time_s,
+            "peak_gib": p.peak_bytes / GIB,
+            "budget_gib": self.budget_gib,
+            "fits": self.fits,
+        }
+        if not self.fits:
+            out |= {"cannot_fit": self.cannot_fit, "smallest_budget_gib": self.smallest_budget_gib}
+        return out
+
+    def error(self) -> ConfigError:
+        """The error ``train`` raises for a budget no placement fits."""
+        return ConfigError(
+            f"offload.device_memory_gib={self.budget_gib:g}: no placement fits; {self.cannot_fit} cannot leave the "
+            f"device, and the smallest peak any placement reaches is {self.smallest_budget_gib:g} GiB per device. "
+            f"Raise offload.device_memory_gib to at least {self.smallest_budget_gib:g}, or shard more "
+            "(parallel.fsdp, parallel.tensor)"
+        )
+
+
+def plan_offload(cfg: Any, hardware: Any) -> OffloadPlan:
+    """The placement ``cfg.offload`` gives on ``hardware``, priced by the cost model.
+
+    ``none`` prices ``train.recompute``'s placement; ``manual`` applies ``offload.manual`` over it; ``greedy``
+    and ``auto`` search from scratch (recomputation is one of the options they weigh).
+    """
+    from hyperjax.cost import estimate
+
+    o = cfg.offload
+    base = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none"))
+    est = estimate(base, hardware)
+    budget = o.device_memory_gib * GIB if o.device_memory_gib is not None else hardware.device.hbm_bytes
+    problem = build_problem(est, hardware=hardware, budget_bytes=budget, prefetch=o.prefetch)
+    layers = problem.layers
+    start = from_recompute(cfg.train.recompute, layers)
+    if o.policy == "none":
+        priced = evaluate(problem, start)
+    elif o.policy == "manual":
+        priced = evaluate(problem, from_patterns(o.manual, layers, base=start))
+    elif o.policy == "greedy":
+        priced = greedy(problem)
+    else:
+        priced = solve_exact(problem)
+    budget_gib = budget / GIB
+    if priced is not None and priced.fits:
+        return OffloadPlan(policy=o.policy, priced=priced, fits=True, budget_gib=budget_gib, problem=problem, base=est)
+    term, smallest = describe_infeasible(problem)
+    if priced is None:  # greedy or auto found nothing that fits: report the smallest-peak placement
+        from hyperjax.offload.solve import minimum_memory
+
+        priced = minimum_memory(problem)
+    return OffloadPlan(
+        policy=o.policy,
+        priced=priced,
+        fits=False,
+        budget_gib=budget_gib,
+        problem=problem,
+        base=est,
+        cannot_fit=term,
+        smallest_budget_gib=ceil_gib(smallest),
+    )
+
+
+def with_offload(plan: OffloadPlan) -> Any:
+    """The estimate of the run under the placement: its step time, memory terms and verdict."""
+    est, p = plan.base, plan.priced
+    memory = {k: v - p.moved_bytes.get(k, 0.0) / GIB for k, v in est.memory_per_device_gib.items() if k != "peak"}
+    memory |= {"staging": p.staging_bytes / GIB, "host": p.host_bytes / GIB, "peak": p.peak_bytes / GIB}
+    breakdown = dict(est.breakdown_s)
+    breakdown["recompute"] = plan.problem.stretch * p.recompute_s
+    breakdown["exposed_host_transfer"] = plan.problem.stretch * p.exposed_transfer_s
+    return dataclasses.replace(
+        est,
+        step_time_s=p.step_time_s,
+        mfu=est.mfu * est.step_time_s / p.step_time_s,
+        memory_per_device_gib=memory,
+        fits=plan.fits,
+        overflow=None if plan.fits else plan.cannot_fit,
+        breakdown_s=breakdown,
+    )

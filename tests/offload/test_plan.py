@@ -1,0 +1,20 @@
+"""``hyperjax plan`` with a budget that only offloading meets."""
+
+import json
+from pathlib import Path
+
+from hyperjax.cli.main import main
+
+QUICKSTART = Path(__file__).parents[2] / "configs/quickstart.yaml"
+ARGS = ["plan", str(QUICKSTART), "--devices", "8", "--json", "--set", "offload.device_memory_gib=0.005"]
+
+
+def test_plan_offloads_when_nothing_else_fits(capsys):
+    assert main(ARGS) == 2  # no strategy fits 0.005 GiB without the placement pass
+    assert "fits 0.005 GiB" in capsys.readouterr().err
+    assert main([*ARGS, "--set", "offload.policy=auto"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    best = out["best"]
+    assert best["offload.policy"] == "auto" and best["offload"]["fits"] and best["peak_gib"] <= 0.005
+    assert best["offload"]["placement"]
+    assert all(c["step_time_s"] >= best["step_time_s"] for c in out["candidates"])

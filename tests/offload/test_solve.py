@@ -1,0 +1,185 @@
+"""The placement pass: the exact solver against greedy and brute force, and the model against the estimate."""
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hyperjax.cost import estimate
+from hyperjax.errors import ConfigError
+from hyperjax.offload import (
+    Placement,
+    brute_force,
+    build_problem,
+    evaluate,
+    from_patterns,
+    from_recompute,
+    greedy,
+    solve_exact,
+)
+from hyperjax.offload.plan import plan_offload
+from hyperjax.offload.solve import GIB, minimum_memory
+from hyperjax.topology import load_hardware
+from hyperjax.train import load_config
+
+ROOT = Path(__file__).parents[2]
+HW = load_hardware("cloudmatrix384")
+
+
+def config(**sets):
+    return load_config(ROOT / "configs/quickstart.yaml", [f"{k}={v}" for k, v in sets.items()])
+
+
+def problem_of(cfg, budget_bytes, prefetch=1):
+    base = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none"))
+    return build_problem(estimate(base, HW), hardware=HW, budget_bytes=budget_bytes, prefetch=prefetch)
+
+
+def only(problem, keep):
+    """``problem`` with only the groups matching ``keep``; the others stay on the device (fixed memory)."""
+    fixed = list(problem.fixed)
+    groups = {}
+    for g, options in problem.groups.items():
+        if any(k in g for k in keep):
+            groups[g] = options
+        else:
+            fixed = [fixed[0] + options["device"].memory[0], fixed[1] + options["device"].memory[1]]
+    return dataclasses.replace(problem, groups=groups, fixed=tuple(fixed))
+
+
+@pytest.mark.parametrize(("recompute", "tensor"), [("none", 2), ("selective", 2), ("full", 1), ("none", 1)])
+def test_the_placement_of_train_recompute_prices_as_the_estimate(recompute, tensor):
+    cfg = config(
+        **{"train.recompute": recompute, "parallel.tensor": tensor, "parallel.data": 4, "train.micro_batch": 2}
+    )
+    est = estimate(cfg, HW)
+    priced = evaluate(problem_of(cfg, HW.device.hbm_bytes), from_recompute(recompute, cfg.model.layers))
+    assert priced.peak_bytes == pytest.approx(est.memory_per_device_gib["peak"] * GIB, rel=1e-9)
+    assert priced.step_time_s == pytest.approx(est.step_time_s, rel=1e-9)
+    assert priced.transfer_s == 0.0 and priced.host_bytes == 0.0
+
+
+@pytest.mark.parametrize("fraction", [0.15, 0.3, 0.6, 0.9])
+def test_exact_is_optimal_against_brute_force_on_one_layer(fraction):
+    cfg = config(**{"model.layers": 1, "parallel.tensor": 1})
+    full = problem_of(cfg, math.inf)
+    top = evaluate(full, Placement(())).peak_bytes
+    low = minimum_memory(full).peak_bytes
+    problem = dataclasses.replace(full, budget_bytes=low + fraction * (top - low))
+    best = brute_force(problem)  # 3^5 x 2^3 = 1944 placements
+    exact = solve_exact(problem)
+    assert best is not None and exact is not None and exact.fits
+    assert exact.step_time_s == pytest.approx(best.step_time_s, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize(("fraction", "prefetch"), [(0.2, 1), (0.5, 2), (0.8, 0)])
+def test_exact_is_optimal_against_brute_force_on_two_layers(fraction, prefetch):
+    cfg = config(**{"model.layers": 2, "parallel.tensor": 1, "train.micro_batch": 4})
+    full = only(problem_of(cfg, math.inf, prefetch), ("params", "optimizer", "act.qkv", "act.attn_core"))
+    top = evaluate(full, Placement(())).peak_bytes
+    low = minimum_memory(full).peak_bytes
+    problem = dataclasses.replace(full, budget_bytes=low + fraction * (top - low))
+    best = brute_force(problem)  # (2 x 2 x 3 x 3)^2 = 1296 placements
+    exact = solve_exact(problem)
+    assert exact.step_time_s == pytest.approx(best.step_time_s, rel=1e-9, abs=1e-12)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layers=st.integers(1, 6),
+    width=st.sampled_from([128, 256, 512]),
+    seq=st.sampled_from([128, 512, 2048]),
+    batch=st.sampled_from([8, 32]),
+    tensor=st.sampled_from([1, 2]),
+    prefetch=st.integers(0, 3),
+    fraction=st.floats(0.0, 1.2),
+)
+def test_exact_is_never_worse_than_greedy(layers, width, seq, batch, tensor, prefetch, fraction):
+    cfg = config(
+        **{
+            "model.layers": layers,
+            "model.d_model": width,
+            "model.d_ff": 4 * width,
+            "model.seq_len": seq,
+            "train.global_batch": batch,
+            "parallel.tensor": tensor,
+        }
+    )
+    full = problem_of(cfg, math.inf, prefetch)
+    top = evaluate(full, Placement(())).peak_bytes
+    low = minimum_memory(full).peak_bytes
+    problem = dataclasses.replace(full, budget_bytes=low + fraction * (top - low))
+    exact, base = solve_exact(problem), greedy(problem)
+    assert exact is not None  # the budget is at least the smallest peak
+    assert exact.fits and exact.peak_bytes <= problem.budget_bytes
+    if base is not None:
+        assert exact.step_time_s <= base.step_time_s * (1 + 1e-9)
+
+
+def test_a_tighter_budget_never_speeds_the_step_up():
+    cfg = config(**{"model.layers": 4, "parallel.tensor": 1})
+    full = problem_of(cfg, math.inf)
+    top, low = evaluate(full, Placement(())).peak_bytes, minimum_memory(full).peak_bytes
+    times = [
+        solve_exact(dataclasses.replace(full, budget_bytes=low + f * (top - low))).step_time_s for f in (1, 0.6, 0.3, 0)
+    ]
+    assert times == sorted(times)
+    assert times[0] == pytest.approx(full.base_step_s)  # everything fits: nothing moves
+
+
+def test_a_budget_nothing_fits_names_the_term_and_the_smallest_budget():
+    cfg = config(**{"offload.policy": "auto", "offload.device_memory_gib": 0.001, "parallel.data": 4})
+    plan = plan_offload(cfg, HW)
+    assert not plan.fits
+    out = plan.to_dict()
+    assert out["fits"] is False
+    assert out["cannot_fit"] in plan.problem.fixed_terms or out["cannot_fit"].startswith("device staging buffer")
+    smallest = out["smallest_budget_gib"]
+    assert smallest > 0.001
+    again = plan_offload(
+        dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, device_memory_gib=smallest)), HW
+    )
+    assert again.fits
+    assert "offload.device_memory_gib" in str(plan.error()) and f"{smallest:g}" in str(plan.error())
+
+
+def test_placement_is_a_value(tmp_path):
+    p = from_patterns({"layers.*.optimizer": "host", "layers.1.act.qkv": "recompute"}, 3)
+    assert (
+        p["layers.2.optimizer"] == "host" and p["layers.1.act.qkv"] == "recompute" and p["layers.0.params"] == "device"
+    )
+    path = tmp_path / "placement.json"
+    p.save(path)
+    assert Placement.load(path) == p
+    assert hash(p) == hash(Placement.load(path))
+    assert p.rows(3)[0] == ("0", "device", "host", "device", "device", "device", "device", "device", "device")
+    assert from_recompute("selective", 2).block(1)["attn_core"] == "recompute"
+
+
+@pytest.mark.parametrize(
+    ("patterns", "message"),
+    [
+        ({"layers.*.weights": "host"}, "names no tensor group"),
+        ({"layers.*.params": "recompute"}, "takes one of"),
+        ({"layers.9.params": "host"}, "names no tensor group"),
+    ],
+)
+def test_bad_manual_placements_name_the_key(patterns, message):
+    with pytest.raises(ConfigError, match=message):
+        from_patterns(patterns, 4)
+
+
+def test_host_memory_bounds_what_goes_to_the_host():
+    cfg = config(**{"model.layers": 3, "parallel.tensor": 1})
+    full = problem_of(cfg, math.inf)
+    top, low = evaluate(full, Placement(())).peak_bytes, minimum_memory(full).peak_bytes
+    problem = dataclasses.replace(full, budget_bytes=low + 0.3 * (top - low))
+    free = solve_exact(problem)
+    assert free.placement.on("host")  # with room on the host, the pass uses it
+    none = solve_exact(dataclasses.replace(problem, host_bytes=0.0))
+    if none is not None:
+        assert not none.placement.on("host") and none.host_bytes == 0.0
+    assert not evaluate(dataclasses.replace(problem, host_bytes=0.0), free.placement).fits

@@ -1,0 +1,113 @@
+"""A placement applied on the emulated mesh: the same losses, and host-placed state in pinned_host."""
+
+import json
+from pathlib import Path
+
+import jax
+import pytest
+
+from hyperjax.cli.main import main
+from hyperjax.models import build_model
+from hyperjax.offload.apply import layer_of
+from hyperjax.train import load_config, plan_run
+from hyperjax.train.loop import _data, _spmd
+
+ROOT = Path(__file__).parents[2]
+QUICKSTART = ROOT / "configs/quickstart.yaml"
+
+
+def run(sets, steps=3):
+    cfg = load_config(QUICKSTART, [*sets, f"train.steps={steps}"])
+    plan = plan_run(cfg)
+    t = cfg.train
+    placement = plan.offload.placement if plan.offload is not None else None
+    model = build_model(cfg.model, dtype=t.dtype, recompute=t.recompute, seed=t.seed, placement=placement)
+    step, state, _ = _spmd(plan, model, _data(cfg))
+    losses = []
+    for i in range(steps):
+        state, metrics = step(state, i)
+        losses.append(float(metrics["loss"]))
+    return plan, state, losses
+
+
+def kinds(tree):
+    """``{(layer, memory kind)}`` of every leaf inside the blocks."""
+    return {
+        (layer_of(path), leaf.sharding.memory_kind)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+        if layer_of(path) is not None
+    }
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["offload.policy=auto", "offload.device_memory_gib=0.02"],
+        ["offload.policy=greedy", "offload.device_memory_gib=0.02", "train.micro_batch=2"],
+    ],
+    ids=["auto", "greedy-accumulating"],
+)
+def test_offload_keeps_the_losses_and_puts_state_in_pinned_host(sets):
+    _, _, reference = run([])
+    plan, state, losses = run(sets)
+    placement = plan.offload.placement
+    assert plan.offload.fits and placement.on("host")  # the budget forced something off the device
+    assert losses == pytest.approx(reference, rel=1e-4)
+    for kind, tree in (("params", state["params"]), ("optimizer", state["opt_state"])):
+        expected = {
+            (i, "pinned_host" if placement[f"layers.{i}.{kind}"] == "host" else "device")
+            for i in range(plan.config.model.layers)
+        }
+        assert kinds(tree) == expected, kind
+    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state["params"]["embed"])} == {"device"}
+
+
+def test_manual_activation_offload_and_recompute_keep_the_losses():
+    manual = {
+        "layers.*.act.qkv": "host",
+        "layers.*.act.mlp_hidden": "host",
+        "layers.1.act.attn_core": "recompute",
+        "layers.2.act.norms": "recompute",
+        "layers.0.params": "host",
+    }
+    path = ROOT / "tests/offload/.manual.yaml"
+    cfg = QUICKSTART.read_text() + "offload: " + json.dumps({"policy": "manual", "manual": manual}) + "\n"
+    path.write_text(cfg)
+    try:
+        _, _, reference = run([])
+        cfg = load_config(path, ["train.steps=3"])
+        plan = plan_run(cfg)
+        placement = plan.offload.placement
+        assert placement["layers.3.act.qkv"] == "host" and placement["layers.2.act.norms"] == "recompute"
+        model = build_model(cfg.model, seed=cfg.train.seed, placement=placement)
+        assert model.policies[1] == (("norms", "attn_out"), ("qkv", "mlp_hidden"))  # attn_core recomputed
+        assert model.policies[3] == (("norms", "attn_core", "attn_out"), ("qkv", "mlp_hidden"))
+        step, state, _ = _spmd(plan, model, _data(cfg))
+        losses = []
+        for i in range(3):
+            state, metrics = step(state, i)
+            losses.append(float(metrics["loss"]))
+        assert losses == pytest.approx(reference, rel=1e-4)
+    finally:
+        path.unlink()
+
+
+def test_train_refuses_a_budget_nothing_fits(capsys):
+    code = main(["train", str(QUICKSTART), "--set", "offload.policy=auto", "--set", "offload.device_memory_gib=0.001"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "offload.device_memory_gib=0.001" in err and "cannot leave the device" in err
+    assert "Traceback" not in err
+
+
+def test_predict_json_reports_the_offload(capsys):
+    args = ["predict", str(QUICKSTART), "--json", "--set", "offload.policy=auto"]
+    assert main([*args, "--set", "offload.device_memory_gib=0.05"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    off = out["offload"]
+    assert {"placement", "host_gib_per_device", "transfer_s", "exposed_transfer_s"} <= set(off)
+    assert off["fits"] and out["fits"] and off["placement"]
+    assert out["step_time_s"] == pytest.approx(off["step_time_s"])
+    assert main([*args, "--set", "offload.device_memory_gib=0.001"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and out["offload"]["fits"] is False and out["offload"]["smallest_budget_gib"] > 0.001
