@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hyperjax.cost.planner import plan
+    from hyperjax.cost.planner import NothingFits, plan
     from hyperjax.topology import load_hardware
 
     if args.devices < 1 or args.top < 1:
@@ -36,7 +36,12 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     hw = load_hardware(cfg.hardware)
     start = time.perf_counter()
-    best, priced, fitting = plan(cfg, hw, args.devices, keep=args.top)
+    try:
+        best, priced, fitting = plan(cfg, hw, args.devices, keep=args.top)
+    except NothingFits as e:
+        if args.json:  # the answer is "nothing fits": say so in the JSON too, then exit 2 with the message
+            print(json.dumps(e.report | {"error": str(e)}, indent=2))
+        raise
     elapsed = time.perf_counter() - start
     if args.json:
         print(

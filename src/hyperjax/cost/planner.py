@@ -47,6 +47,14 @@ class Candidate:
         return out | ({"offload": self.offload} if self.offload is not None else {})
 
 
+class NothingFits(ConfigError):
+    """No strategy fits the device-memory budget; ``report`` is the ``fits: false`` answer of ``plan --json``."""
+
+    def __init__(self, message: str, report: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.report = report
+
+
 def divisors(n: int) -> list[int]:
     """Divisors of ``n``, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -134,7 +142,7 @@ def plan(cfg: Config, hardware: Hardware, devices: int, *, keep: int = 10) -> tu
             if recompute == "none":
                 too_big.append((overrides, est))
             if leanest is None or est.memory_per_device_gib["peak"] < leanest.memory_per_device_gib["peak"]:
-                leanest = est
+                leanest, leanest_overrides = est, overrides
     if cfg.offload.policy in ("auto", "greedy"):
         fitting += _with_offload(cfg, hardware, too_big, ranked)
     if not priced:
@@ -145,10 +153,24 @@ def plan(cfg: Config, hardware: Hardware, devices: int, *, keep: int = 10) -> tu
     if not ranked and leanest is not None:
         mem = leanest.memory_per_device_gib
         term = max(("params", "optimizer", "gradients", "activations"), key=mem.__getitem__)
-        raise ConfigError(
+        report = {"fits": False, "priced": priced, "fitting": 0, "budget_gib": budget_gib}
+        report |= {"leanest": leanest_overrides, "leanest_peak_gib": mem["peak"], "cannot_fit": term}
+        hint = "Use more devices, a smaller model or offload.policy: auto."
+        if cfg.offload.policy in ("auto", "greedy"):
+            from hyperjax.offload.plan import plan_offload
+
+            lean = min(too_big, key=lambda oe: oe[1].memory_per_device_gib["peak"])[0]
+            offload = plan_offload(apply(cfg, {**lean, "offload.policy": cfg.offload.policy}), hardware)
+            report |= {"leanest": lean, "cannot_fit": offload.cannot_fit}
+            report |= {"smallest_budget_gib": offload.smallest_budget_gib}
+            term = f"{offload.cannot_fit} (which cannot leave the device)"
+            hint = f"Offloading, the leanest strategy needs {offload.smallest_budget_gib:g} GiB; use more devices."
+        raise NothingFits(
             f"none of the {priced} strategies on {devices} devices fits {budget_gib:.3g} GiB "
-            f"per device; the leanest needs {mem['peak']:.3g} GiB, most of it {term} "
-            f"({mem[term]:.3g} GiB). Use more devices, a smaller model or offload.policy: auto."
+            f"per device; the leanest needs {mem['peak']:.3g} GiB, most of it {term}"
+            + (f" ({mem[term]:.3g} GiB). " if term in mem else ". ")
+            + hint,
+            report,
         )
     ranked.sort(key=lambda c: c.estimate.step_time_s)
     return ranked[:keep], priced, fitting
