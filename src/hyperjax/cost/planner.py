@@ -124,8 +124,9 @@ def plan(cfg: Config, hardware: Hardware, devices: int, *, keep: int = 10) -> tu
     ranked: list[Candidate] = []
     priced = fitting = 0
     leanest: Estimate | None = None
-    budget = cfg.offload.device_memory_gib if cfg.offload.device_memory_gib is not None else None
-    budget_gib = budget if budget is not None else hardware.device.hbm_bytes / 2**30
+    from hyperjax.offload.plan import budget_bytes
+
+    budget_gib = budget_bytes(cfg, hardware) / 2**30
     too_big: list[tuple[dict[str, Any], Estimate]] = []  # fast strategies that do not fit: offload candidates
     for combination in strategies(cfg, devices):
         for recompute in ("none", "selective", "full"):

@@ -75,6 +75,12 @@ class OffloadPlan:
         )
 
 
+def budget_bytes(cfg: Any, hardware: Any) -> float:
+    """The device-memory budget per device: ``offload.device_memory_gib``, else the preset's HBM."""
+    gib = cfg.offload.device_memory_gib
+    return gib * GIB if gib is not None else hardware.device.hbm_bytes
+
+
 def plan_offload(cfg: Any, hardware: Any) -> OffloadPlan:
     """The placement ``cfg.offload`` gives on ``hardware``, priced by the cost model.
 
@@ -86,7 +92,7 @@ def plan_offload(cfg: Any, hardware: Any) -> OffloadPlan:
     o = cfg.offload
     base = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none"))
     est = estimate(base, hardware)
-    budget = o.device_memory_gib * GIB if o.device_memory_gib is not None else hardware.device.hbm_bytes
+    budget = budget_bytes(cfg, hardware)
     problem = build_problem(est, hardware=hardware, budget_bytes=budget, prefetch=o.prefetch)
     layers = problem.layers
     start = from_recompute(cfg.train.recompute, layers)

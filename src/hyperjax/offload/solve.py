@@ -478,11 +478,6 @@ def describe_infeasible(problem: Problem) -> tuple[str, float]:
     return max(terms, key=terms.__getitem__), smallest.peak_bytes
 
 
-def gib(nbytes: float) -> float:
-    """Bytes in GiB."""
-    return nbytes / GIB
-
-
 def ceil_gib(nbytes: float) -> float:
     """Bytes in GiB, rounded up to three significant figures."""
     x = nbytes / GIB
