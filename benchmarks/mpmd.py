@@ -43,7 +43,8 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from hyperjax.cost import estimate  # noqa: E402
-from hyperjax.cost.trace import predicted_schedule, stage_metadata, task_events, write_json  # noqa: E402
+from hyperjax.cost.trace import predicted_schedule, stage_metadata, task_events  # noqa: E402
+from hyperjax.files import write_json  # noqa: E402
 from hyperjax.models import build_model  # noqa: E402
 from hyperjax.mpmd.pipeline import PipelineRunner, transformer_chunks  # noqa: E402
 from hyperjax.mpmd.schedules import Task, replay, replayed_bubble, theory_bubble, uniform_bubble  # noqa: E402
@@ -161,7 +162,7 @@ def write_trace(row: dict, path: Path) -> None:
             "predicted_step_time_s": row["predicted"]["step_time_s"],
         },
     }
-    write_json(data, path)
+    write_json(path, data, indent=None)
 
 
 def write_gantt(row: dict, path: Path) -> None:

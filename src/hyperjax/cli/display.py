@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 
 from hyperjax.errors import HyperjaxError
+from hyperjax.files import write_json  # noqa: F401 (commands import it from here)
 
 
 def console() -> Console:
@@ -47,17 +46,23 @@ def check_writable(path: str, flag: str) -> None:
         raise HyperjaxError(f"{flag} {path!r}: folder {str(folder)!r} does not exist or is not writable")
 
 
-def write_json(path: str, data: Any) -> None:
-    """Write ``data`` as JSON atomically: readers see the old file or the whole new one, never a part."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".", prefix=f".{target.name}.")
+def check_folder(path: str, flag: str) -> None:
+    """Fail early, before any work, when files cannot be created in folder ``path`` (created here if missing).
+
+    Raises:
+      HyperjaxError: ``path`` is a file, or it cannot be created or written.
+    """
+    d = Path(path)
+    if d.exists() and not d.is_dir():
+        raise HyperjaxError(f"{flag} {path!r} is a file; give a folder (it is created if missing)")
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=d):
+            pass
+    except OSError as e:
+        raise HyperjaxError(
+            f"{flag} {path!r} cannot be written ({e.strerror or e}); choose a folder you can write"
+        ) from None
 
 
 def fmt_count(n: float) -> str:

@@ -9,7 +9,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from hyperjax.emulate import Cluster, free_port, launch, plan_processes, start_devices
+from hyperjax.emulate import Cluster, Exit, free_port, plan_processes, run_job, start_devices
 from hyperjax.errors import EmulationError
 
 
@@ -58,6 +58,11 @@ def run_on_devices(
     if processes == 1:
         start_devices(devices)
         return work()
+    return spawn(devices=devices, processes=processes, child_args=child_args).status
+
+
+def spawn(*, devices: int, processes: int, child_args: Sequence[str]) -> Exit:
+    """Run ``hyperjax CHILD_ARGS`` as ``processes`` supervised processes joined into one job of ``devices``."""
     port = free_port()
     print(
         f"[launcher] {devices} devices in {processes} processes x {devices // processes}, coordinator 127.0.0.1:{port}"
@@ -72,4 +77,4 @@ def run_on_devices(
         "--num-processes",
         str(processes),
     ]
-    return launch([[*common, "--process-id", str(i)] for i in range(processes)])
+    return run_job([[*common, "--process-id", str(i)] for i in range(processes)])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 
 from rich.table import Table
 
@@ -72,7 +73,7 @@ def _run_checks(hw, axes, spans, args) -> int:
 
     from hyperjax.emulate.selftest import run_selftest
 
-    mesh = make_mesh(hw, axes)
+    mesh = make_mesh(hw, axes, devices=jax.devices()[: math.prod(axes.values())])
     lead = jax.process_index() == 0
     out = console()
     if lead:

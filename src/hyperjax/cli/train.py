@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from hyperjax.cli.display import check_writable, console
+from hyperjax.cli.display import check_folder, check_writable, console
 from hyperjax.cli.launching import add_join_arguments, run_on_devices
 from hyperjax.cli.options import add_config_arguments, config_from_args
 from hyperjax.errors import ConfigError
@@ -21,6 +21,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-out", metavar="FILE.jsonl", help="write one JSON object per step")
     p.add_argument("--out-dir", metavar="DIR", help="where the loss curve goes (default: runs/CONFIG-NAME)")
     p.add_argument("--explain", action="store_true", help="print where every parameter lives, then exit")
+    ckpt = p.add_argument_group("checkpoints and failures")
+    ckpt.add_argument(
+        "--checkpoint-dir", metavar="DIR", help="write a checkpoint every train.checkpoint_every steps into DIR"
+    )
+    ckpt.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    ckpt.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="when a process dies, stop the others and restart from the latest checkpoint, up to N times",
+    )
+    ckpt.add_argument(
+        "--elastic",
+        action="store_true",
+        help="re-derive the strategy for a new device count (keeping the global batch); a restart then "
+        "drops the lost process's devices",
+    )
+    ckpt.add_argument("--devices", type=int, metavar="N", help="run on N devices (override emulate.devices)")
     add_join_arguments(p)
     p.set_defaults(run=run)
 
@@ -28,31 +47,131 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from hyperjax.train.plan import plan_run
+    from hyperjax.train.checkpoint import saved_steps
+    from hyperjax.train.plan import elastic_overrides, plan_run
 
-    if args.steps is not None and args.steps < 1:
-        raise ConfigError(f"--steps {args.steps} must be a positive integer")
+    _check_flags(args)
     extra = [] if args.steps is None else [f"train.steps={args.steps}"]
     cfg = config_from_args(args, extra)
+    if args.devices is not None and args.elastic:
+        moved, plan = elastic_overrides(lambda more: config_from_args(args, [*extra, *more]), args.devices)
+        extra += moved
+    else:
+        extra += [] if args.devices is None else [f"emulate.devices={args.devices}"]
+        plan = plan_run(config_from_args(args, extra) if args.devices is not None else cfg)
     sets = [*args.sets, *extra]  # what spawned processes are told
-    plan = plan_run(cfg)
     out_dir = args.out_dir or str(Path("runs") / Path(args.config).stem)
     if args.metrics_out:
         check_writable(args.metrics_out, "--metrics-out")
-    child = [
-        "train",
-        args.config,
-        *(a for s in sets for a in ("--set", s)),
-        "--set",
-        f"emulate.processes={plan.processes}",
-        "--out-dir",
-        out_dir,
-        *(["--metrics-out", args.metrics_out] if args.metrics_out else []),
-        *(["--explain"] if args.explain else []),
-    ]
-    return run_on_devices(
-        args, devices=plan.devices, processes=plan.processes, child_args=child, work=lambda: _train(plan, args, out_dir)
-    )
+    check_folder(out_dir, "--out-dir")
+    if args.checkpoint_dir:
+        check_folder(args.checkpoint_dir, "--checkpoint-dir")
+        if plan.pipeline is not None and plan.processes > 1:
+            raise ConfigError(
+                f"--checkpoint-dir: a pipeline or MPMD run keeps each stage's state in the processes of its "
+                f"submesh, and checkpoints of such runs across {plan.processes} processes are not supported; "
+                "run it in one process (--set emulate.processes=1, up to 256 devices) to checkpoint it"
+            )
+        if not args.resume and saved_steps(args.checkpoint_dir):
+            raise ConfigError(
+                f"--checkpoint-dir {args.checkpoint_dir!r} already holds checkpoints (steps "
+                f"{', '.join(map(str, saved_steps(args.checkpoint_dir)))}); pass --resume to continue that run, "
+                "or give an empty folder"
+            )
+
+    def child(sets: list[str], processes: int, resume: bool) -> list[str]:
+        return [
+            "train",
+            args.config,
+            *(a for s in sets for a in ("--set", s)),
+            "--set",
+            f"emulate.processes={processes}",
+            "--out-dir",
+            out_dir,
+            *(["--metrics-out", args.metrics_out] if args.metrics_out else []),
+            *(["--explain"] if args.explain else []),
+            *(["--checkpoint-dir", args.checkpoint_dir] if args.checkpoint_dir else []),
+            *(["--resume"] if resume else []),
+        ]
+
+    if args.max_restarts == 0 or args.explain:
+        return run_on_devices(
+            args,
+            devices=plan.devices,
+            processes=plan.processes,
+            child_args=child(sets, plan.processes, args.resume),
+            work=lambda: _train(plan, args, out_dir),
+        )
+    return _supervise(args, plan, sets, child)
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(f"--steps {args.steps} must be a positive integer")
+    if args.devices is not None and args.devices < 1:
+        raise ConfigError(f"--devices {args.devices} must be a positive integer")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {args.max_restarts} must be 0 or more")
+    needs_dir = [flag for flag, on in (("--resume", args.resume), ("--max-restarts", args.max_restarts)) if on]
+    if needs_dir and not args.checkpoint_dir:
+        raise ConfigError(
+            f"{needs_dir[0]} needs --checkpoint-dir, the folder that holds (or will hold) the checkpoints"
+        )
+    if args.max_restarts and args.coordinator is not None:
+        raise ConfigError("--max-restarts supervises the processes it launches; do not combine it with --coordinator")
+    if args.elastic and not (args.max_restarts or args.resume or args.devices):
+        raise ConfigError(
+            "--elastic changes the device count of a restart or a resume; add --max-restarts N or --resume"
+        )
+
+
+def _supervise(args: argparse.Namespace, plan, sets: list[str], child) -> int:
+    """Run the job in launched processes; when one dies, restart from the latest checkpoint (``--max-restarts``)."""
+    from hyperjax.cli.launching import spawn
+    from hyperjax.train.checkpoint import last_progress, saved_steps
+    from hyperjax.train.config import load_config
+    from hyperjax.train.plan import elastic_overrides
+
+    devices, processes, resume = plan.devices, plan.processes, args.resume
+    for attempt in range(args.max_restarts + 1):
+        ended = spawn(devices=devices, processes=processes, child_args=child(sets, processes, resume))
+        if ended.status == 0:
+            return 0
+        if ended.status == 2:  # a child found a mistake in the input; running it again would not help
+            return 2
+        if attempt == args.max_restarts:
+            _say(f"process {ended.process} {ended.cause}; no restarts left (--max-restarts {args.max_restarts})")
+            return ended.status
+        steps = saved_steps(args.checkpoint_dir)
+        latest = steps[-1] if steps else None
+        reached = last_progress(args.checkpoint_dir) or 0
+        if args.elastic and processes > 1:
+            lost = devices // processes
+            moved, new_plan = elastic_overrides(
+                lambda more, now=sets: load_config(args.config, [*now, *more]), devices - lost
+            )
+            sets = [*sets, *moved]
+            devices, processes = new_plan.devices, new_plan.processes
+            where = (
+                f"on {devices} devices ({lost} dropped with process {ended.process}; strategy {new_plan.describe()})"
+            )
+        else:
+            where = f"on {devices} devices"
+        start = "the start" if latest is None else f"the checkpoint of step {latest}"
+        replayed = reached - (latest or 0)
+        _say(
+            f"restart {attempt + 1}/{args.max_restarts}: process {ended.process} {ended.cause} after step {reached}; "
+            f"resuming from {start} {where}; {replayed} step(s) replayed"
+            + (f" ({(latest or 0) + 1}-{reached})" if replayed > 0 else "")
+        )
+        resume = latest is not None
+    raise AssertionError("unreachable")
+
+
+def _say(message: str) -> None:
+    import sys
+
+    print(f"[launcher] {message}", file=sys.stderr, flush=True)
 
 
 def _train(plan, args: argparse.Namespace, out_dir: str) -> int:
@@ -67,7 +186,7 @@ def _train(plan, args: argparse.Namespace, out_dir: str) -> int:
     lead = jax.process_index() == 0
     t = plan.config.train
     if args.explain:
-        mesh = make_mesh(plan.hardware, plan.axes)
+        mesh = make_mesh(plan.hardware, plan.axes, devices=jax.devices()[: plan.devices])
         state = nnx.state(nnx.eval_shape(lambda: build_model(plan.config.model, seed=t.seed)))
         if lead:
             out.print(plan.strategy.explain(state, mesh).table(f"parameters under {plan.describe()}"))
@@ -81,7 +200,9 @@ def _train(plan, args: argparse.Namespace, out_dir: str) -> int:
         from hyperjax.cli.predict import print_offload
 
         print_offload(plan.offload)
-    result = train(plan, metrics_out=args.metrics_out, out_dir=out_dir)
+    result = train(
+        plan, metrics_out=args.metrics_out, out_dir=out_dir, checkpoint_dir=args.checkpoint_dir, resume=args.resume
+    )
     if lead:
         s = summary(plan, result)
         out.print(

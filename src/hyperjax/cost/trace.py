@@ -10,11 +10,11 @@ track (each task's exposed collectives, the data-parallel gradient reduction, th
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from hyperjax.cost.estimate import Estimate
+from hyperjax.files import write_json
 from hyperjax.mpmd.schedules import Schedule, Task, make_schedule, replay, task_seconds
 
 COMPUTE, COMMUNICATION = 0, 1
@@ -81,14 +81,6 @@ def _event(name: str, start_s: float, dur_s: float, pid: int, tid: int, args: di
     return {"name": name, "ph": "X", "ts": start_s * 1e6, "dur": dur_s * 1e6, "pid": pid, "tid": tid, "args": args}
 
 
-def write_json(data: dict[str, Any], path: str | Path) -> None:
-    """Write ``data`` as JSON to ``path`` atomically (a temporary file beside it, then a rename)."""
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(target)
-
-
 def write_trace(est: Estimate, path: str | Path, *, title: str) -> None:
     """Write the trace of ``est`` to ``path`` (JSON in the Chrome trace event format), atomically."""
     data = {
@@ -96,4 +88,4 @@ def write_trace(est: Estimate, path: str | Path, *, title: str) -> None:
         "displayTimeUnit": "ms",
         "otherData": {"title": title, "predicted_step_time_s": est.step_time_s},
     }
-    write_json(data, path)
+    write_json(path, data, indent=None)

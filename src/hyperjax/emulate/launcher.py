@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import os
 import signal
 import socket
@@ -68,6 +69,21 @@ def _stream(proc: subprocess.Popen, prefix: str, lock: threading.Lock) -> None:
                 sys.stdout.flush()
 
 
+@dataclasses.dataclass(frozen=True)
+class Exit:
+    """How a launched job ended.
+
+    Attributes:
+      status: 0 when every child exited 0; otherwise the failed child's status, or 128 + its signal.
+      process: the index of the child that failed first (``None`` when none did).
+      cause: how it ended, e.g. ``"was killed by SIGKILL"`` (empty when none failed).
+    """
+
+    status: int
+    process: int | None = None
+    cause: str = ""
+
+
 def launch(
     child_args: Sequence[Sequence[str]],
     *,
@@ -85,6 +101,16 @@ def launch(
     Returns:
       0 when every child exited 0; otherwise non-zero (the failed child's status, or 128 + its signal).
     """
+    return run_job(child_args, exit_timeout_s=exit_timeout_s, env=env).status
+
+
+def run_job(
+    child_args: Sequence[Sequence[str]],
+    *,
+    exit_timeout_s: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> Exit:
+    """:func:`launch`, saying which child failed and how."""
     child_env = {**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHER_PID_ENV: str(os.getpid()), **(env or {})}
     lock = threading.Lock()
     main_thread = threading.current_thread() is threading.main_thread()
@@ -115,7 +141,7 @@ def launch(
     except KeyboardInterrupt:
         _note(lock, "interrupted; stopping all processes")
         _stop(procs)
-        return 130
+        return Exit(130, None, "interrupted")
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
@@ -129,7 +155,7 @@ def _raise_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds through launch()'s finally, which stops the children
 
 
-def _supervise(procs: list[subprocess.Popen], lock: threading.Lock, exit_timeout_s: float) -> int:
+def _supervise(procs: list[subprocess.Popen], lock: threading.Lock, exit_timeout_s: float) -> Exit:
     first_done: float | None = None
     while True:
         codes = [p.poll() for p in procs]
@@ -143,9 +169,9 @@ def _supervise(procs: list[subprocess.Popen], lock: threading.Lock, exit_timeout
                     error=True,
                 )
                 _stop(procs)
-                return code if code > 0 else 128 - code
+                return Exit(code if code > 0 else 128 - code, i, describe_exit(code))
         if all(c == 0 for c in codes):
-            return 0
+            return Exit(0)
         now = time.monotonic()
         if first_done is None and any(c == 0 for c in codes):
             first_done = now
@@ -158,7 +184,7 @@ def _supervise(procs: list[subprocess.Popen], lock: threading.Lock, exit_timeout
                 error=True,
             )
             _stop(procs)
-            return 1
+            return Exit(1, hung[0], f"hung {exit_timeout_s:.0f} s after another process finished")
         time.sleep(_POLL_S)
 
 

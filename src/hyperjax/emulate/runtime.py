@@ -161,7 +161,8 @@ def start_devices(local_devices: int, cluster: Cluster | None = None, *, platfor
       platform: ``"cpu"`` to emulate devices, ``"auto"`` to use whatever accelerators the host has.
 
     Raises:
-      EmulationError: the backend already runs with another device count, or too many devices.
+      EmulationError: the backend already runs with another device count (fewer, in a single process:
+        the run then uses the first ``local_devices``), or too many devices.
     """
     import jax
 
@@ -184,7 +185,9 @@ def start_devices(local_devices: int, cluster: Cluster | None = None, *, platfor
             num_processes=cluster.num_processes,
             process_id=cluster.process_id,
         )
-    if platform == "cpu" and len(jax.local_devices()) != local_devices:
+    # one process already running more devices (a test session, a notebook) lends a run its first ones
+    held = len(jax.local_devices())
+    if platform == "cpu" and (held < local_devices if cluster is None else held != local_devices):
         raise EmulationError(
             f"the JAX backend already runs with {len(jax.local_devices())} local devices, not the "
             f"{local_devices} asked for; start the devices before any other JAX call"

@@ -28,6 +28,10 @@ class EmulateConfig:
     devices: int = 8  # CPU devices to emulate
     processes: int | None = None  # processes to emulate them in; null: the fewest that work on this machine
 
+    def __post_init__(self) -> None:
+        _positive(self, "emulate", ("devices",))
+        _positive(self, "emulate", ("processes",), optional=True)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -48,9 +52,11 @@ class TrainConfig:
     recompute: str = "none"  # activation recomputation per block: none, selective or full
     seed: int = 0  # parameter initialisation and data order
     data: str = "text"  # text: the shipped corpus, byte-level; synthetic: a learnable token sequence
+    checkpoint_every: int = 50  # steps between checkpoints (written only when --checkpoint-dir is given)
+    keep_checkpoints: int = 3  # the newest checkpoints kept; older ones are deleted
 
     def __post_init__(self) -> None:
-        _positive(self, "train", ("global_batch", "steps"))
+        _positive(self, "train", ("global_batch", "steps", "checkpoint_every", "keep_checkpoints"))
         _positive(self, "train", ("micro_batch", "microbatches"), optional=True)
         if self.lr <= 0:
             raise ConfigError(f"train.lr={self.lr} must be > 0")

@@ -14,7 +14,7 @@ import jax
 from flax import nnx
 
 from hyperjax.emulate import plan_processes
-from hyperjax.errors import ConfigError, ShardingError
+from hyperjax.errors import ConfigError, HyperjaxError, ShardingError
 from hyperjax.models import build_model
 from hyperjax.mpmd import make_schedule
 from hyperjax.mpmd.pipeline import PipelineLayout, balance_layers, layer_costs
@@ -328,3 +328,37 @@ def _check_submesh(
             _check_activations(cfg, strategy, mesh, rows)
     except ShardingError as e:
         raise ShardingError(f"{label}: {e}") from None
+
+
+# what an elastic restart may change, tried in order until a plan fits the new device count; the global
+# batch, the model and the optimizer stay as configured, so the run continues the same training
+_ELASTIC_STEPS: tuple[tuple[str, ...], ...] = (
+    ("parallel.data=null", "emulate.processes=null"),
+    ("parallel.stage_devices=null",),
+    ("train.micro_batch=null",),
+    ("parallel.fsdp=1", "parallel.tensor=1", "parallel.sequence_parallel=false", "parallel.context=1"),
+)
+
+
+def elastic_overrides(cfg_loader: Any, devices: int) -> tuple[list[str], Plan]:
+    """The ``--set`` items that re-derive a run's strategy for ``devices`` devices, and the plan they give.
+
+    Args:
+      cfg_loader: ``overrides -> Config`` (the run's config file with its own ``--set`` items, then these).
+      devices: the new device count.
+
+    Raises:
+      ConfigError: no strategy the steps above reach fits ``devices`` (the last reason is quoted).
+    """
+    sets = [f"emulate.devices={devices}"]
+    reason = ""
+    for step in _ELASTIC_STEPS:
+        sets = [*sets, *step]
+        try:
+            return sets, plan_run(cfg_loader(sets))
+        except HyperjaxError as e:
+            reason = str(e)
+    raise ConfigError(
+        f"--elastic: no strategy fits {devices} devices while keeping the model and the global batch "
+        f"(last reason: {reason}); give --devices a count the global batch and model divide"
+    )

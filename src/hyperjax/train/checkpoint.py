@@ -1,0 +1,221 @@
+"""Training checkpoints with orbax: the whole state of a run, written in the background, atomically.
+
+A checkpoint holds the parameters, the optimizer state (with its step count, which drives the learning-rate
+schedule), the step, the data-pipeline position and the random seeds, and the metrics of every step so far.
+Batches are a pure function of ``(seed, step)`` (see :mod:`hyperjax.train.data`), so the position is the
+step and a resumed run reads exactly the batches the uninterrupted one would have read.
+
+orbax writes each checkpoint into ``<dir>/<step>.orbax-checkpoint-tmp`` and renames it to ``<dir>/<step>``
+only once every process has finished writing, so a write interrupted by SIGKILL leaves the previous
+checkpoint as the latest readable one. Restoring reads each array straight into the sharding the new run
+wants, so a checkpoint restores onto any mesh (any strategy, any device count) that holds the same model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from hyperjax.errors import ConfigError
+from hyperjax.files import write_json
+
+PROGRESS = "progress.json"  # the last step any attempt completed (read by the supervising launcher)
+
+
+def saved_steps(directory: str | Path) -> list[int]:
+    """The steps of the finished checkpoints in ``directory``, oldest first (no JAX needed)."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def last_progress(directory: str | Path) -> int | None:
+    """The last step a run in ``directory`` completed, whether or not a checkpoint holds it."""
+    try:
+        return int(json.loads((Path(directory) / PROGRESS).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Restored:
+    """What a checkpoint gave back.
+
+    Attributes:
+      state: the training state, placed in the shardings of the state it was restored into.
+      step: optimizer steps done.
+      records: the metrics of steps 1..step, as written to ``--metrics-out``.
+      meta: everything else the checkpoint recorded (data position, seeds, devices, strategy).
+    """
+
+    state: Any
+    step: int
+    records: list[dict[str, Any]]
+    meta: dict[str, Any]
+
+
+class Checkpoints:
+    """The checkpoints of one run in one folder; every process of the job makes the same calls.
+
+    Args:
+      directory: the folder (created if missing).
+      keep: how many of the latest checkpoints to keep.
+    """
+
+    def __init__(self, directory: str | Path, *, keep: int) -> None:
+        import orbax.checkpoint as ocp
+
+        self.directory = Path(directory).absolute()
+        self._ocp = ocp
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True)
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+        )
+
+    def latest_step(self) -> int | None:
+        """The step of the newest finished checkpoint, or ``None``."""
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+        """Start writing ``state`` as checkpoint ``step``; returns once the arrays are copied off the devices.
+
+        The previous write, if still running, is finished first. ``meta`` must be JSON.
+        """
+        ocp = self._ocp
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(_arrays(state)), meta=ocp.args.JsonSave(meta)),
+        )
+
+    def restore(self, like: Any, *, step: int | None = None) -> Restored:
+        """Read checkpoint ``step`` (default: the latest) into the structure and shardings of ``like``.
+
+        Raises:
+          ConfigError: no checkpoint, a model whose tensors differ from the saved ones (the first
+            differing path and both shapes are named), or files that cannot be read.
+        """
+        ocp = self._ocp
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise ConfigError(
+                f"--resume: no checkpoint in {str(self.directory)!r}; train without --resume to start one, "
+                "or give the --checkpoint-dir of an earlier run"
+            )
+        where = f"checkpoint {str(self.directory / str(step))!r}"
+        abstract = jax.tree.map(_abstract, _arrays(like))
+        _quiet_abandoned_reads()  # before any read starts: a failed one closes the others' loop at once
+        try:
+            saved = self._manager.item_metadata(step)["state"]
+            saved_tree = saved.tree if hasattr(saved, "tree") else saved
+        except Exception as e:
+            raise ConfigError(f"{where} cannot be read ({_first_line(e)}); {_fix(self.directory, step)}") from None
+        _check_shapes(abstract, saved_tree, where)
+        try:
+            out = self._manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+            )
+        except Exception as e:
+            raise ConfigError(f"{where} cannot be read ({_first_line(e)}); {_fix(self.directory, step)}") from None
+        meta = dict(out["meta"] or {})
+        if meta.get("step") != step or not isinstance(meta.get("records"), list):
+            raise ConfigError(f"{where} has no valid run record (meta); {_fix(self.directory, step)}")
+        state = jax.tree.map(
+            lambda saved, old: saved if isinstance(old, jax.Array) else type(old)(saved), out["state"], like
+        )
+        return Restored(state=state, step=step, records=meta.pop("records"), meta=meta)
+
+    def write_progress(self, step: int) -> None:
+        """Record that ``step`` is done (process 0 calls this; the supervising launcher reads it)."""
+        write_json(self.directory / PROGRESS, {"step": step}, indent=None)
+
+    def close(self) -> None:
+        """Wait for the last write to finish, then release the folder."""
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+
+def _arrays(state: Any) -> Any:
+    """``state`` with plain Python numbers (a pipeline's step count) as NumPy scalars orbax can store."""
+    return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else np.asarray(x), state)
+
+
+def _abstract(x: Any) -> Any:
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    return np.asarray(x)
+
+
+def _check_shapes(abstract: Any, saved: Any, where: str) -> None:
+    expected = {_path(k): v for k, v in jax.tree_util.tree_leaves_with_path(abstract)}
+    found = {_path(k): v for k, v in jax.tree_util.tree_leaves_with_path(saved, is_leaf=lambda x: hasattr(x, "shape"))}
+    for path, want in sorted(expected.items(), key=lambda kv: not kv[0].startswith("params/")):
+        if path not in found:
+            raise ConfigError(
+                f"{where} has no tensor {path} (shape {tuple(want.shape)}): it was written for another model; "
+                "resume with the model config it was written with, or use a new --checkpoint-dir"
+            )
+        if tuple(found[path].shape) != tuple(want.shape):
+            raise ConfigError(
+                f"{where}: tensor {path} was saved with shape {tuple(found[path].shape)} but this model has "
+                f"{tuple(want.shape)}; resume with the model config it was written with, or use a new --checkpoint-dir"
+            )
+    extra = sorted(set(found) - set(expected))
+    if extra:
+        raise ConfigError(
+            f"{where} holds tensors this model lacks ({', '.join(extra[:3])}); resume with the model config it "
+            "was written with, or use a new --checkpoint-dir"
+        )
+
+
+def _path(keys: tuple) -> str:
+    """``params/blocks/0/mlp/w_in``: the same name whether a node was saved as a dict, list or named tuple."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in keys)
+
+
+def _fix(directory: Path, step: int) -> str:
+    earlier = [s for s in saved_steps(directory) if s < step]
+    if earlier:
+        return f"remove {str(directory / str(step))!r} to resume from step {earlier[-1]}"
+    return "remove it and train without --resume"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    line = text[0] if text else ""
+    return f"{type(e).__name__}: {line[:160]}{'...' if len(line) > 160 else ''}"
+
+
+def _quiet_abandoned_reads() -> None:
+    """Let reads abandoned by a failed restore end silently.
+
+    orbax reads every array concurrently on an event loop it closes as soon as one read fails; the others
+    then complete into the closed loop, and each would print a ``RuntimeError: Event loop is closed``
+    traceback over the one-line error (through ``sys.excepthook`` or ``sys.unraisablehook``, depending on
+    the thread). Only that exact error is dropped; every other one is reported as before.
+    """
+    if getattr(sys.excepthook, "_hyperjax_quiet", False):
+        return
+    previous_except, previous_unraisable = sys.excepthook, sys.unraisablehook
+
+    def closed_loop(error: BaseException | None) -> bool:
+        return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+    def excepthook(kind: type, error: BaseException, tb: Any) -> None:
+        if not closed_loop(error):
+            previous_except(kind, error, tb)
+
+    def unraisablehook(unraisable: Any) -> None:
+        if not closed_loop(unraisable.exc_value):
+            previous_unraisable(unraisable)
+
+    excepthook._hyperjax_quiet = True  # type: ignore[attr-defined]
+    sys.excepthook, sys.unraisablehook = excepthook, unraisablehook

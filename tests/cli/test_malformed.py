@@ -1,0 +1,165 @@
+"""Random malformed configs and command lines: every one exits 2 with a short message, quickly, no traceback."""
+
+import dataclasses
+import subprocess
+import sys
+import tempfile
+import time
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hyperjax.cli.main import main
+from hyperjax.models.config import ModelConfig
+from hyperjax.train.config import Config, EmulateConfig, OffloadConfig, ParallelConfig, TrainConfig
+
+QUICK = Path(__file__).parents[2] / "configs" / "quickstart.yaml"
+BASE = yaml.safe_load(QUICK.read_text())
+SECTIONS = {"emulate": EmulateConfig, "model": ModelConfig, "train": TrainConfig, "parallel": ParallelConfig}
+SECTIONS["offload"] = OffloadConfig
+FOLDER = Path(tempfile.mkdtemp(prefix="hyperjax-malformed-"))
+
+names = st.text("abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=12)
+junk = st.one_of(
+    st.text("xyz!@# ", min_size=1, max_size=8).map(lambda s: "not a number " + s),
+    st.lists(st.integers(), min_size=1, max_size=3),
+    st.dictionaries(names, st.integers(), min_size=1, max_size=2),
+)
+
+
+def _fields(section: str, kind: type) -> list[str]:
+    hints = typing.get_type_hints(SECTIONS[section])
+    return [f.name for f in dataclasses.fields(SECTIONS[section]) if hints[f.name] in (kind, kind | None)]
+
+
+@st.composite
+def unknown_key(draw):
+    section = draw(st.sampled_from(["", *SECTIONS]))
+    fields = [f.name for f in dataclasses.fields(SECTIONS[section] if section else Config)]
+    key = draw(names.filter(lambda k: k not in fields))
+    return ((section, key), draw(st.integers())), "unknown config key"
+
+
+@st.composite
+def wrong_type(draw):
+    section = draw(st.sampled_from(list(SECTIONS)))
+    ints, floats, strs = _fields(section, int), _fields(section, float), _fields(section, str)
+    key = draw(st.sampled_from(ints + floats + strs))
+    value = draw(junk if key not in strs else st.one_of(st.integers(), st.lists(st.integers(), min_size=1)))
+    if key in ints and not isinstance(value, str):
+        value = draw(st.one_of(st.just(value), st.floats(0.1, 9.9).filter(lambda x: x != int(x)), st.booleans()))
+    return ((section, key), value), f"{section}.{key}"
+
+
+@st.composite
+def out_of_range(draw):
+    key, value = draw(
+        st.one_of(
+            st.tuples(
+                st.sampled_from(
+                    [
+                        ("train", "global_batch"),
+                        ("train", "steps"),
+                        ("train", "checkpoint_every"),
+                        ("model", "layers"),
+                        ("model", "d_model"),
+                        ("parallel", "tensor"),
+                        ("emulate", "devices"),
+                    ]
+                ),
+                st.integers(max_value=0),
+            ),
+            st.tuples(st.just(("train", "lr")), st.floats(max_value=0.0, allow_nan=False)),
+            st.tuples(st.sampled_from([("train", "beta1"), ("train", "beta2")]), st.floats(1.0, 1e6)),
+        )
+    )
+    return (key, value), f"{key[0]}.{key[1]}"
+
+
+presets = names.map(
+    lambda s: ("", "hardware"),
+).flatmap(lambda k: names.map(lambda s: ((k, f"no-such-machine-{s}"), "hardware")))
+# degrees and dimensions that no strategy splits (train and predict; plan searches its own degrees)
+inconsistent = st.one_of(
+    st.sampled_from([3, 5, 6, 7, 16]).map(lambda t: ((("parallel", "tensor"), t), "divide")),
+    st.sampled_from([3, 5, 7]).map(lambda h: ((("model", "heads"), h), "heads")),
+)
+
+
+def _write(raw: object) -> str:
+    path = FOLDER / f"c{time.monotonic_ns()}.yaml"
+    path.write_text(raw if isinstance(raw, str) else yaml.safe_dump(raw))
+    return str(path)
+
+
+def _check(args: list[str], capsys, expect: str) -> None:
+    args = [*args, "--devices", "8"] if args[0] == "plan" else args
+    start = time.monotonic()
+    status = main(args)
+    took = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert status == 2, (args, err)
+    assert "Traceback" not in err and err.startswith(f"hyperjax {args[0]}: error: "), err
+    assert expect.lower() in err.lower() or (expect in ("", "hardware") and "hardware" in err.lower()), (expect, err)
+    assert len(err) < 1200, err  # short
+    assert took < 10, f"{args} took {took:.1f} s"
+
+
+def _mutated(change: tuple) -> dict:
+    (section, key), value = change
+    raw = yaml.safe_load(yaml.safe_dump(BASE))
+    (raw.setdefault(section, {}) if section else raw)[key] = value
+    return raw
+
+
+every = st.one_of(unknown_key(), wrong_type(), out_of_range(), presets)
+slow = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.mark.parametrize("command", ["train", "predict", "plan"])
+@slow
+@given(case=every)
+def test_malformed_configs_exit_2(command: str, case, capsys):
+    change, expect = case
+    _check([command, _write(_mutated(change))], capsys, expect)
+
+
+@pytest.mark.parametrize("command", ["train", "predict"])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=inconsistent)
+def test_inconsistent_degrees_exit_2(command: str, case, capsys):
+    change, _ = case
+    _check([command, _write(_mutated(change))], capsys, "")
+
+
+@pytest.mark.parametrize("command", ["train", "predict", "plan"])
+@slow
+@given(
+    case=st.one_of(
+        st.sampled_from(["model: [1, 2", "{{", "model: {layers: 1}: 2", "- a\n- b"]).map(lambda t: (t, [])),
+        st.sampled_from(["5", "model: 7", "train: [1]"]).map(lambda t: (t, [])),
+        st.one_of(names, names.map(lambda s: f"={s}"), names.map(lambda s: f"train.steps.x{s}=1")).map(
+            lambda s: (yaml.safe_dump(BASE), ["--set", s])
+        ),
+    )
+)
+def test_malformed_files_and_overrides_exit_2(command: str, case, capsys):
+    text, extra = case
+    _check([command, _write(text), *extra], capsys, "")
+
+
+@pytest.mark.parametrize("command", ["train", "predict", "plan"])
+def test_from_the_shell(command: str):
+    path = _write(_mutated((("train", "global_batch"), "thirty-two")))
+    done = subprocess.run(
+        [sys.executable, "-m", "hyperjax", command, path, *(["--devices", "8"] if command == "plan" else [])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "train.global_batch" in done.stderr and "Traceback" not in done.stderr
+    assert done.stdout == ""

@@ -1,0 +1,238 @@
+"""Checkpoints, exact resume, supervised and elastic restarts, and a write cut short by SIGKILL."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from hyperjax.cli.main import main
+from hyperjax.train import load_config
+from hyperjax.train.checkpoint import Checkpoints, saved_steps
+from hyperjax.train.loop import train
+from hyperjax.train.plan import plan_run
+
+QUICK = str(Path(__file__).parents[2] / "configs" / "quickstart.yaml")
+# a smaller quickstart: 8 steps, a checkpoint every 2
+SMALL = (
+    "model.layers=2",
+    "model.d_model=64",
+    "model.heads=4",
+    "model.d_ff=256",
+    "model.seq_len=32",
+    "train.global_batch=16",
+    "train.steps=8",
+    "train.checkpoint_every=2",
+)
+
+
+def _cfg(*more: str):
+    return load_config(QUICK, [*SMALL, *more])
+
+
+def _losses(path: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+def test_resume_is_bitwise_on_the_same_mesh_and_close_on_another(tmp_path: Path):
+    plan = plan_run(_cfg())
+    whole = train(plan, checkpoint_dir=str(tmp_path / "a"), log=None)
+    assert saved_steps(tmp_path / "a") == [4, 6, 8]  # train.keep_checkpoints: 3
+    # the run as it stood after step 4: its checkpoint alone
+    shutil.copytree(tmp_path / "a" / "4", tmp_path / "b" / "4")
+    metrics = tmp_path / "m.jsonl"
+    resumed = train(plan, checkpoint_dir=str(tmp_path / "b"), resume=True, metrics_out=str(metrics), log=None)
+    assert resumed.losses == whole.losses  # bitwise
+    assert _losses(metrics) == whole.losses  # the file covers the whole run, each step once
+    # onto 4 devices under another strategy: restored resharded, the same numbers to 1e-4
+    shutil.copytree(tmp_path / "a" / "4", tmp_path / "c" / "4")
+    other = plan_run(_cfg("emulate.devices=4", "parallel.tensor=1", "parallel.fsdp=2"))
+    assert other.devices == 4 and other.axes["fsdp"] == 2
+    moved = train(other, checkpoint_dir=str(tmp_path / "c"), resume=True, log=None)
+    assert moved.losses[:4] == whole.losses[:4]
+    np.testing.assert_allclose(moved.losses[4:], whole.losses[4:], rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ("parallel.tensor=1", "parallel.pipeline=2"),
+        # parameters and optimizer state of layer 0 kept in pinned_host: saved from and restored to the host
+        ("offload.policy=manual", 'offload.manual={"layers.0.params": host, "layers.0.optimizer": host}'),
+    ],
+    ids=["pipeline", "offload"],
+)
+def test_pipeline_and_offload_runs_resume_bitwise(tmp_path: Path, sets: tuple[str, ...]):
+    plan = plan_run(_cfg(*sets, "train.steps=6"))
+    assert plan.pipeline is not None or plan.offload.placement["layers.0.params"] == "host"
+    whole = train(plan, checkpoint_dir=str(tmp_path / "a"), log=None)
+    shutil.copytree(tmp_path / "a" / "2", tmp_path / "b" / "2")
+    assert train(plan, checkpoint_dir=str(tmp_path / "b"), resume=True, log=None).losses == whole.losses
+
+
+_WRITER = """
+import os, signal, sys
+import jax
+jax.config.update("jax_platforms", "cpu"); jax.config.update("jax_num_cpu_devices", 8)
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from hyperjax.train.checkpoint import Checkpoints
+mesh = jax.make_mesh((8,), ("d",))
+def state(v):
+    return {"w": jax.device_put(np.full((1024, 1024), v, np.float32), NamedSharding(mesh, P("d"))), "step": v}
+ckpt = Checkpoints(sys.argv[1], keep=3)
+ckpt.save(1, state(1), {"step": 1, "records": [{"step": 1, "loss": 1.0}]})
+ckpt._manager.wait_until_finished()
+ckpt.save(2, state(2), {"step": 2, "records": [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0}]})
+os.kill(os.getpid(), signal.SIGKILL)  # while checkpoint 2 is being written in the background
+"""
+
+
+def test_a_write_cut_short_leaves_the_previous_checkpoint(tmp_path: Path):
+    done = subprocess.run([sys.executable, "-c", _WRITER, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith("2")]
+    assert leftovers and all("tmp" in name for name in leftovers)  # checkpoint 2 was started, never finished
+    mesh = jax.make_mesh((8,), ("d",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+    like = {"w": jax.device_put(np.zeros((1024, 1024), np.float32), sharding), "step": 0}
+    ckpt = Checkpoints(tmp_path, keep=3)
+    try:
+        assert ckpt.latest_step() == 1
+        restored = ckpt.restore(like)
+        assert restored.step == 1 and restored.state["step"] == 1
+        assert np.all(np.asarray(restored.state["w"]) == 1.0)
+        ckpt.save(2, like, {"step": 2, "records": []})  # the run goes on and writes step 2 again
+    finally:
+        ckpt.close()
+    assert saved_steps(tmp_path) == [1, 2]
+
+
+def _bad(args: list[str], capsys) -> str:
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+def test_checkpoint_mistakes_exit_2(tmp_path: Path, capsys):
+    small = [a for s in SMALL for a in ("--set", s)]
+    base = ["train", QUICK, *small]
+    assert "--resume needs --checkpoint-dir" in _bad([*base, "--resume"], capsys)
+    assert "no checkpoint in" in _bad([*base, "--resume", "--checkpoint-dir", str(tmp_path / "none")], capsys)
+    (tmp_path / "file").write_text("x")
+    assert "is a file" in _bad([*base, "--checkpoint-dir", str(tmp_path / "file")], capsys)
+    assert "cannot be written" in _bad([*base, "--out-dir", "/proc/no/such"], capsys)
+    assert "must be 0 or more" in _bad([*base, "--max-restarts", "-1", "--checkpoint-dir", str(tmp_path)], capsys)
+    assert "needs --checkpoint-dir" in _bad([*base, "--max-restarts", "1"], capsys)
+    pipeline = ["--set", "parallel.tensor=1", "--set", "parallel.pipeline=2", "--set", "emulate.processes=2"]
+    assert "not supported" in _bad([*base, *pipeline, "--checkpoint-dir", str(tmp_path / "p")], capsys)
+    run = tmp_path / "run"
+    assert main([*base, "--steps", "2", "--checkpoint-dir", str(run), "--out-dir", str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert "already holds checkpoints (steps 2)" in _bad([*base, "--checkpoint-dir", str(run)], capsys)
+    err = _bad([*base, "--resume", "--checkpoint-dir", str(run), "--set", "model.d_ff=128"], capsys)
+    assert re.search(
+        r"tensor params/blocks/0/mlp/\w+ was saved with shape \((64, )?256,?\) but this model has \((64, )?128,?\)", err
+    ), err
+    err = _bad([*base, "--resume", "--checkpoint-dir", str(run), "--set", "train.seed=1"], capsys)
+    assert "train.seed=0 but this run has train.seed=1" in err
+    # moved to 4 devices: the strategy is re-derived (data=4, tensor=2 -> data=2, tensor=2)
+    moved = ["--resume", "--elastic", "--devices", "4", "--steps", "3", "--checkpoint-dir", str(run)]
+    assert main([*base, *moved, "--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "training gpt on 4 emulated cloudmatrix384 devices" in out and "strategy: data=2, tensor=2" in out
+    assert f"resumed from {run / '2'} (step 2, written on 8 devices under data=4, tensor=2)" in out
+    assert saved_steps(run) == [2, 3]
+    assert "--elastic changes the device count" in _bad([*base, "--elastic"], capsys)
+    for f in (run / "3" / "state").rglob("*"):  # corrupt every array file
+        if f.is_file() and f.name != "_METADATA":
+            f.write_bytes(b"garbage")
+    # from the shell: orbax's abandoned concurrent reads must not print over the one-line error
+    done = subprocess.run(
+        [sys.executable, "-m", "hyperjax", *base, "--resume", "--checkpoint-dir", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "cannot be read" in done.stderr and "to resume from step 2" in done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+
+
+class _Job:
+    """``hyperjax train`` launched as emulated processes; kill one of them once a checkpoint is written."""
+
+    def __init__(self, args: list[str], ckpt: Path) -> None:
+        self.ckpt, self.lines = ckpt, []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hyperjax", "train", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
+
+    def pids(self) -> list[int]:
+        for line in list(self.lines):
+            if "[launcher] started process 0" in line:
+                return [int(p) for p in re.findall(r"pid (\d+)", line)]
+        return []
+
+    def kill_after_checkpoint(self, step: int, process: int) -> None:
+        deadline = time.monotonic() + 600
+        while not (self.pids() and step in saved_steps(self.ckpt)):
+            assert self.proc.poll() is None and time.monotonic() < deadline, "".join(self.lines)[-3000:]
+            time.sleep(0.05)
+        os.kill(self.pids()[process], signal.SIGKILL)
+
+    def finish(self) -> str:
+        self.proc.wait(timeout=900)
+        self.reader.join(timeout=10)
+        self.proc.stdout.close()
+        out = "".join(self.lines)
+        assert self.proc.returncode == 0, out[-4000:]
+        return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[float]:
+    tmp = tmp_path_factory.mktemp("whole")
+    args = [QUICK, *(a for s in SMALL for a in ("--set", s)), "--set", "emulate.processes=2"]
+    job = _Job([*args, "--metrics-out", str(tmp / "m.jsonl"), "--out-dir", str(tmp)], tmp / "none")
+    job.finish()
+    return _losses(tmp / "m.jsonl")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("elastic", [False, True], ids=["same-devices", "elastic"])
+def test_a_killed_process_is_restarted_from_the_checkpoint(tmp_path: Path, uninterrupted, elastic: bool):
+    args = [QUICK, *(a for s in SMALL for a in ("--set", s)), "--set", "emulate.processes=2"]
+    args += ["--metrics-out", str(tmp_path / "m.jsonl"), "--out-dir", str(tmp_path)]
+    args += ["--checkpoint-dir", str(tmp_path / "ckpt"), "--max-restarts", "1", *(["--elastic"] if elastic else [])]
+    job = _Job(args, tmp_path / "ckpt")
+    job.kill_after_checkpoint(4, process=1)  # after its second checkpoint
+    out = job.finish()
+    event = re.search(r"\[launcher\] restart 1/1: process 1 was killed by SIGKILL after step (\d+); (.*)", out)
+    assert event, out[-4000:]
+    assert "resuming from the checkpoint of step 4" in event.group(2)
+    assert f"{int(event.group(1)) - 4} step(s) replayed" in event.group(2)
+    losses = _losses(tmp_path / "m.jsonl")
+    assert len(losses) == len(uninterrupted) == 8
+    if elastic:
+        assert "on 4 devices (4 dropped with process 1" in event.group(2)
+        assert "training gpt on 4 emulated cloudmatrix384 devices (1 process(es))" in out
+        assert losses[:4] == uninterrupted[:4]
+        np.testing.assert_allclose(losses, uninterrupted, rtol=1e-4)
+    else:
+        assert losses == uninterrupted  # every step, bitwise
