@@ -88,11 +88,19 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hyperjax.train.checkpoint import Checkpoints
 mesh = jax.make_mesh((8,), ("d",))
 def state(v):
-    return {"w": jax.device_put(np.full((1024, 1024), v, np.float32), NamedSharding(mesh, P("d"))), "step": v}
+    return {"w": jax.device_put(np.full((4096, 1024), v, np.float32), NamedSharding(mesh, P("d"))), "step": v}
+import time
+from pathlib import Path
+meta = {"data": {}, "devices": 8, "strategy": "d=8"}
 ckpt = Checkpoints(sys.argv[1], keep=3)
-ckpt.save(1, state(1), {"step": 1, "records": [{"step": 1, "loss": 1.0}]})
+ckpt.save(1, state(1), {**meta, "step": 1, "records": [{"step": 1}]})
 ckpt._manager.wait_until_finished()
-ckpt.save(2, state(2), {"step": 2, "records": [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0}]})
+ckpt.save(2, state(2), {**meta, "step": 2, "records": [{"step": 1}, {"step": 2}]})
+folder = Path(sys.argv[1])
+while not any(p.name.startswith("2.") for p in folder.iterdir()):  # the write has begun
+    if (folder / "2").exists():
+        sys.exit(3)  # finished before it could be interrupted
+    time.sleep(0.001)
 os.kill(os.getpid(), signal.SIGKILL)  # while checkpoint 2 is being written in the background
 """
 
@@ -104,14 +112,15 @@ def test_a_write_cut_short_leaves_the_previous_checkpoint(tmp_path: Path):
     assert leftovers and all("tmp" in name for name in leftovers)  # checkpoint 2 was started, never finished
     mesh = jax.make_mesh((8,), ("d",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
-    like = {"w": jax.device_put(np.zeros((1024, 1024), np.float32), sharding), "step": 0}
+    like = {"w": jax.device_put(np.zeros((4096, 1024), np.float32), sharding), "step": 0}
     ckpt = Checkpoints(tmp_path, keep=3)
     try:
         assert ckpt.latest_step() == 1
         restored = ckpt.restore(like)
         assert restored.step == 1 and restored.state["step"] == 1
         assert np.all(np.asarray(restored.state["w"]) == 1.0)
-        ckpt.save(2, like, {"step": 2, "records": []})  # the run goes on and writes step 2 again
+        # the run goes on and writes step 2 again
+        ckpt.save(2, like, {"step": 2, "records": [{"step": 1}, {"step": 2}], "data": {}, "devices": 8, "strategy": ""})
     finally:
         ckpt.close()
     assert saved_steps(tmp_path) == [1, 2]
@@ -193,7 +202,8 @@ class _Job:
         deadline = time.monotonic() + 600
         while not (self.pids() and step in saved_steps(self.ckpt)):
             assert self.proc.poll() is None and time.monotonic() < deadline, "".join(self.lines)[-3000:]
-            time.sleep(0.05)
+            time.sleep(0.02)
+        assert self.proc.poll() is None, "the job ended before it could be interrupted"
         os.kill(self.pids()[process], signal.SIGKILL)
 
     def finish(self) -> str:
@@ -225,8 +235,10 @@ def test_a_killed_process_is_restarted_from_the_checkpoint(tmp_path: Path, unint
     out = job.finish()
     event = re.search(r"\[launcher\] restart 1/1: process 1 was killed by SIGKILL after step (\d+); (.*)", out)
     assert event, out[-4000:]
-    assert "resuming from the checkpoint of step 4" in event.group(2)
-    assert f"{int(event.group(1)) - 4} step(s) replayed" in event.group(2)
+    # killed once checkpoint 4 existed; on a loaded machine a later one may have been written first
+    resumed = re.search(r"resuming from the checkpoint of step (\d+)", event.group(2))
+    assert resumed and int(resumed.group(1)) in (4, 6), event.group(0)
+    assert f"{int(event.group(1)) - int(resumed.group(1))} step(s) replayed" in event.group(2)
     losses = _losses(tmp_path / "m.jsonl")
     assert len(losses) == len(uninterrupted) == 8
     if elastic:

@@ -139,6 +139,8 @@ def _supervise(args: argparse.Namespace, plan, sets: list[str], child) -> int:
             return 0
         if ended.status == 2:  # a child found a mistake in the input; running it again would not help
             return 2
+        if ended.process is None:  # interrupted (Ctrl-C, SIGTERM): the user stops the job, not a failure
+            return ended.status
         if attempt == args.max_restarts:
             _say(f"process {ended.process} {ended.cause}; no restarts left (--max-restarts {args.max_restarts})")
             return ended.status

@@ -126,7 +126,15 @@ class Checkpoints:
         except Exception as e:
             raise ConfigError(f"{where} cannot be read ({_first_line(e)}); {_fix(self.directory, step)}") from None
         meta = dict(out["meta"] or {})
-        if meta.get("step") != step or not isinstance(meta.get("records"), list):
+        records = meta.get("records")
+        valid = (
+            meta.get("step") == step
+            and isinstance(records, list)
+            and len(records) == step
+            and isinstance(meta.get("data"), dict)
+            and all(key in meta for key in ("devices", "strategy"))
+        )
+        if not valid:
             raise ConfigError(f"{where} has no valid run record (meta); {_fix(self.directory, step)}")
         state = jax.tree.map(
             lambda saved, old: saved if isinstance(old, jax.Array) else type(old)(saved), out["state"], like

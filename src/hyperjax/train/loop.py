@@ -188,7 +188,7 @@ def _meta(plan: Plan, records: list[dict[str, Any]]) -> dict[str, Any]:
         "rng": {"seed": t.seed},
         "devices": plan.devices,
         "strategy": plan.describe(),
-        "records": records,
+        "records": list(records),  # a copy: orbax writes it on another thread while training goes on
     }
 
 
