@@ -10,7 +10,6 @@ from pathlib import Path
 from rich.console import Console
 
 from hyperjax.errors import HyperjaxError
-from hyperjax.files import write_json  # noqa: F401 (commands import it from here)
 
 
 def console() -> Console:

@@ -13,10 +13,11 @@ import math
 
 from rich.table import Table
 
-from hyperjax.cli.display import check_writable, console, fmt_axes, fmt_bytes, write_json
+from hyperjax.cli.display import check_writable, console, fmt_axes, fmt_bytes
 from hyperjax.cli.launching import add_join_arguments, run_on_devices
 from hyperjax.emulate import plan_processes
 from hyperjax.errors import EmulationError
+from hyperjax.files import write_json
 from hyperjax.topology import axis_spans, check_axes, default_axes, load_hardware, make_mesh, parse_axes
 
 

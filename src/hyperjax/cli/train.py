@@ -10,8 +10,9 @@ import argparse
 
 from hyperjax.cli.display import check_folder, check_writable, console
 from hyperjax.cli.launching import add_join_arguments, run_on_devices
-from hyperjax.cli.options import add_config_arguments, config_from_args
+from hyperjax.cli.options import add_config_arguments
 from hyperjax.errors import ConfigError
+from hyperjax.train.config import load_config
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,15 +52,13 @@ def run(args: argparse.Namespace) -> int:
     from hyperjax.train.plan import elastic_overrides, plan_run
 
     _check_flags(args)
-    extra = [] if args.steps is None else [f"train.steps={args.steps}"]
-    cfg = config_from_args(args, extra)
+    sets = [*args.sets, *([] if args.steps is None else [f"train.steps={args.steps}"])]  # what children are told
     if args.devices is not None and args.elastic:
-        moved, plan = elastic_overrides(lambda more: config_from_args(args, [*extra, *more]), args.devices)
-        extra += moved
+        moved, plan = elastic_overrides(_loader(args, sets), args.devices)
+        sets += moved
     else:
-        extra += [] if args.devices is None else [f"emulate.devices={args.devices}"]
-        plan = plan_run(config_from_args(args, extra) if args.devices is not None else cfg)
-    sets = [*args.sets, *extra]  # what spawned processes are told
+        sets += [] if args.devices is None else [f"emulate.devices={args.devices}"]
+        plan = plan_run(load_config(args.config, sets))
     out_dir = args.out_dir or str(Path("runs") / Path(args.config).stem)
     if args.metrics_out:
         check_writable(args.metrics_out, "--metrics-out")
@@ -72,11 +71,11 @@ def run(args: argparse.Namespace) -> int:
                 f"submesh, and checkpoints of such runs across {plan.processes} processes are not supported; "
                 "run it in one process (--set emulate.processes=1, up to 256 devices) to checkpoint it"
             )
-        if not args.resume and saved_steps(args.checkpoint_dir):
+        earlier = saved_steps(args.checkpoint_dir)
+        if earlier and not args.resume:
             raise ConfigError(
                 f"--checkpoint-dir {args.checkpoint_dir!r} already holds checkpoints (steps "
-                f"{', '.join(map(str, saved_steps(args.checkpoint_dir)))}); pass --resume to continue that run, "
-                "or give an empty folder"
+                f"{', '.join(map(str, earlier))}); pass --resume to continue that run, or give an empty folder"
             )
 
     def child(sets: list[str], processes: int, resume: bool) -> list[str]:
@@ -129,7 +128,6 @@ def _supervise(args: argparse.Namespace, plan, sets: list[str], child) -> int:
     """Run the job in launched processes; when one dies, restart from the latest checkpoint (``--max-restarts``)."""
     from hyperjax.cli.launching import spawn
     from hyperjax.train.checkpoint import last_progress, saved_steps
-    from hyperjax.train.config import load_config
     from hyperjax.train.plan import elastic_overrides
 
     devices, processes, resume = plan.devices, plan.processes, args.resume
@@ -149,9 +147,7 @@ def _supervise(args: argparse.Namespace, plan, sets: list[str], child) -> int:
         reached = last_progress(args.checkpoint_dir) or 0
         if args.elastic and processes > 1:
             lost = devices // processes
-            moved, new_plan = elastic_overrides(
-                lambda more, now=sets: load_config(args.config, [*now, *more]), devices - lost
-            )
+            moved, new_plan = elastic_overrides(_loader(args, sets), devices - lost)
             sets = [*sets, *moved]
             devices, processes = new_plan.devices, new_plan.processes
             where = (
@@ -168,6 +164,11 @@ def _supervise(args: argparse.Namespace, plan, sets: list[str], child) -> int:
         )
         resume = latest is not None
     raise AssertionError("unreachable")
+
+
+def _loader(args: argparse.Namespace, sets: list[str]):
+    """``more -> Config``: the run's config file with ``sets``, then ``more`` (for elastic re-planning)."""
+    return lambda more: load_config(args.config, [*sets, *more])
 
 
 def _say(message: str) -> None:

@@ -189,7 +189,7 @@ def start_devices(local_devices: int, cluster: Cluster | None = None, *, platfor
     held = len(jax.local_devices())
     if platform == "cpu" and (held < local_devices if cluster is None else held != local_devices):
         raise EmulationError(
-            f"the JAX backend already runs with {len(jax.local_devices())} local devices, not the "
+            f"the JAX backend already runs with {held} local devices, not the "
             f"{local_devices} asked for; start the devices before any other JAX call"
         )
 

@@ -157,9 +157,8 @@ def _arrays(state: Any) -> Any:
 
 
 def _abstract(x: Any) -> Any:
-    if isinstance(x, jax.Array):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-    return np.asarray(x)
+    """What orbax restores ``x`` as: an array in its sharding, or (a NumPy scalar from :func:`_arrays`) itself."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
 
 
 def _check_shapes(abstract: Any, saved: Any, where: str) -> None:
