@@ -143,6 +143,10 @@ def test_checkpoint_mistakes_exit_2(tmp_path: Path, capsys):
     assert "cannot be written" in _bad([*base, "--out-dir", "/proc/no/such"], capsys)
     assert "must be 0 or more" in _bad([*base, "--max-restarts", "-1", "--checkpoint-dir", str(tmp_path)], capsys)
     assert "needs --checkpoint-dir" in _bad([*base, "--max-restarts", "1"], capsys)
+    assert "--devices 0 must be a positive integer" in _bad([*base, "--devices", "0"], capsys)
+    joined = ["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"]
+    err = _bad([*base, "--max-restarts", "1", "--checkpoint-dir", str(tmp_path / "j"), *joined], capsys)
+    assert "do not combine it with --coordinator" in err
     pipeline = ["--set", "parallel.tensor=1", "--set", "parallel.pipeline=2", "--set", "emulate.processes=2"]
     assert "not supported" in _bad([*base, *pipeline, "--checkpoint-dir", str(tmp_path / "p")], capsys)
     run = tmp_path / "run"
