@@ -162,3 +162,18 @@ def test_frozen():
         hw.devices = 3  # type: ignore[misc]
     with pytest.raises(TypeError):
         hw.device.peak_flops["bfloat16"] = 1.0  # type: ignore[index]
+
+
+def test_matmul_precision_maps_float32_products():
+    h100, tpu, cm = load_hardware("dgx-h100"), load_hardware("tpu-v5p"), load_hardware("cloudmatrix384")
+    assert h100.matmul_flops("float32") == h100.peak_flops("tf32") > 4 * h100.peak_flops("float32")
+    assert h100.matmul_flops("bfloat16") == h100.peak_flops("bfloat16")
+    assert tpu.matmul_flops("float32") == tpu.peak_flops("bfloat16")
+    assert cm.matmul_flops("float32") == cm.peak_flops("float32")  # no mapping: its own peak
+
+
+def test_matmul_precision_names_a_listed_dtype():
+    raw = _raw("dgx-h100")
+    raw["device"]["matmul_precision"] = {"float32": "tf16"}
+    with pytest.raises(PresetError, match=r"device.matmul_precision.float32='tf16'.*no peak_flops entry"):
+        hardware_from_dict(raw)

@@ -1,9 +1,11 @@
 """Compute time on one device: a roofline per operator, with the preset's achievable efficiencies.
 
 A matrix multiply runs at ``peak x matmul_efficiency`` unless its operands make it memory-bound, so small
-and skinny products (decode-like shapes, tiny tensor-parallel shards) get the lower rate they really see.
-Element-wise work streams through HBM at ``hbm_bandwidth x memory_efficiency``. Each operator also costs
-the preset's ``kernel_overhead``.
+and skinny products (decode-like shapes, tiny tensor-parallel shards) get the lower rate they really see;
+the peak is the one XLA's default precision runs the compute dtype's products at (fp32 as TF32 on NVIDIA
+tensor cores). Element-wise work streams through HBM at ``hbm_bandwidth x memory_efficiency``. Each
+launched operator also costs the preset's ``kernel_overhead``: a batch of equal products (attention's
+per-head score and value products) is one batched kernel, so it pays the overhead once.
 """
 
 from __future__ import annotations
@@ -14,16 +16,16 @@ from hyperjax.topology import Hardware
 def gemm_time(
     m: float, n: float, k: float, *, count: float = 1, bytes_per_element: int, dtype: str, hardware: Hardware
 ) -> float:
-    """Seconds for ``count`` products of an ``(m, k)`` by a ``(k, n)`` matrix."""
+    """Seconds for ``count`` products of an ``(m, k)`` by a ``(k, n)`` matrix, launched as one batched kernel."""
     if min(m, n, k, count) <= 0:
         return 0.0
     d = hardware.device
     flops = 2.0 * m * n * k
     moved = (m * k + k * n + m * n) * bytes_per_element
     one = max(
-        flops / (hardware.peak_flops(dtype) * d.matmul_efficiency), moved / (d.hbm_bandwidth * d.memory_efficiency)
+        flops / (hardware.matmul_flops(dtype) * d.matmul_efficiency), moved / (d.hbm_bandwidth * d.memory_efficiency)
     )
-    return count * (one + d.kernel_overhead)
+    return count * one + d.kernel_overhead
 
 
 def stream_time(nbytes: float, *, ops: float, hardware: Hardware) -> float:

@@ -268,7 +268,7 @@ def estimate(cfg: Config, hardware: Hardware) -> Estimate:
     overflow = None if fits else max(("params", "optimizer", "gradients", "activations"), key=memory.__getitem__)
 
     model_flops = model_flops_per_step(cfg)
-    mfu = model_flops / (step * devices * hardware.peak_flops(dtype))
+    mfu = model_flops / (step * devices * hardware.matmul_flops(dtype))
     return Estimate(
         step_time_s=step,
         devices=devices,

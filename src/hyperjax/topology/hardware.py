@@ -37,6 +37,9 @@ class DeviceSpec:
       memory_efficiency: achievable fraction of ``hbm_bandwidth`` for streaming (element-wise) work.
       kernel_overhead: seconds each launched operator costs beyond its roofline time.
       source: where the figures come from.
+      matmul_precision: for a compute dtype whose matrix multiplies run at another dtype's rate under
+        XLA's default precision, that dtype (``{float32: tf32}``: fp32 dots on NVIDIA tensor cores run as
+        TF32); a dtype not listed runs at its own ``peak_flops``.
     """
 
     name: str
@@ -47,6 +50,7 @@ class DeviceSpec:
     memory_efficiency: float
     kernel_overhead: float
     source: str
+    matmul_precision: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.peak_flops:
@@ -60,7 +64,14 @@ class DeviceSpec:
                 raise PresetError(f"device.{key}={getattr(self, key)} must be in (0, 1]")
         if self.kernel_overhead < 0:
             raise PresetError(f"device.kernel_overhead={self.kernel_overhead} must be >= 0 seconds")
+        for dtype, runs_as in self.matmul_precision.items():
+            if runs_as not in self.peak_flops:
+                raise PresetError(
+                    f"device.matmul_precision.{dtype}={runs_as!r} names a dtype with no peak_flops entry; it "
+                    f"lists {sorted(self.peak_flops)}. Add that dtype's FLOP/s or correct the name."
+                )
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
+        object.__setattr__(self, "matmul_precision", MappingProxyType(dict(self.matmul_precision)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -200,6 +211,13 @@ class Hardware:
                 f"preset {self.name!r} has no peak_flops for dtype={dtype!r}; it lists "
                 f"{sorted(self.device.peak_flops)}. Add the figure with its source to the preset file."
             ) from None
+
+    def matmul_flops(self, dtype: str) -> float:
+        """Dense peak FLOP/s of one device's matrix multiplies in compute ``dtype`` at XLA's default precision.
+
+        ``dtype``'s own peak, or the peak of the dtype ``device.matmul_precision`` says its products run as.
+        """
+        return self.peak_flops(self.device.matmul_precision.get(dtype, dtype))
 
 
 def _plain(value: Any) -> Any:

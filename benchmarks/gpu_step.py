@@ -1,0 +1,281 @@
+"""The cost model against training steps measured on a real GPU.
+
+Small transformers (a few million to two billion parameters), each trained on one GPU by hyperjax's own
+training step (the jitted function ``hyperjax train`` runs: AdamW, gradient clipping, the same model
+code), timed back to back on the device. The same configs are priced by ``hyperjax.cost.estimate`` on the
+matching hardware preset. One GPU exercises the compute and memory halves of the cost model (GEMM
+roofline, element-wise streaming, kernel overhead, attention, the head, the optimizer, and the memory
+estimate); collectives need more than one device and are validated by ``benchmarks/validate.py``.
+
+Two steps, so the comparison can be redone without a GPU whenever the cost model changes:
+
+    python benchmarks/gpu_step.py measure --out measured.json   # on the GPU machine (JAX with CUDA)
+    python benchmarks/gpu_step.py                                # anywhere: predict, compare, print
+
+``measure`` writes the raw timings (median of repeated back-to-back runs) and the compiled program's
+memory (XLA's FLOP count is recorded too, but on GPU it leaves out the cuBLAS calls, so it is not used);
+the default mode reads ``benchmarks/results/gpu-h100-measured.json``, prices every case and writes
+``benchmarks/results/gpu-h100.json``. Nothing is fitted to these measurements: the
+preset's constants come from datasheets and public microbenchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+MEASURED = RESULTS / "gpu-h100-measured.json"
+PRESET = "dgx-h100"
+
+GPT2_SMALL = ["model.family=gpt", "model.layers=12", "model.d_model=768", "model.heads=12", "model.d_ff=3072"]
+GPT2_MEDIUM = ["model.family=gpt", "model.layers=24", "model.d_model=1024", "model.heads=16", "model.d_ff=4096"]
+LLAMA_1B = [  # TinyLlama-1.1B's shape
+    "model.family=llama",
+    "model.layers=22",
+    "model.d_model=2048",
+    "model.heads=32",
+    "model.kv_heads=4",
+    "model.d_ff=5632",
+    "model.vocab=32000",
+]
+LLAMA_8B_8L = [  # Llama-3-8B's layer shape, 8 of its 32 layers
+    "model.family=llama",
+    "model.layers=8",
+    "model.d_model=4096",
+    "model.heads=32",
+    "model.kv_heads=8",
+    "model.d_ff=14336",
+    "model.vocab=32000",
+]
+CASES: dict[str, list[str]] = {  # name: config overrides (one device, hardware dgx-h100)
+    "quickstart fp32": [
+        "model.family=gpt",
+        "model.layers=4",
+        "model.d_model=256",
+        "model.heads=8",
+        "model.d_ff=1024",
+        "model.vocab=256",
+        "model.seq_len=128",
+        "train.global_batch=32",
+        "train.dtype=float32",
+    ],
+    "gpt2-small s1024 b8 bf16": [*GPT2_SMALL, "model.vocab=50304", "model.seq_len=1024", "train.global_batch=8"],
+    "gpt2-small s1024 b8 fp32": [
+        *GPT2_SMALL,
+        "model.vocab=50304",
+        "model.seq_len=1024",
+        "train.global_batch=8",
+        "train.dtype=float32",
+    ],
+    "gpt2-small s1024 b32 bf16": [*GPT2_SMALL, "model.vocab=50304", "model.seq_len=1024", "train.global_batch=32"],
+    "gpt2-small s4096 b2 bf16": [*GPT2_SMALL, "model.vocab=50304", "model.seq_len=4096", "train.global_batch=2"],
+    "gpt2-medium s1024 b8 bf16": [*GPT2_MEDIUM, "model.vocab=50304", "model.seq_len=1024", "train.global_batch=8"],
+    "llama-1b s2048 b4 bf16": [*LLAMA_1B, "model.seq_len=2048", "train.global_batch=4"],
+    "llama-1b s2048 b4 bf16 full": [*LLAMA_1B, "model.seq_len=2048", "train.global_batch=4", "train.recompute=full"],
+    "llama-1b s2048 b4 bf16 selective": [
+        *LLAMA_1B,
+        "model.seq_len=2048",
+        "train.global_batch=4",
+        "train.recompute=selective",
+    ],
+    "llama-8b-8l s2048 b2 bf16": [*LLAMA_8B_8L, "model.seq_len=2048", "train.global_batch=2"],
+}
+COMMON = [f"hardware={PRESET}", "emulate.devices=1", "train.data=synthetic", "train.dtype=bfloat16", "train.steps=100"]
+
+
+def config(name: str):
+    """The run config of case ``name`` (``COMMON`` first, so a case's own overrides win)."""
+    from hyperjax.train import load_config
+
+    return load_config(None, [*COMMON, *CASES[name]])
+
+
+def measure_case(name: str, *, repeats: int, iters: int) -> dict:
+    """Compile case ``name`` on the first local device and time ``iters`` steps, ``repeats`` times."""
+    import jax
+    from flax import nnx
+
+    from hyperjax.models import build_model
+    from hyperjax.topology import make_mesh
+    from hyperjax.train.loop import _data
+    from hyperjax.train.plan import plan_run
+    from hyperjax.train.step import build_train_step, init_state, make_optimizer
+
+    cfg = config(name)
+    plan = plan_run(cfg, devices=1)
+    t = cfg.train
+    model = build_model(cfg.model, dtype=t.dtype, recompute=t.recompute, seed=t.seed)
+    graphdef, params = nnx.split(model)
+    optimizer = make_optimizer(t)
+    mesh = make_mesh(plan.hardware, plan.axes, devices=jax.devices()[:1])
+    step = build_train_step(
+        graphdef=graphdef, param_state=params, strategy=plan.strategy, mesh=mesh, optimizer=optimizer
+    )
+    state = init_state(params, optimizer, step)
+    batch = _data(cfg).global_batch_arrays(0, step.batch_shardings)
+    start = time.perf_counter()
+    compiled = step.fn.lower(state, batch).compile()
+    compile_s = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    for _ in range(3):
+        state, metrics = compiled(state, batch)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            state, metrics = compiled(state, batch)
+        jax.block_until_ready((state, metrics))
+        times.append((time.perf_counter() - start) / iters)
+    return {
+        "name": name,
+        "overrides": [*COMMON, *CASES[name]],
+        "step_s": statistics.median(times),
+        "step_s_runs": times,
+        "iters": iters,
+        "compile_s": compile_s,
+        "loss": float(metrics["loss"]),
+        "xla_flops": float(cost.get("flops", 0.0)) if cost else None,
+        "memory_bytes": None
+        if mem is None
+        else mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes,
+        "temp_bytes": None if mem is None else mem.temp_size_in_bytes,
+    }
+
+
+def measure(out: Path, names: list[str], *, repeats: int, iters: int) -> None:
+    """Time every case in ``names`` on this machine's first device; write ``out`` after each case."""
+    import jax
+
+    device = jax.devices()[0]
+    rows = []
+    for name in names:
+        try:
+            rows.append(measure_case(name, repeats=repeats, iters=iters))
+            print(f"{name:<36} {rows[-1]['step_s'] * 1e3:9.2f} ms  (compile {rows[-1]['compile_s']:.0f} s)", flush=True)
+        except Exception as e:  # one case that does not fit must not lose the others
+            rows.append({"name": name, "overrides": [*COMMON, *CASES[name]], "error": f"{type(e).__name__}: {e}"})
+            print(f"{name:<36} failed: {rows[-1]['error'][:200]}", flush=True)
+        out.write_text(
+            json.dumps(
+                {
+                    "device": device.device_kind,
+                    "platform": device.platform,
+                    "jax": jax.__version__,
+                    "method": f"median over {repeats} runs of {iters} back-to-back steps, after 3 warm-up steps",
+                    "cases": rows,
+                },
+                indent=1,
+            )
+        )
+
+
+def compare(measured_path: Path, out: Path) -> dict:
+    """Price every measured case on the preset; print the table; write ``out``."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from hyperjax.cost import estimate
+    from hyperjax.cost.estimate import model_flops_per_step
+    from hyperjax.files import write_json
+    from hyperjax.topology import load_hardware
+    from hyperjax.train import load_config
+
+    measured = json.loads(measured_path.read_text())
+    hw = load_hardware(PRESET)
+    table = Table(title=f"One training step on one {measured['device']}: measured vs {PRESET} preset")
+    for col in ("case", "params", "measured ms", "predicted ms", "error", "TFLOP/s", "mem meas GiB", "mem pred GiB"):
+        table.add_column(col, justify="left" if col == "case" else "right")
+    rows = []
+    for case in measured["cases"]:
+        if "error" in case:
+            table.add_row(case["name"], "", "failed", "", "", "", "", "")
+            continue
+        cfg = load_config(None, case["overrides"])
+        est = estimate(cfg, hw)
+        flops = model_flops_per_step(cfg)
+        error = est.step_time_s / case["step_s"] - 1
+        mem_pred = est.memory_per_device_gib["peak"]
+        mem_meas = case["memory_bytes"] / 2**30 if case.get("memory_bytes") else None
+        rows.append(
+            {
+                "name": case["name"],
+                "params": est.details["params"],
+                "measured_step_s": case["step_s"],
+                "predicted_step_s": est.step_time_s,
+                "error": error,
+                "model_flops": flops,
+                "measured_tflops": flops / case["step_s"] / 1e12,
+                "predicted_breakdown_s": est.breakdown_s,
+                "measured_memory_gib": mem_meas,
+                "predicted_memory_gib": mem_pred,
+            }
+        )
+        table.add_row(
+            case["name"],
+            f"{est.details['params'] / 1e6:,.0f}M",
+            f"{case['step_s'] * 1e3:.2f}",
+            f"{est.step_time_s * 1e3:.2f}",
+            f"{error:+.0%}",
+            f"{flops / case['step_s'] / 1e12:.0f}",
+            "" if mem_meas is None else f"{mem_meas:.2f}",
+            f"{mem_pred:.2f}",
+        )
+    errors = [abs(r["error"]) for r in rows]
+    memory = [r["predicted_memory_gib"] / r["measured_memory_gib"] - 1 for r in rows if r["measured_memory_gib"]]
+    summary = {
+        "device": measured["device"],
+        "jax": measured["jax"],
+        "method": measured["method"],
+        "preset": PRESET,
+        "cases": rows,
+        "mean_abs_error": statistics.mean(errors) if errors else None,
+        "median_abs_error": statistics.median(errors) if errors else None,
+        "max_abs_error": max(errors) if errors else None,
+        "memory_error_range": [min(memory), max(memory)] if memory else None,
+    }
+    console = Console(width=150)
+    console.print(table)
+    if errors:
+        console.print(
+            f"step time: mean |error| {summary['mean_abs_error']:.1%}, median {summary['median_abs_error']:.1%}, "
+            f"max {summary['max_abs_error']:.1%} over {len(errors)} cases"
+        )
+    if memory:
+        console.print(
+            f"memory: predicted peak {min(memory):+.0%} to {max(memory):+.0%} of the compiled program's "
+            "(arguments + outputs + temporaries)"
+        )
+    write_json(out, summary)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="mode")
+    m = sub.add_parser("measure", help="time every case on this machine's GPU")
+    m.add_argument("--out", type=Path, required=True)
+    m.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES), metavar="NAME")
+    m.add_argument("--repeats", type=int, default=5)
+    m.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args(argv)
+    if args.mode == "measure":
+        measure(args.out, args.cases, repeats=args.repeats, iters=args.iters)
+        return 0
+    if not MEASURED.exists():
+        print(f"{MEASURED} is missing; run `python benchmarks/gpu_step.py measure --out {MEASURED}` on a GPU")
+        return 2
+    compare(MEASURED, RESULTS / "gpu-h100.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
