@@ -36,6 +36,14 @@ def test_topology_json(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["tiers"][0]["bandwidth"] == 450e9
     assert data["default_axes"] == {"data": 8, "tensor": 8}
+    assert data["device"]["matmul_precision"] == {"float32": "tf32"}
+
+
+def test_topology_says_how_float32_products_run(capsys):
+    assert main(["topology", "dgx-h100"]) == 0
+    assert "float32 matrix products run as tf32" in capsys.readouterr().out
+    assert main(["topology", "cloudmatrix384"]) == 0
+    assert "matrix products run as" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

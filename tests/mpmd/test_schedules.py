@@ -6,7 +6,7 @@ import pytest
 
 from hyperjax.errors import ConfigError
 from hyperjax.mpmd import SCHEDULES, Task, make_schedule, theory_bubble, validate
-from hyperjax.mpmd.schedules import ScheduleError
+from hyperjax.mpmd.schedules import ScheduleError, uniform_bubble
 
 SIZES = [(p, m) for p in range(1, 9) for m in range(1, 17)]
 
@@ -100,3 +100,13 @@ def test_uniform_bubble_is_the_whole_grid_replayed(name, v):
                 sched = make_schedule(name, p, m, v)
                 full = replayed_bubble(sched, task_seconds(sched, 1.0, b, w))
                 assert uniform_bubble(name, p, m, v, 1.0, b, w) == pytest.approx(full, rel=1e-9), (p, m, b, w)
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (3, 6), (4, 8), (8, 16)])
+def test_zero_bubble_theory_at_unequal_costs_matches_the_grid(p, m):
+    for costs in ((1.0, 1.0, 1.0), (1.0, 1.3, 0.7), (18.0, 24.0, 14.6), (1.0, 2.0, 0.5), (1.2, 1.0, 0.9)):
+        grid = uniform_bubble("zero-bubble", p, m, 1, *costs)
+        assert theory_bubble("zero-bubble", p, m, 1, costs) == pytest.approx(grid, abs=1e-9), costs
+    for costs in ((1.0, 0.9, 1.6), (1.0, 2.0, 1.5)):  # W longer than F or B: more idle than ZB-H1's figure
+        assert uniform_bubble("zero-bubble", p, m, 1, *costs) > theory_bubble("zero-bubble", p, m, 1, costs)
+    assert theory_bubble("1f1b", p, m, 1, (1.0, 3.0, 0.0)) == theory_bubble("1f1b", p, m)

@@ -34,6 +34,8 @@ def run(args: argparse.Namespace) -> int:
         f"devices: {hw.devices} x {d.name}; HBM {d.hbm_bytes / 1e9:.0f} GB at {d.hbm_bandwidth / 1e12:.2f} TB/s; "
         "peak " + ", ".join(f"{k} {v / 1e12:.0f} TFLOP/s" for k, v in d.peak_flops.items())
     )
+    for dtype, runs_as in d.matmul_precision.items():
+        out.print(f"{dtype} matrix products run as {runs_as} at XLA's default precision")
     tiers = Table(title="interconnect tiers (innermost first; bandwidth per device, one direction)")
     for col in ("tier", "group size", "GB/s", "efficiency", "effective GB/s", "latency us", "topology"):
         tiers.add_column(col, justify="left" if col in ("tier", "topology") else "right")

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from hyperjax.models.taps import product
+
 Constrain = Callable[[jax.Array, tuple[str | None, ...]], jax.Array]
 
 
@@ -130,9 +132,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, constrain: Constrain) -> jax.Array:
         dt = x.dtype
-        q = jnp.einsum("bsd,dhk->bshk", x, use(self.q_proj, constrain).astype(dt))
-        k = jnp.einsum("bsd,dhk->bshk", x, use(self.k_proj, constrain).astype(dt))
-        v = jnp.einsum("bsd,dhk->bshk", x, use(self.v_proj, constrain).astype(dt))
+        q = product("bsd,dhk->bshk", x, use(self.q_proj, constrain).astype(dt))
+        k = product("bsd,dhk->bshk", x, use(self.k_proj, constrain).astype(dt))
+        v = product("bsd,dhk->bshk", x, use(self.v_proj, constrain).astype(dt))
         if self.bias:
             q, k, v = (
                 q + use(self.q_bias, constrain).astype(dt),
@@ -159,7 +161,7 @@ class Attention(nnx.Module):
         probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(dt), "attn_core")
         out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, h, d)
         out = constrain(checkpoint_name(out, "attn_out"), ("batch", "seq", "act_heads", None))
-        y = jnp.einsum("bshk,hkd->bsd", out, use(self.o_proj, constrain).astype(dt))
+        y = product("bshk,hkd->bsd", out, use(self.o_proj, constrain).astype(dt))
         if self.bias:
             y = y + use(self.o_bias, constrain).astype(dt)
         return y
@@ -180,17 +182,17 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array, constrain: Constrain) -> jax.Array:
         dt = x.dtype
-        h = x @ use(self.w_in, constrain).astype(dt)
+        h = product("...d,df->...f", x, use(self.w_in, constrain).astype(dt))
         if self.bias:
             h = h + use(self.b_in, constrain).astype(dt)
         h = checkpoint_name(h, "mlp_hidden")  # the up-projection's output and the activation's are both kept
-        h = (
-            jax.nn.silu(checkpoint_name(x @ use(self.w_gate, constrain).astype(dt), "mlp_hidden")) * h
-            if self.gated
-            else jax.nn.gelu(h, approximate=True)
-        )
+        if self.gated:
+            gate = product("...d,df->...f", x, use(self.w_gate, constrain).astype(dt))
+            h = jax.nn.silu(checkpoint_name(gate, "mlp_hidden")) * h
+        else:
+            h = jax.nn.gelu(h, approximate=True)
         h = constrain(checkpoint_name(h, "mlp_hidden"), ("batch", "seq", "act_mlp"))
-        y = h @ use(self.w_out, constrain).astype(dt)
+        y = product("...f,fd->...d", h, use(self.w_out, constrain).astype(dt))
         if self.bias:
             y = y + use(self.b_out, constrain).astype(dt)
         return y

@@ -17,6 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 from hyperjax.errors import ConfigError
 from hyperjax.models.config import ModelConfig
 from hyperjax.models.layers import MLP, Attention, Constrain, LayerNorm, RMSNorm, no_constraint, param, use
+from hyperjax.models.taps import product
 from hyperjax.offload.placement import from_recompute
 
 RECOMPUTE = ("none", "selective", "full")
@@ -176,5 +177,6 @@ def logits(m: nnx.Module, head: nnx.Param, x: jax.Array, constrain: Constrain) -
     dt = jnp.dtype(m.dtype)
     x = m.final_norm(x, constrain)
     w = use(head, constrain)
-    out = (x @ (w.T if head.logical_axes[0] == "vocab" else w).astype(dt)).astype(jnp.float32)
+    spec = "...d,vd->...v" if head.logical_axes[0] == "vocab" else "...d,dv->...v"
+    out = product(spec, x, w.astype(dt)).astype(jnp.float32)
     return constrain(out, ("batch", "seq", "act_vocab"))

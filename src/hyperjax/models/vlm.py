@@ -14,6 +14,7 @@ from flax import nnx
 
 from hyperjax.models.config import ModelConfig, VisionConfig
 from hyperjax.models.layers import Constrain, LayerNorm, no_constraint, param, use
+from hyperjax.models.taps import product
 from hyperjax.models.transformer import Block, Transformer, logits
 
 MODULES = ("encoder", "language_model")
@@ -41,11 +42,12 @@ class VisionEncoder(nnx.Module):
     def __call__(self, images: jax.Array, constrain: Constrain = no_constraint) -> jax.Array:
         """Image tokens ``(batch, patches, d_out)`` for float images ``(batch, H, W, C)``."""
         dt = jnp.dtype(self.dtype)
-        x = patchify(images.astype(dt), self.vision.patch) @ use(self.patch_embed, constrain).astype(dt)
+        patches = patchify(images.astype(dt), self.vision.patch)
+        x = product("...p,pd->...d", patches, use(self.patch_embed, constrain).astype(dt))
         x = constrain(x + use(self.pos_embed, constrain).astype(dt), ("batch", "res_seq", "act_embed"))
         for block in self.blocks:
             x = Transformer.run_block(self, block, x, constrain)  # type: ignore[arg-type]
-        x = self.final_norm(x, constrain) @ use(self.project, constrain).astype(dt)
+        x = product("...e,ed->...d", self.final_norm(x, constrain), use(self.project, constrain).astype(dt))
         return constrain(x, ("batch", "res_seq", "act_embed"))
 
 

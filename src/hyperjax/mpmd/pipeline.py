@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from hyperjax.errors import ConfigError
 from hyperjax.models.config import ModelConfig
 from hyperjax.models.layers import Constrain
+from hyperjax.models.taps import output_shapes, split, weights_only
 from hyperjax.models.transformer import Transformer, embed_tokens, logits
 from hyperjax.mpmd.schedules import Schedule, Task
 from hyperjax.shard import Strategy, place
@@ -245,6 +246,7 @@ class PipelineRunner:
             self.chunks.append(
                 {
                     "graphdef": graphdef,
+                    "recompute": getattr(part, "recompute", "none"),  # rematerialised blocks cannot be tapped
                     "mesh": mesh,
                     "mine": jax.process_index() in owners,  # this process holds some of its devices
                     "lead": jax.process_index() == min(owners),  # ... and is the one that reports for it
@@ -309,7 +311,9 @@ class PipelineRunner:
     def _build_programs(self) -> None:
         m = self.sched.microbatches
         for c, ch in enumerate(self.chunks):
-            ch.update(_programs(ch["graphdef"], ch["constrain"], first=c == 0, last=c == len(self.chunks) - 1, m=m))
+            taps = self.sched.split_backward and ch["recompute"] == "none"
+            last = c == len(self.chunks) - 1
+            ch.update(_programs(ch["graphdef"], ch["constrain"], first=c == 0, last=last, m=m, taps=taps))
             ch["zeros"] = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=ch["param_sh"])
             ch["sumsq"] = jax.jit(lambda g: optax.tree.norm(g, squared=True))
 
@@ -460,11 +464,19 @@ class PipelineRunner:
             self._send_back(j, c, dx, dys)
             self._forget(j, c, xs, dys)
             return grads[c]
+        if task.kind == "B" and ch["taps"]:  # the input and product-output gradients; W reads the latter
+            grads[c], dx, xs[("douts", j, c)] = ch["inputs"](pullback, dy, grads[c])
+            self._send_back(j, c, dx, dys)
+            return xs[("douts", j, c)]
         if task.kind == "B":  # the input gradient only; the weight gradient waits for W
             if c == 0:
                 return pullback  # nothing flows into the batch
             return self._send_back(j, c, ch["inputs"](pullback, dy), dys)
-        grads[c] = ch["weights"](pullback, dy, grads[c])
+        if ch["taps"]:
+            douts = xs.pop(("douts", j, c))
+            grads[c] = ch["weights"](params[c], pullback, douts, feeds[(j, c)], grads[c])
+        else:
+            grads[c] = ch["weights"](pullback, dy, grads[c])
         self._forget(j, c, xs, dys)
         return grads[c]
 
@@ -479,13 +491,20 @@ class PipelineRunner:
         dys.pop((j, c), None)
 
 
-def _programs(graphdef: Any, constrain: Constrain, *, first: bool, last: bool, m: int) -> dict[str, Any]:
+def _programs(graphdef: Any, constrain: Constrain, *, first: bool, last: bool, m: int, taps: bool) -> dict[str, Any]:
     """The jitted programs of one chunk.
 
     The forward returns the chunk's output and its pullback: a ``jax.tree_util.Partial`` whose leaves are
     the residuals the backward needs, kept on the stage's devices between the two tasks (no recompute).
     The last chunk's output is its micro-batch's loss divided by ``m`` (so the losses sum to the step's
     mean), and its backward is seeded by that loss; other chunks take their output's gradient.
+
+    With ``taps`` (a split backward over blocks that are not rematerialised), the forward runs under
+    :func:`hyperjax.models.taps.split` and also keeps every weight product's input and the chunk's input.
+    ``inputs`` (``B``) then returns the input gradient, each product's output gradient, and the gradients
+    of the parameters used outside products. ``weights`` (``W``) is the weight GEMMs alone
+    (:func:`hyperjax.models.taps.weights_only`). Without ``taps``, both halves read the plain pullback:
+    ``B`` drops the weight half and ``W`` the input half, so ``W`` re-runs the activation-gradient chain.
     """
 
     def apply(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> jax.Array:
@@ -502,8 +521,11 @@ def _programs(graphdef: Any, constrain: Constrain, *, first: bool, last: bool, m
             return jax.vjp(lambda p: f(p, x, fed), params)
         return jax.vjp(lambda p, h: f(p, h, fed), params, x)
 
+    def seed(dy: jax.Array | None) -> jax.Array:
+        return jnp.ones((), jnp.float32) if dy is None else dy
+
     def pull(pullback: Any, dy: jax.Array | None) -> tuple[Any, Any]:
-        grads = pullback(jnp.ones((), jnp.float32) if dy is None else dy)
+        grads = pullback(seed(dy))
         return grads[0], (None if first else grads[1])
 
     def backward(pullback: Any, dy: Any, acc: Any) -> tuple[Any, Any]:
@@ -516,11 +538,49 @@ def _programs(graphdef: Any, constrain: Constrain, *, first: bool, last: bool, m
     def inputs(pullback: Any, dy: Any) -> Any:
         return pull(pullback, dy)[1]  # and here the unused weight half
 
+    def forward_split(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
+        offsets = [jnp.zeros(a.shape, a.dtype) for a in output_shapes(lambda p, h: f(p, h, fed), params, x)]
+
+        def tapped(p: Any, h: jax.Array, o: list[jax.Array]) -> tuple[jax.Array, list[jax.Array]]:
+            with split(o) as state:
+                out = f(p, h, fed)
+            return out, state.inputs
+
+        if first:
+            y, pullback, kept = jax.vjp(lambda p, o: tapped(p, x, o), params, offsets, has_aux=True)
+        else:
+            y, pullback, kept = jax.vjp(tapped, params, x, offsets, has_aux=True)
+        return y, (pullback, kept, x)
+
+    def inputs_split(residuals: Any, dy: Any, acc: Any) -> tuple[Any, Any, Any]:
+        grads = residuals[0](seed(dy))
+        dparams, dx, douts = (grads[0], None, grads[1]) if first else grads
+        return jax.tree.map(jnp.add, acc, dparams), dx, douts
+
+    def weights_split(params: Any, residuals: Any, douts: Any, fed: dict[str, jax.Array], acc: Any) -> Any:
+        _, kept, x = residuals
+
+        def products(p: Any) -> list[jax.Array]:
+            with weights_only(kept) as state:
+                f(p, x, fed)  # only the products feed the outputs; XLA drops the rest
+            return state.outputs
+
+        (dparams,) = jax.vjp(products, params)[1](douts)
+        return jax.tree.map(jnp.add, acc, dparams)
+
+    if taps:
+        return {
+            "forward": jax.jit(forward_split),
+            "inputs": jax.jit(inputs_split, donate_argnums=2),
+            "weights": jax.jit(weights_split, donate_argnums=4),
+            "taps": True,
+        }
     return {
         "forward": jax.jit(forward),
         "backward": jax.jit(backward, donate_argnums=2),
         "weights": jax.jit(weights, donate_argnums=2),
         "inputs": jax.jit(inputs),
+        "taps": False,
     }
 
 

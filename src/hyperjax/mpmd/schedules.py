@@ -115,18 +115,25 @@ class Schedule:
         )
 
 
-def theory_bubble(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+def theory_bubble(
+    name: str, stages: int, microbatches: int, virtual_stages: int = 1, costs: tuple[float, float, float] | None = None
+) -> float:
     """The textbook bubble fraction of a uniform pipeline under ``name``.
 
     GPipe and 1F1B: ``(p-1)/(m+p-1)``; interleaved 1F1B: ``(p-1)/(v*m+p-1)`` (the bubble shrinks by v);
-    zero-bubble ZB-H1 with forward, input-gradient and weight-gradient parts of equal cost:
-    ``(p-1)/(3m+p-1)`` (a third of 1F1B's bubble).
+    these do not depend on the forward/backward ratio. Zero-bubble ZB-H1 idles ``(p-1)(F + B - W)`` per
+    stage (Qi et al., 2024) against ``m (F + B + W)`` of work, for the forward, input-gradient and
+    weight-gradient costs ``costs = (F, B, W)``; with the three equal (the default) that is
+    ``(p-1)/(3m+p-1)``, a third of 1F1B's bubble. The ZB-H1 figure holds while ``W <= min(F, B)``;
+    a longer W no longer fits the gaps it fills, and the grid idles more than this.
     """
     p, m, v = stages, microbatches, virtual_stages
     if name == "interleaved":
         return (p - 1) / (v * m + p - 1)
     if name == "zero-bubble":
-        return (p - 1) / (3 * m + p - 1)
+        f, b, w = costs or (1.0, 1.0, 1.0)
+        idle = (p - 1) * max(f + b - w, 0.0)
+        return idle / (m * (f + b + w) + idle)
     return (p - 1) / (m + p - 1)
 
 
