@@ -9,8 +9,9 @@ gives a larger stage more layers.
 Per chunk there are four programs: the forward, which also returns the chunk's pullback (its residuals
 as arrays, kept on the stage until the backward task), the backward (input and weight gradients
 together) and, for a split-backward schedule, the input-gradient (``B``) and weight-gradient (``W``)
-halves, each reading the same residuals. Nothing is recomputed unless the model's own
-``train.recompute`` says so. The runtime walks the schedule's grid in time order and dispatches each task;
+halves. ``B`` also yields every weight product's output gradient, and ``W`` is then the weight GEMMs
+alone (:mod:`hyperjax.models.taps`). Nothing is recomputed unless the model's own ``train.recompute``
+says so. The runtime walks the schedule's grid in time order and dispatches each task;
 dispatch is asynchronous, so stages run concurrently, waiting only on the arrays they consume.
 Activations and their gradients move between submeshes with ``jax.device_put`` to the receiver's
 sharding, or, when the submeshes lie in different emulated processes, through the distributed
