@@ -85,6 +85,22 @@ CASES: dict[str, list[str]] = {  # name: config overrides (one device, hardware 
         "train.recompute=selective",
     ],
     "llama-8b-8l s2048 b2 bf16": [*LLAMA_8B_8L, "model.seq_len=2048", "train.global_batch=2"],
+    # added after the model's two fixes (README), as out-of-sample checks
+    "gpt2-small s2048 b8 bf16 full": [
+        *GPT2_SMALL,
+        "model.vocab=50304",
+        "model.seq_len=2048",
+        "train.global_batch=8",
+        "train.recompute=full",
+    ],
+    "gpt2-medium s512 b32 bf16": [*GPT2_MEDIUM, "model.vocab=50304", "model.seq_len=512", "train.global_batch=32"],
+    "llama-1b s1024 b8 fp32": [*LLAMA_1B, "model.seq_len=1024", "train.global_batch=8", "train.dtype=float32"],
+    "llama-8b-8l s4096 b1 bf16 selective": [
+        *LLAMA_8B_8L,
+        "model.seq_len=4096",
+        "train.global_batch=1",
+        "train.recompute=selective",
+    ],
 }
 COMMON = [f"hardware={PRESET}", "emulate.devices=1", "train.data=synthetic", "train.dtype=bfloat16", "train.steps=100"]
 
@@ -192,15 +208,28 @@ def compare(measured_path: Path, out: Path) -> dict:
     measured = json.loads(measured_path.read_text())
     hw = load_hardware(PRESET)
     table = Table(title=f"One training step on one {measured['device']}: measured vs {PRESET} preset")
-    for col in ("case", "params", "measured ms", "predicted ms", "error", "TFLOP/s", "mem meas GiB", "mem pred GiB"):
+    cols = ("case", "params", "measured ms", "predicted ms", "error", "TFLOP/s", "mem meas GiB", "mem pred GiB")
+    for col in (*cols, "fits"):
         table.add_column(col, justify="left" if col == "case" else "right")
-    rows = []
+    rows, failed = [], []
     for case in measured["cases"]:
-        if "error" in case:
-            table.add_row(case["name"], "", "failed", "", "", "", "", "")
-            continue
         cfg = load_config(None, case["overrides"])
         est = estimate(cfg, hw)
+        if "error" in case:  # it did not run (out of device memory): the prediction should say so
+            failed.append(
+                {
+                    "name": case["name"],
+                    "measured": case["error"].split(":")[0] + ": " + case["error"].split(":")[1].strip(),
+                    "predicted_memory_gib": est.memory_per_device_gib["peak"],
+                    "predicted_fits": est.fits,
+                }
+            )
+            mem = f"{est.memory_per_device_gib['peak']:.2f}"
+            fits = "no" if not est.fits else "yes"
+            table.add_row(
+                case["name"], f"{est.details['params'] / 1e6:,.0f}M", "out of memory", "", "", "", "", mem, fits
+            )
+            continue
         flops = model_flops_per_step(cfg)
         error = est.step_time_s / case["step_s"] - 1
         mem_pred = est.memory_per_device_gib["peak"]
@@ -217,6 +246,7 @@ def compare(measured_path: Path, out: Path) -> dict:
                 "predicted_breakdown_s": est.breakdown_s,
                 "measured_memory_gib": mem_meas,
                 "predicted_memory_gib": mem_pred,
+                "predicted_fits": est.fits,
             }
         )
         table.add_row(
@@ -228,6 +258,7 @@ def compare(measured_path: Path, out: Path) -> dict:
             f"{flops / case['step_s'] / 1e12:.0f}",
             "" if mem_meas is None else f"{mem_meas:.2f}",
             f"{mem_pred:.2f}",
+            "yes" if est.fits else "no",
         )
     errors = [abs(r["error"]) for r in rows]
     memory = [r["predicted_memory_gib"] / r["measured_memory_gib"] - 1 for r in rows if r["measured_memory_gib"]]
@@ -241,6 +272,9 @@ def compare(measured_path: Path, out: Path) -> dict:
         "median_abs_error": statistics.median(errors) if errors else None,
         "max_abs_error": max(errors) if errors else None,
         "memory_error_range": [min(memory), max(memory)] if memory else None,
+        "did_not_run": failed,
+        "fits_right": sum(r["predicted_fits"] for r in rows) + sum(not f["predicted_fits"] for f in failed),
+        "fits_cases": len(rows) + len(failed),
     }
     console = Console(width=150)
     console.print(table)
@@ -254,6 +288,7 @@ def compare(measured_path: Path, out: Path) -> dict:
             f"memory: predicted peak {min(memory):+.0%} to {max(memory):+.0%} of the compiled program's "
             "(arguments + outputs + temporaries)"
         )
+    console.print(f"fits: predicted right for {summary['fits_right']} of {summary['fits_cases']} cases")
     write_json(out, summary)
     return summary
 

@@ -2,9 +2,9 @@
 
 For each schedule and size, the quickstart model's layer shape (16 layers here, so that each of four
 stages holds four layers, or two chunks of two, and the head weighs little beside them) trains
-pipelined on 8 emulated devices. Seven steps are run with every task timed on its own (each waited
+pipelined on 8 emulated devices. Nine steps are run with every task timed on its own (each waited
 for, the Python collector paused), which gives each task's measured duration (its fastest over the
-seven: noise on a shared 2-core host only ever adds); the step's timeline is then rebuilt from those
+nine: noise on a shared 2-core host only ever adds); the step's timeline is then rebuilt from those
 durations and the grid the runtime executed (each task starts when its stage is free and its inputs
 have arrived). The bubble fraction of that timeline is compared with theory:
 
@@ -56,7 +56,7 @@ from hyperjax.train.data import Batches  # noqa: E402
 from hyperjax.train.step import make_optimizer  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-REPEATS = 7
+REPEATS = 9
 LAYERS = 16
 CONFIG = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
 CASES = [

@@ -30,6 +30,9 @@ def test_predicts_the_measured_h100_steps():
     errors = {}
     for case in measured["cases"]:
         est = estimate(load_config(None, case["overrides"]), H100)
+        if "error" in case:  # ran out of device memory on the GPU
+            assert "RESOURCE_EXHAUSTED" in case["error"] and not est.fits, case["name"]
+            continue
         errors[case["name"]] = est.step_time_s / case["step_s"] - 1
     assert len(errors) >= 8
     assert max(abs(e) for e in errors.values()) <= 0.25, errors

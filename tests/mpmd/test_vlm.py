@@ -30,8 +30,9 @@ def spmd() -> list[float]:
         [],  # the shipped split: encoder on 2 devices (data), language model on 6 (data=3 x tensor=2)
         ["parallel.schedule=gpipe", "train.microbatches=2"],
         ["parallel.schedule=zero-bubble"],
+        ["parallel.schedule=zero-bubble", "train.recompute=full"],  # remat'd blocks: the plain split
     ],
-    ids=["1f1b", "gpipe", "zero-bubble"],
+    ids=["1f1b", "gpipe", "zero-bubble", "zero-bubble-recompute"],
 )
 def test_mpmd_matches_spmd(spmd, sets):
     plan = plan_run(load_config(VLM, [*STEPS, *sets]))

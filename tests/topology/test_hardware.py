@@ -175,5 +175,11 @@ def test_matmul_precision_maps_float32_products():
 def test_matmul_precision_names_a_listed_dtype():
     raw = _raw("dgx-h100")
     raw["device"]["matmul_precision"] = {"float32": "tf16"}
-    with pytest.raises(PresetError, match=r"device.matmul_precision.float32='tf16'.*no peak_flops entry"):
+    with pytest.raises(PresetError, match=r"device.matmul_precision.float32: 'tf16' names a dtype with no peak_flops"):
+        hardware_from_dict(raw)
+    raw["device"]["matmul_precision"] = {"fp32": "tf32"}
+    with pytest.raises(PresetError, match=r"device.matmul_precision: 'fp32' names a dtype with no peak_flops"):
+        hardware_from_dict(raw)
+    raw["device"]["matmul_precision"] = "tf32"
+    with pytest.raises(PresetError, match=r"must be a mapping from a compute dtype"):
         hardware_from_dict(raw)

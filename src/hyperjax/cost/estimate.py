@@ -39,7 +39,8 @@ class Estimate:
       step_time_s: seconds per optimizer step.
       devices: devices in the job.
       model_flops_per_step: FLOPs of forward and backward over the global batch, recomputation excluded.
-      mfu: model FLOPs utilisation, ``model_flops_per_step / (step_time_s * devices * peak)``.
+      mfu: model FLOPs utilisation, ``model_flops_per_step / (step_time_s * devices * peak)``, the peak
+        the compute dtype's products run at (:meth:`Hardware.matmul_flops`: TF32's for float32 on A100/H100).
       memory_per_device_gib: ``params``, ``optimizer``, ``gradients``, ``activations`` and ``peak``.
       fits: whether ``peak`` fits the device memory.
       overflow: when it does not fit, the largest memory term.

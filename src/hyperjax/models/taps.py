@@ -22,6 +22,7 @@ does not see keeps its ordinary gradient in ``B``, so the split stays exact eith
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Iterator
 from typing import Any
@@ -43,47 +44,69 @@ class _Weights:
     outputs: list[jax.Array] = dataclasses.field(default_factory=list)
 
 
-_ACTIVE: list[_Split | _Weights] = []
+_ACTIVE: contextvars.ContextVar[tuple[_Split | _Weights, ...]] = contextvars.ContextVar("taps", default=())
 
 
 def product(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """``jnp.einsum(spec, x, w)`` for activation ``x`` and weight ``w``, split-backward aware."""
-    if not _ACTIVE:
+    active = _ACTIVE.get()
+    if not active:
         return jnp.einsum(spec, x, w)
-    state = _ACTIVE[-1]
+    state = active[-1]
     if isinstance(state, _Weights):
-        y = jnp.einsum(spec, state.inputs[len(state.outputs)], w)
+        i = len(state.outputs)
+        if i >= len(state.inputs) or state.inputs[i].shape != x.shape:
+            raise RuntimeError(f"weight product {i} does not match the recorded forward ({spec}, input {x.shape})")
+        y = jnp.einsum(spec, state.inputs[i], w)
         state.outputs.append(y)
         return y
     if state.offsets is None:
         y = jnp.einsum(spec, x, w)
         state.shapes.append(jax.ShapeDtypeStruct(y.shape, y.dtype))
         return y
-    offset = state.offsets[len(state.inputs)]
+    i = len(state.inputs)
+    y = jnp.einsum(spec, x, jax.lax.stop_gradient(w))
+    if i >= len(state.offsets) or state.offsets[i].shape != y.shape:
+        raise RuntimeError(f"weight product {i} does not match the traced shapes ({spec}, output {y.shape})")
     state.inputs.append(x)
-    return jnp.einsum(spec, x, jax.lax.stop_gradient(w)) + offset
+    return y + state.offsets[i]
+
+
+@contextlib.contextmanager
+def _entered(state: _Split | _Weights) -> Iterator[None]:
+    token = _ACTIVE.set((*_ACTIVE.get(), state))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
 
 
 @contextlib.contextmanager
 def split(offsets: list[jax.Array] | None) -> Iterator[_Split]:
-    """Products inside add ``offsets`` (in call order) and record their inputs; ``None``: record shapes."""
+    """Products inside add ``offsets`` (in call order) and record their inputs; ``None``: record shapes.
+
+    Raises:
+      RuntimeError: the products inside did not use every offset (the model's code path changed).
+    """
     state = _Split(offsets)
-    _ACTIVE.append(state)
-    try:
+    with _entered(state):
         yield state
-    finally:
-        _ACTIVE.pop()
+    if offsets is not None and len(state.inputs) != len(offsets):
+        raise RuntimeError(f"{len(offsets)} weight products were traced but {len(state.inputs)} ran")
 
 
 @contextlib.contextmanager
 def weights_only(inputs: list[jax.Array]) -> Iterator[_Weights]:
-    """Products inside are recomputed from ``inputs`` (in call order) and collected as ``outputs``."""
+    """Products inside are recomputed from ``inputs`` (in call order) and collected as ``outputs``.
+
+    Raises:
+      RuntimeError: the products inside did not use every recorded input.
+    """
     state = _Weights(list(inputs))
-    _ACTIVE.append(state)
-    try:
+    with _entered(state):
         yield state
-    finally:
-        _ACTIVE.pop()
+    if len(state.outputs) != len(state.inputs):
+        raise RuntimeError(f"{len(state.inputs)} weight products were recorded but {len(state.outputs)} ran")
 
 
 def output_shapes(fn: Any, *args: Any) -> list[jax.ShapeDtypeStruct]:

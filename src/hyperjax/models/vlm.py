@@ -82,6 +82,7 @@ class LanguageChunk(nnx.Module):
 
     def __init__(self, lm: Transformer) -> None:
         self.lm = lm
+        self.recompute = lm.recompute  # whether its blocks are rematerialised (a split backward asks)
 
     def __call__(self, prefix: jax.Array, constrain: Constrain, *, inputs: jax.Array) -> jax.Array:
         return decode(self.lm, prefix, inputs, constrain)

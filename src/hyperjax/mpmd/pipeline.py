@@ -6,12 +6,12 @@ SPMD strategy (data, fsdp, tensor, ... over the stage's devices), so stages may 
 are balanced over the chunks by predicted compute time per device (:func:`balance_layers`), which
 gives a larger stage more layers.
 
-Per chunk there are four programs: the forward, which also returns the chunk's pullback (its residuals
-as arrays, kept on the stage until the backward task), the backward (input and weight gradients
-together) and, for a split-backward schedule, the input-gradient (``B``) and weight-gradient (``W``)
-halves. ``B`` also yields every weight product's output gradient, and ``W`` is then the weight GEMMs
-alone (:mod:`hyperjax.models.taps`). Nothing is recomputed unless the model's own ``train.recompute``
-says so. The runtime walks the schedule's grid in time order and dispatches each task;
+Per chunk there are these programs: the forward, which also returns the chunk's pullback (its
+residuals as arrays, kept on the stage until the backward task), and the backward (input and weight
+gradients together); for a split-backward schedule, the input-gradient (``B``) and weight-gradient
+(``W``) halves instead. ``B`` also yields every weight product's output gradient, and ``W`` is then the
+weight GEMMs alone (:mod:`hyperjax.models.taps`). Nothing is recomputed unless the model's own
+``train.recompute`` says so. The runtime walks the schedule's grid in time order and dispatches each task;
 dispatch is asynchronous, so stages run concurrently, waiting only on the arrays they consume.
 Activations and their gradients move between submeshes with ``jax.device_put`` to the receiver's
 sharding, or, when the submeshes lie in different emulated processes, through the distributed
@@ -247,7 +247,7 @@ class PipelineRunner:
             self.chunks.append(
                 {
                     "graphdef": graphdef,
-                    "recompute": getattr(part, "recompute", "none"),  # rematerialised blocks cannot be tapped
+                    "recompute": getattr(part, "recompute", None),  # rematerialised blocks cannot be tapped
                     "mesh": mesh,
                     "mine": jax.process_index() in owners,  # this process holds some of its devices
                     "lead": jax.process_index() == min(owners),  # ... and is the one that reports for it
@@ -312,7 +312,7 @@ class PipelineRunner:
     def _build_programs(self) -> None:
         m = self.sched.microbatches
         for c, ch in enumerate(self.chunks):
-            taps = self.sched.split_backward and ch["recompute"] == "none"
+            taps = self.sched.split_backward and ch["recompute"] == "none"  # unknown (None): the plain split
             last = c == len(self.chunks) - 1
             ch.update(_programs(ch["graphdef"], ch["constrain"], first=c == 0, last=last, m=m, taps=taps))
             ch["zeros"] = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=ch["param_sh"])
@@ -344,7 +344,9 @@ class PipelineRunner:
         if self.shapes is None:
             self.shapes = self._activation_shapes(batch, rows)
         grads = [ch["zeros"](p) if ch["mine"] else None for ch, p in zip(chunks, params, strict=True)]
-        xs: dict[tuple, Any] = {}  # ("in", microbatch, chunk) -> the chunk's input; (microbatch, chunk) -> pullback
+        # ("in", microbatch, chunk) -> the chunk's input; (microbatch, chunk) -> its pullback (with taps, also
+        # the products' inputs and the chunk's input); ("douts", microbatch, chunk) -> B's product gradients
+        xs: dict[tuple, Any] = {}
         dys: dict[tuple[int, int], Any] = {}  # (microbatch, chunk) -> gradient of the chunk's output
         feeds: dict[tuple[int, int], dict[str, jax.Array]] = {}  # (microbatch, chunk) -> its batch entries
         losses: list[jax.Array] = []
@@ -447,7 +449,10 @@ class PipelineRunner:
         if task.kind == "F":
             y = None
             if ch["mine"]:
-                y, xs[(j, c)] = ch["forward"](params[c], xs.pop(("in", j, c)), feeds[(j, c)])  # keep the pullback
+                x = xs.pop(("in", j, c))
+                y, xs[(j, c)] = ch["forward"](params[c], x, feeds[(j, c)])  # keep the pullback
+                if ch["taps"]:  # and, for W, the products' inputs and the chunk's
+                    xs[(j, c)] = (*xs[(j, c)], x)
             if last:
                 if y is not None:
                     losses.append(y)
@@ -459,6 +464,11 @@ class PipelineRunner:
                 self._send_back(j, c, None, dys)
             return None
         pullback = xs[(j, c)]
+        if task.kind == "W" and ch["taps"]:  # the weight GEMMs, from what F recorded and B computed
+            _, kept, x = pullback
+            grads[c] = ch["weights"](params[c], kept, x, xs.pop(("douts", j, c)), feeds[(j, c)], grads[c])
+            self._forget(j, c, xs, dys)
+            return grads[c]
         dy = None if last else dys[(j, c)]  # the last chunk's backward is seeded by its loss
         if task.kind == "B" and not self.sched.split_backward:  # both gradients at once
             grads[c], dx = ch["backward"](pullback, dy, grads[c])
@@ -466,18 +476,17 @@ class PipelineRunner:
             self._forget(j, c, xs, dys)
             return grads[c]
         if task.kind == "B" and ch["taps"]:  # the input and product-output gradients; W reads the latter
+            pullback, kept, x = pullback
             grads[c], dx, xs[("douts", j, c)] = ch["inputs"](pullback, dy, grads[c])
+            xs[(j, c)] = (None, kept, x)  # the pullback's residuals are spent
+            dys.pop((j, c), None)
             self._send_back(j, c, dx, dys)
             return xs[("douts", j, c)]
         if task.kind == "B":  # the input gradient only; the weight gradient waits for W
             if c == 0:
                 return pullback  # nothing flows into the batch
             return self._send_back(j, c, ch["inputs"](pullback, dy), dys)
-        if ch["taps"]:
-            douts = xs.pop(("douts", j, c))
-            grads[c] = ch["weights"](params[c], pullback, douts, feeds[(j, c)], grads[c])
-        else:
-            grads[c] = ch["weights"](pullback, dy, grads[c])
+        grads[c] = ch["weights"](pullback, dy, grads[c])
         self._forget(j, c, xs, dys)
         return grads[c]
 
@@ -551,16 +560,14 @@ def _programs(graphdef: Any, constrain: Constrain, *, first: bool, last: bool, m
             y, pullback, kept = jax.vjp(lambda p, o: tapped(p, x, o), params, offsets, has_aux=True)
         else:
             y, pullback, kept = jax.vjp(tapped, params, x, offsets, has_aux=True)
-        return y, (pullback, kept, x)
+        return y, (pullback, kept)
 
-    def inputs_split(residuals: Any, dy: Any, acc: Any) -> tuple[Any, Any, Any]:
-        grads = residuals[0](seed(dy))
+    def inputs_split(pullback: Any, dy: Any, acc: Any) -> tuple[Any, Any, Any]:
+        grads = pullback(seed(dy))
         dparams, dx, douts = (grads[0], None, grads[1]) if first else grads
         return jax.tree.map(jnp.add, acc, dparams), dx, douts
 
-    def weights_split(params: Any, residuals: Any, douts: Any, fed: dict[str, jax.Array], acc: Any) -> Any:
-        _, kept, x = residuals
-
+    def weights_split(params: Any, kept: Any, x: jax.Array, douts: Any, fed: dict[str, jax.Array], acc: Any) -> Any:
         def products(p: Any) -> list[jax.Array]:
             with weights_only(kept) as state:
                 f(p, x, fed)  # only the products feed the outputs; XLA drops the rest
@@ -573,7 +580,7 @@ def _programs(graphdef: Any, constrain: Constrain, *, first: bool, last: bool, m
         return {
             "forward": jax.jit(forward_split),
             "inputs": jax.jit(inputs_split, donate_argnums=2),
-            "weights": jax.jit(weights_split, donate_argnums=4),
+            "weights": jax.jit(weights_split, donate_argnums=5),
             "taps": True,
         }
     return {

@@ -64,12 +64,18 @@ class DeviceSpec:
                 raise PresetError(f"device.{key}={getattr(self, key)} must be in (0, 1]")
         if self.kernel_overhead < 0:
             raise PresetError(f"device.kernel_overhead={self.kernel_overhead} must be >= 0 seconds")
+        if not isinstance(self.matmul_precision, Mapping):
+            raise PresetError(
+                f"device.matmul_precision={self.matmul_precision!r} must be a mapping from a compute dtype to the "
+                "dtype its products run as, e.g. {float32: tf32}"
+            )
         for dtype, runs_as in self.matmul_precision.items():
-            if runs_as not in self.peak_flops:
-                raise PresetError(
-                    f"device.matmul_precision.{dtype}={runs_as!r} names a dtype with no peak_flops entry; it "
-                    f"lists {sorted(self.peak_flops)}. Add that dtype's FLOP/s or correct the name."
-                )
+            for key, value in ((f"device.matmul_precision.{dtype}", runs_as), ("device.matmul_precision", dtype)):
+                if value not in self.peak_flops:
+                    raise PresetError(
+                        f"{key}: {value!r} names a dtype with no peak_flops entry; it lists "
+                        f"{sorted(self.peak_flops)}. Add that dtype's FLOP/s or correct the name."
+                    )
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
         object.__setattr__(self, "matmul_precision", MappingProxyType(dict(self.matmul_precision)))
 
