@@ -510,7 +510,8 @@ def _programs(graphdef: Any, constrain: Constrain, *, first: bool, last: bool, m
     mean), and its backward is seeded by that loss; other chunks take their output's gradient.
 
     With ``taps`` (a split backward over blocks that are not rematerialised), the forward runs under
-    :func:`hyperjax.models.taps.split` and also keeps every weight product's input and the chunk's input.
+    :func:`hyperjax.models.taps.split` and also returns every weight product's input (``W`` takes the
+    chunk's input from the runtime, which keeps it).
     ``inputs`` (``B``) then returns the input gradient, each product's output gradient, and the gradients
     of the parameters used outside products. ``weights`` (``W``) is the weight GEMMs alone
     (:func:`hyperjax.models.taps.weights_only`). Without ``taps``, both halves read the plain pullback:
