@@ -35,9 +35,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from hyperjax.train import load_config, plan_run  # noqa: E402
-from hyperjax.train.data import Batches  # noqa: E402
-from hyperjax.train.step import build_train_step, init_state, make_optimizer  # noqa: E402
+from hyperjax.train import Batches, build_train_step, init_state, make_optimizer, prepare  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
 RESULTS = Path(__file__).parent / "results"
@@ -157,17 +155,15 @@ def plain_program(cfg, mesh, optimizer):
     return run
 
 
-def hyperjax_program(plan):
+def hyperjax_program(run):
     from flax import nnx
 
-    from hyperjax.models import build_model
-
-    t = plan.config.train
-    mesh = hyperjax.make_mesh(plan.hardware, plan.axes)
-    graphdef, state = nnx.split(build_model(plan.config.model, seed=t.seed))
+    t = run.config.train
+    mesh = hyperjax.make_mesh(run.hardware, run.axes)
+    graphdef, state = nnx.split(hyperjax.build_model(run.config.model, seed=t.seed))
     optimizer = make_optimizer(t)
     step = build_train_step(
-        graphdef=graphdef, param_state=state, strategy=plan.strategy, mesh=mesh, optimizer=optimizer
+        graphdef=graphdef, param_state=state, strategy=prepare(run).strategy, mesh=mesh, optimizer=optimizer
     )
     holder = [init_state(state, optimizer, step)]
 
@@ -238,9 +234,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "emulation.json")
     args = parser.parse_args()
 
-    cfg = load_config(ROOT / "configs/quickstart.yaml", ["parallel.tensor=2"])
-    plan = plan_run(cfg)
-    hj_run, sharding, mesh = hyperjax_program(plan)
+    cfg = hyperjax.load_config(ROOT / "configs/quickstart.yaml", ["parallel.tensor=2"])
+    run = hyperjax.resolve(cfg)
+    hj_run, sharding, mesh = hyperjax_program(run)
     plain_run = plain_program(cfg, mesh, make_optimizer(cfg.train))
     data = Batches(
         source="text", global_batch=cfg.train.global_batch, seq_len=cfg.model.seq_len, vocab=cfg.model.vocab, seed=0
@@ -258,7 +254,7 @@ def main() -> None:
     overhead = hj_s / plain_s - 1
     result = {
         "devices": 8,
-        "mesh": plan.axes,
+        "mesh": run.axes,
         "model": vars(cfg.model),
         "steps_each": len(hj),
         "hyperjax_step_s": hj_s,

@@ -107,9 +107,9 @@ COMMON = [f"hardware={PRESET}", "emulate.devices=1", "train.data=synthetic", "tr
 
 def config(name: str):
     """The run config of case ``name`` (``COMMON`` first, so a case's own overrides win)."""
-    from hyperjax.train import load_config
+    import hyperjax
 
-    return load_config(None, [*COMMON, *CASES[name]])
+    return hyperjax.load_config(None, [*COMMON, *CASES[name]])
 
 
 def measure_case(name: str, *, repeats: int, iters: int) -> dict:
@@ -117,24 +117,23 @@ def measure_case(name: str, *, repeats: int, iters: int) -> dict:
     import jax
     from flax import nnx
 
-    from hyperjax.models import build_model
-    from hyperjax.topology import make_mesh
-    from hyperjax.train.loop import _data
-    from hyperjax.train.plan import plan_run
-    from hyperjax.train.step import build_train_step, init_state, make_optimizer
+    import hyperjax
+    from hyperjax.train import Batches, build_train_step, compiled_bytes, init_state, make_optimizer, prepare
 
     cfg = config(name)
-    plan = plan_run(cfg, devices=1)
+    run = hyperjax.resolve(cfg, 1)
     t = cfg.train
-    model = build_model(cfg.model, dtype=t.dtype, recompute=t.recompute, seed=t.seed)
+    model = hyperjax.build_model(cfg.model, dtype=t.dtype, recompute=t.recompute, seed=t.seed)
     graphdef, params = nnx.split(model)
     optimizer = make_optimizer(t)
-    mesh = make_mesh(plan.hardware, plan.axes, devices=jax.devices()[:1])
+    mesh = hyperjax.make_mesh(run.hardware, run.axes, devices=jax.devices()[:1])
     step = build_train_step(
-        graphdef=graphdef, param_state=params, strategy=plan.strategy, mesh=mesh, optimizer=optimizer
+        graphdef=graphdef, param_state=params, strategy=prepare(run).strategy, mesh=mesh, optimizer=optimizer
     )
     state = init_state(params, optimizer, step)
-    batch = _data(cfg).global_batch_arrays(0, step.batch_shardings)
+    m = cfg.model
+    data = Batches(source=t.data, global_batch=t.global_batch, seq_len=m.seq_len, vocab=m.vocab, seed=t.seed)
+    batch = data.global_batch_arrays(0, step.batch_shardings)
     start = time.perf_counter()
     compiled = step.fn.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
@@ -160,9 +159,7 @@ def measure_case(name: str, *, repeats: int, iters: int) -> dict:
         "compile_s": compile_s,
         "loss": float(metrics["loss"]),
         "xla_flops": float(cost.get("flops", 0.0)) if cost else None,
-        "memory_bytes": None
-        if mem is None
-        else mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes,
+        "memory_bytes": compiled_bytes(compiled) or None,
         "temp_bytes": None if mem is None else mem.temp_size_in_bytes,
     }
 
@@ -199,22 +196,18 @@ def compare(measured_path: Path, out: Path) -> dict:
     from rich.console import Console
     from rich.table import Table
 
-    from hyperjax.cost import estimate
-    from hyperjax.cost.estimate import model_flops_per_step
+    import hyperjax
     from hyperjax.files import write_json
-    from hyperjax.topology import load_hardware
-    from hyperjax.train import load_config
 
     measured = json.loads(measured_path.read_text())
-    hw = load_hardware(PRESET)
     table = Table(title=f"One training step on one {measured['device']}: measured vs {PRESET} preset")
     cols = ("case", "params", "measured ms", "predicted ms", "error", "TFLOP/s", "mem meas GiB", "mem pred GiB")
     for col in (*cols, "fits"):
         table.add_column(col, justify="left" if col == "case" else "right")
     rows, failed = [], []
     for case in measured["cases"]:
-        cfg = load_config(None, case["overrides"])
-        est = estimate(cfg, hw)
+        cfg = hyperjax.load_config(None, case["overrides"])  # the measured run: one device of the preset
+        est = hyperjax.estimate(hyperjax.resolve(cfg))
         if "error" in case:  # it did not run (out of device memory): the prediction should say so
             failed.append(
                 {
@@ -226,18 +219,16 @@ def compare(measured_path: Path, out: Path) -> dict:
             )
             mem = f"{est.memory_per_device_gib['peak']:.2f}"
             fits = "no" if not est.fits else "yes"
-            table.add_row(
-                case["name"], f"{est.details['params'] / 1e6:,.0f}M", "out of memory", "", "", "", "", mem, fits
-            )
+            table.add_row(case["name"], f"{est.params / 1e6:,.0f}M", "out of memory", "", "", "", "", mem, fits)
             continue
-        flops = model_flops_per_step(cfg)
+        flops = est.model_flops_per_step
         error = est.step_time_s / case["step_s"] - 1
         mem_pred = est.memory_per_device_gib["peak"]
         mem_meas = case["memory_bytes"] / 2**30 if case.get("memory_bytes") else None
         rows.append(
             {
                 "name": case["name"],
-                "params": est.details["params"],
+                "params": est.params,
                 "measured_step_s": case["step_s"],
                 "predicted_step_s": est.step_time_s,
                 "error": error,
@@ -251,7 +242,7 @@ def compare(measured_path: Path, out: Path) -> dict:
         )
         table.add_row(
             case["name"],
-            f"{est.details['params'] / 1e6:,.0f}M",
+            f"{est.params / 1e6:,.0f}M",
             f"{case['step_s'] * 1e3:.2f}",
             f"{est.step_time_s * 1e3:.2f}",
             f"{error:+.0%}",

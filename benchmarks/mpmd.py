@@ -21,8 +21,9 @@ zero-bubble, the textbook figure).
 
 Second, the predicted step time on ``cloudmatrix384`` of ``configs/vlm-8b-cm384.yaml`` (ViT-L/14 encoder,
 Llama-8B-shaped language model, 384 devices) under one SPMD program (the best single strategy for both
-modules, and the conventional tensor=8 one) and under MPMD with cost-balanced submeshes, each with its
-own best strategy (:mod:`hyperjax.cost.mpmd`).
+modules, and the conventional tensor=8 one) and under MPMD with the best split into submeshes, each with
+its own tensor degree: all found by the strategy search (``hyperjax.plan``), every candidate priced as
+one resolved run.
 
 Writes ``benchmarks/results/mpmd.json``, a Perfetto trace and a Gantt chart per 4-stage schedule.
 
@@ -31,7 +32,6 @@ Writes ``benchmarks/results/mpmd.json``, a Perfetto trace and a Gantt chart per 
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import statistics
@@ -45,15 +45,19 @@ jax.config.update("jax_num_cpu_devices", 8)
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from hyperjax.cost import estimate  # noqa: E402
-from hyperjax.cost.trace import predicted_schedule, stage_metadata, task_events  # noqa: E402
+import hyperjax  # noqa: E402
+from hyperjax.cost import stage_metadata, task_events  # noqa: E402
 from hyperjax.files import write_json  # noqa: E402
-from hyperjax.models import build_model  # noqa: E402
-from hyperjax.mpmd.pipeline import PipelineRunner, transformer_chunks  # noqa: E402
-from hyperjax.mpmd.schedules import Task, replay, replayed_bubble, theory_bubble, uniform_bubble  # noqa: E402
-from hyperjax.train import load_config, plan_run  # noqa: E402
-from hyperjax.train.data import Batches  # noqa: E402
-from hyperjax.train.step import make_optimizer  # noqa: E402
+from hyperjax.mpmd import (  # noqa: E402
+    PipelineRunner,
+    Task,
+    model_chunks,
+    replay,
+    replayed_bubble,
+    theory_bubble,
+    uniform_bubble,
+)
+from hyperjax.train import Batches, make_optimizer, prepare  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 REPEATS = 9
@@ -72,19 +76,19 @@ CASES = [
 def measure(schedule: str, p: int, m: int, v: int) -> dict:
     sets = [f"model.layers={LAYERS}", "parallel.tensor=1", f"parallel.pipeline={p}", f"train.microbatches={m}"]
     sets += [f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}", "train.global_batch=64"]
-    plan = plan_run(load_config(CONFIG, sets))
-    t = plan.config.train
+    run = hyperjax.resolve(hyperjax.load_config(CONFIG, sets))
+    t = run.config.train
+    chunks, _ = model_chunks(hyperjax.build_model(run.config.model, seed=t.seed), run)
     runner = PipelineRunner(
-        chunks=transformer_chunks(build_model(plan.config.model, seed=t.seed), plan.pipeline),
-        layout=plan.pipeline,
-        strategy=plan.strategy,
-        hardware=plan.hardware,
+        chunks=chunks,
+        run=run,
+        strategy=prepare(run).strategy,
         devices=jax.devices(),
         optimizer=make_optimizer(t, clip=False),
         grad_clip=t.grad_clip,
     )
     state = runner.init_state()
-    data = Batches(source=t.data, global_batch=t.global_batch, seq_len=plan.config.model.seq_len, vocab=256, seed=0)
+    data = Batches(source=t.data, global_batch=t.global_batch, seq_len=run.config.model.seq_len, vocab=256, seed=0)
     for i in range(2):  # compile every program
         state, _ = runner.step(state, data.batch(i))
     runs = []
@@ -109,17 +113,15 @@ def measure(schedule: str, p: int, m: int, v: int) -> dict:
     }
     smooth = {task: medians[(stage_of[task], task.kind)] for task in seconds}
     mean = {k: _mean([d for tk, d in seconds.items() if tk.kind == k]) for k in "FBW"}
-    # the same program priced by the cost model on the run's hardware preset, replayed on the same grid
-    cfg = plan.config
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, data=len(jax.devices()) // p))
-    est = estimate(cfg, plan.hardware)
-    predicted_sched, predicted = predicted_schedule(est)
+    # the same run priced by the cost model on its hardware preset, replayed on the same grid
+    est = hyperjax.estimate(run)
+    predicted_sched, predicted = est.schedule()
     return {
         "schedule": schedule,
         "stages": p,
         "microbatches": m,
         "virtual_stages": v,
-        "layout": plan.pipeline.describe(),
+        "layout": run.describe(),
         "grid_bubble": sched.bubble_fraction(),
         "theory_bubble": theory_bubble(schedule, p, m, v),
         "theory_bubble_at_measured_costs": theory_bubble(schedule, p, m, v, (mean["F"], mean["B"], mean["W"])),
@@ -130,10 +132,10 @@ def measure(schedule: str, p: int, m: int, v: int) -> dict:
         "stage_task_ms": {f"{k}{s}": 1e3 * x for (s, k), x in sorted(medians.items()) if x == x},
         "timeline": _timeline(replay(sched, seconds)),
         "predicted": {
-            "hardware": plan.hardware.name,
+            "hardware": run.hardware.name,
             "step_time_s": est.step_time_s,
             "bubble": replayed_bubble(predicted_sched, predicted),
-            "task_ms": {k: 1e3 * x for k, x in est.details["task_s"].items()},
+            "task_ms": {k: 1e3 * x for k, x in est.details()["task_s"].items()},
             "timeline": _timeline(replay(predicted_sched, predicted)),
         },
     }
@@ -211,24 +213,39 @@ def write_gantt(row: dict, path: Path) -> None:
 
 
 def vlm() -> dict:
-    from hyperjax.cost.mpmd import _fits_first, module_configs, mpmd, spmd
-    from hyperjax.topology import load_hardware
-
-    cfg = load_config(CONFIG.parent / "vlm-8b-cm384.yaml")
-    hw = load_hardware("cloudmatrix384")
-    best = spmd(cfg, hw, 384)
+    """The vision-language model on all 384 devices: the best SPMD program, the usual tensor=8 one, and the
+    best MPMD split (each submesh with its own tensor degree), all found and priced by the same search."""
+    cfg = hyperjax.load_config(CONFIG.parent / "vlm-8b-cm384.yaml")
+    found, priced, _ = hyperjax.plan(cfg, 384, keep=100_000)
+    spmd = next(c for c in found if not c.overrides.get("mpmd.submeshes"))
+    mpmd = next(c for c in found if c.overrides.get("mpmd.submeshes"))
     conventional = {"parallel.data": 48, "parallel.tensor": 8, "parallel.sequence_parallel": True}
-    modules = {k: _fits_first(c, hw, conventional) for k, c in module_configs(cfg).items()}
-    split = mpmd(cfg, hw, 384, microbatches=cfg.train.microbatches or 8)
+    tensor8 = next(c for c in found if all(c.overrides.get(k) == v for k, v in conventional.items()))
+
+    def row(c: hyperjax.Candidate) -> dict:
+        est, m = c.estimate, c.run.microbatches
+        busy = {}  # each module's busy time in the step: its stage's, or its share of the one stage
+        for s in est.stages:
+            for p in s.parts:
+                busy[p.module] = busy.get(p.module, 0.0) + m * (
+                    p.layers * (p.layer.forward_s + p.layer.backward_s + p.layer.recompute_s) + p.head_s
+                )
+        return {
+            "step_time_s": est.step_time_s,
+            "strategy": c.run.describe(),
+            "recompute": c.run.recompute,
+            "module_busy_s": busy,
+            "devices": {s.modules[0] if len(s.modules) == 1 else "both": s.devices for s in c.run.stages},
+            "peak_gib": est.memory_per_device_gib["peak"],
+        }
+
     return {
         "config": "configs/vlm-8b-cm384.yaml",
-        "spmd_best": best,
-        "spmd_tensor8": {
-            "step_time_s": sum(e.step_time_s for _, e in modules.values()),
-            "module_step_s": {k: e.step_time_s for k, (_, e) in modules.items()},
-        },
-        "mpmd": split,
-        "speedup_vs_spmd_best": best["step_time_s"] / split["step_time_s"],
+        "priced": priced,
+        "spmd_best": row(spmd),
+        "spmd_tensor8": row(tensor8),
+        "mpmd": row(mpmd),
+        "speedup_vs_spmd_best": spmd.estimate.step_time_s / mpmd.estimate.step_time_s,
     }
 
 
@@ -241,19 +258,19 @@ def main() -> None:
     v = vlm()
     console = Console(width=140)
     table = Table(title="VLM on cloudmatrix384 (384 devices), predicted step time")
-    for col in ("program", "step (s)", "encoder", "language model", "devices"):
-        table.add_column(col, justify="right")
-    for name, row in (("SPMD, best single strategy", v["spmd_best"]), ("SPMD, tensor=8", v["spmd_tensor8"])):
-        ms = row["module_step_s"]
-        table.add_row(name, f"{row['step_time_s']:.3f}", f"{ms['encoder']:.3f}", f"{ms['language_model']:.3f}", "384")
-    ms, dev = v["mpmd"]["module_step_s"], v["mpmd"]["devices"]
-    table.add_row(
-        "MPMD, balanced submeshes",
-        f"{v['mpmd']['step_time_s']:.3f}",
-        f"{ms['encoder']:.3f}",
-        f"{ms['language_model']:.3f}",
-        f"{dev['encoder']} + {dev['language_model']}",
-    )
+    for col in ("program", "step (s)", "encoder busy (s)", "language model busy (s)", "devices", "strategy"):
+        table.add_column(col, justify="left" if col == "strategy" else "right")
+    for name, key in (("SPMD, best", "spmd_best"), ("SPMD, tensor=8", "spmd_tensor8"), ("MPMD, best", "mpmd")):
+        row = v[key]
+        busy = row["module_busy_s"]
+        table.add_row(
+            name,
+            f"{row['step_time_s']:.3f}",
+            f"{busy['encoder']:.3f}",
+            f"{busy['language_model']:.3f}",
+            " + ".join(str(n) for n in row["devices"].values()),
+            f"{row['strategy']}; {row['recompute']}",
+        )
     console.print(table)
     print(f"MPMD vs best SPMD: {v['speedup_vs_spmd_best']:.2f}x")
     rows = previous.get("bubbles", []) if "--vlm-only" in sys.argv else [measure(*case) for case in CASES]

@@ -31,14 +31,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from hyperjax.cost import estimate
-from hyperjax.offload.plan import plan_offload
-from hyperjax.topology import load_hardware
-from hyperjax.train import load_config
+import hyperjax
 from seed_claims import LLAMA_8B
 
 RESULTS = Path(__file__).parent / "results"
-HW = load_hardware("cloudmatrix384")
+HW = hyperjax.load_hardware("cloudmatrix384")
 BUDGET_GIB = HW.device.hbm_bytes / 2**30
 MODEL = [  # seq_len and layers are set per point
     *LLAMA_8B,
@@ -62,20 +59,20 @@ SEQ_FOR_MODEL_SIZE = 8192
 def config(policy: str, recompute: str, *, seq: int, layers: int = 32, budget: float = BUDGET_GIB):
     sets = [*MODEL, f"model.seq_len={seq}", f"model.layers={layers}", f"train.recompute={recompute}"]
     sets += [f"offload.policy={policy}", f"offload.device_memory_gib={budget}"]
-    return load_config(None, sets)
+    return hyperjax.resolve(hyperjax.load_config(None, [*sets, "hardware=cloudmatrix384"]))
 
 
 def price(name: str, *, seq: int, layers: int = 32, budget: float = BUDGET_GIB) -> dict:
     """Step time, peak memory and fit of one policy at one size; ``unlimited_s``: nothing moved or recomputed."""
     policy, recompute = POLICIES[name]
     cfg = config(policy, recompute, seq=seq, layers=layers, budget=budget)
-    unlimited = estimate(config("none", "none", seq=seq, layers=layers), HW).step_time_s
+    unlimited = hyperjax.estimate(config("none", "none", seq=seq, layers=layers)).step_time_s
     if policy == "none":
-        est = estimate(cfg, HW)
+        est = hyperjax.estimate(cfg)
         peak, step = est.memory_per_device_gib["peak"], est.step_time_s
         out = {"fits": peak <= budget, "step_time_s": step, "peak_gib": peak}
     else:
-        plan = plan_offload(cfg, HW)
+        plan = hyperjax.offload_pass(cfg)
         out = {"fits": plan.fits, "step_time_s": plan.priced.step_time_s, "peak_gib": plan.priced.peak_bytes / 2**30}
         out["host_gib"] = plan.priced.host_bytes / 2**30
         out["exposed_transfer_s"] = plan.priced.exposed_transfer_s

@@ -38,7 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hyperjax.files import write_json
-from hyperjax.train.checkpoint import saved_steps
+from hyperjax.train import saved_steps
 
 RESULTS = Path(__file__).parent / "results"
 CONFIG = str(Path(__file__).parents[1] / "configs" / "quickstart.yaml")

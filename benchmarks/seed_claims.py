@@ -21,10 +21,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from hyperjax.cost import estimate
-from hyperjax.cost.planner import apply, plan
-from hyperjax.topology import load_hardware
-from hyperjax.train.config import load_config
+import hyperjax
 
 RESULTS = Path(__file__).parent / "results"
 LLAMA_8B = [
@@ -47,10 +44,10 @@ SIZES = {  # GPT shapes: 12 L h^2 parameters in the blocks
 CLAIMED = {"1B": 2.63, "10B": 3.60, "100B": 4.44}
 
 
-def best(sets: list[str], hardware: str, devices: int) -> tuple[dict, float, float]:
-    cfg = load_config(None, [*sets, f"hardware={hardware}"])
-    top, _, _ = plan(cfg, load_hardware(hardware), devices, keep=1)
-    return top[0].overrides, top[0].estimate.step_time_s, top[0].estimate.mfu
+def best(sets: list[str], hardware: str, devices: int) -> tuple[hyperjax.Candidate, float, float]:
+    cfg = hyperjax.load_config(None, [*sets, f"hardware={hardware}"])
+    top, _, _ = hyperjax.plan(cfg, devices, keep=1)
+    return top[0], top[0].estimate.step_time_s, top[0].estimate.mfu
 
 
 def main() -> None:
@@ -66,16 +63,13 @@ def main() -> None:
         "train.micro_batch=1",
         "train.recompute=full",
     ]
-    naive_cfg = load_config(None, naive_sets)
-    naive = estimate(naive_cfg, load_hardware("cloudmatrix384"))
-    overrides, best_s, best_mfu = best(LLAMA_8B, "cloudmatrix384", 384)
-    check = estimate(
-        apply(load_config(None, [*LLAMA_8B, "hardware=cloudmatrix384"]), overrides), load_hardware("cloudmatrix384")
-    )
+    naive = hyperjax.estimate(hyperjax.resolve(hyperjax.load_config(None, naive_sets)))
+    winner, best_s, best_mfu = best(LLAMA_8B, "cloudmatrix384", 384)
+    overrides, check = winner.overrides, winner.estimate
     results["llama8b"] = {
         "assumed": "seq 8192, global batch 384 sequences, bf16, 384 NPUs",
         "naive": {"strategy": "tensor=8, data=48, full recompute", "step_s": naive.step_time_s, "mfu": naive.mfu},
-        "planned": {"strategy": overrides, "step_s": best_s, "mfu": best_mfu},
+        "planned": {"strategy": overrides, "run": winner.run.describe(), "step_s": best_s, "mfu": best_mfu},
         "speedup": naive.step_time_s / best_s,
         "claimed": "5.2 s -> 4.08 s (1.27x)",
     }
@@ -88,9 +82,8 @@ def main() -> None:
         f"{naive.mfu:.1%}",
         "1.00x",
     )
-    desc = ", ".join(f"{k.split('.')[1]}={v}" for k, v in overrides.items() if v not in (1, False, None, 0))
     table.add_row(
-        f"planner: {desc}",
+        f"planner: {winner.run.describe()}, recompute {winner.run.recompute}",
         f"{check.step_time_s:.2f}",
         f"{check.mfu:.1%}",
         f"{naive.step_time_s / check.step_time_s:.2f}x",
@@ -120,8 +113,9 @@ def main() -> None:
             "train.global_batch=1536",
             "train.dtype=bfloat16",
         ]
-        o128, t128, _ = best(sets, "ascend910c-cluster", 128)
-        o384, t384, _ = best(sets, "cloudmatrix384", 384)
+        c128, t128, _ = best(sets, "ascend910c-cluster", 128)
+        c384, t384, _ = best(sets, "cloudmatrix384", 384)
+        o128, o384 = c128.overrides, c384.overrides
         speedup = t128 / t384
         results["scaling"][name] = {
             "step_128_s": t128,
@@ -131,11 +125,9 @@ def main() -> None:
             "strategy_128": o128,
             "strategy_384": o384,
         }
-        short = lambda o: ",".join(
-            f"{k.split('.')[1][:4]}={v}" for k, v in o.items() if v not in (1, False, None, 0, "1f1b", "none")
-        )
+        short = lambda c: f"{c.run.describe()}; {c.run.recompute}"
         scaling.add_row(
-            name, f"{t128:.3g}", short(o128), f"{t384:.3g}", short(o384), f"{speedup:.2f}x", f"{CLAIMED[name]:.2f}x"
+            name, f"{t128:.3g}", short(c128), f"{t384:.3g}", short(c384), f"{speedup:.2f}x", f"{CLAIMED[name]:.2f}x"
         )
     console.print(scaling)
     RESULTS.mkdir(exist_ok=True)

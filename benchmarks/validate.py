@@ -1,11 +1,11 @@
 """The cost model against published, measured training runs.
 
 Each file in ``benchmarks/validation/`` describes one published run (source, measured step time and MFU)
-and holds hyperjax's config for it. This script predicts every run with ``hyperjax.cost.estimate`` on the
-run's hardware preset, prints predicted vs measured step time and model TFLOP/s per device (computed with
-the source's own FLOP formula), and the mean absolute percentage error. Nothing here is fitted to these
-rows: the preset constants come from datasheets and public microbenchmarks. Writes
-``benchmarks/results/validate.json``.
+and holds hyperjax's config for it. This script resolves every run (``hyperjax.resolve``), predicts it
+(``hyperjax.estimate``) on the run's hardware preset, and prints predicted vs measured step time and model
+TFLOP/s per device (computed with the source's own FLOP formula), and the mean absolute percentage error.
+Nothing here is fitted to these rows: the preset constants come from datasheets and public microbenchmarks.
+Writes ``benchmarks/results/validate.json``.
 
     python benchmarks/validate.py
 """
@@ -20,9 +20,8 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from hyperjax.cost import estimate
-from hyperjax.topology import load_hardware
-from hyperjax.train.config import Config, build
+import hyperjax
+from hyperjax.config import Config, build
 
 HERE = Path(__file__).parent
 
@@ -45,8 +44,7 @@ def main() -> int:
     for path in sorted((HERE / "validation").glob("*.yaml")):
         doc = yaml.safe_load(path.read_text())
         cfg = build(Config, doc["config"], "")
-        hw = load_hardware(cfg.hardware)
-        est = estimate(cfg, hw)
+        est = hyperjax.estimate(hyperjax.resolve(cfg))
         measured = doc["measured"]["step_time_s"]
         flops = korthikanti_eq7(cfg)
         rows.append(

@@ -14,8 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hyperjax.cli.main import main
-from hyperjax.models.config import ModelConfig
-from hyperjax.train.config import Config, EmulateConfig, OffloadConfig, ParallelConfig, TrainConfig
+from hyperjax.config import Config, EmulateConfig, ModelConfig, OffloadConfig, ParallelConfig, TrainConfig
 
 QUICK = Path(__file__).parents[2] / "configs" / "quickstart.yaml"
 BASE = yaml.safe_load(QUICK.read_text())

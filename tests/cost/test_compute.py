@@ -3,9 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from hyperjax import load_hardware
-from hyperjax.cost import estimate, gemm_time
-from hyperjax.train import load_config
+from hyperjax import estimate, load_config, load_hardware, resolve
+from hyperjax.cost import gemm_time
 
 ROOT = Path(__file__).parents[2]
 H100 = load_hardware("dgx-h100")
@@ -29,7 +28,7 @@ def test_predicts_the_measured_h100_steps():
     measured = json.loads((ROOT / "benchmarks" / "results" / "gpu-h100-measured.json").read_text())
     errors = {}
     for case in measured["cases"]:
-        est = estimate(load_config(None, case["overrides"]), H100)
+        est = estimate(resolve(load_config(None, case["overrides"])))  # one device of the preset
         if "error" in case:  # ran out of device memory on the GPU
             assert "RESOURCE_EXHAUSTED" in case["error"] and not est.fits, case["name"]
             continue

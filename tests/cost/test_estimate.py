@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hyperjax import ConfigError, load_hardware
+from hyperjax import HyperjaxError, estimate, load_hardware, resolve
 from hyperjax.cli.main import main
-from hyperjax.cost import count_params, estimate, model_flops_per_step
-from hyperjax.train.config import Config, build, load_config
+from hyperjax.config import Config, build, load_config
+from hyperjax.cost import count_params, model_flops_per_sequence
 
 ROOT = Path(__file__).parents[2]
 VALIDATION = sorted((ROOT / "benchmarks" / "validation").glob("*.yaml"))
@@ -24,7 +24,7 @@ def test_calibration_runs_within_bounds():
     errors = []
     for path in VALIDATION:
         cfg, doc = run(path)
-        est = estimate(cfg, load_hardware(cfg.hardware))
+        est = estimate(resolve(cfg))
         assert est.devices == doc["devices"]
         assert est.fits, doc["id"]  # these runs really ran
         errors.append(abs(est.step_time_s / doc["measured"]["step_time_s"] - 1))
@@ -45,13 +45,13 @@ def test_model_flops_match_korthikanti_eq7():
         * (1 + m.seq_len / (6 * m.d_model) + m.vocab / (12 * m.d_model * m.layers))
     )
     # eq. 7 drops biases and norms; the formulas agree to well under a percent
-    assert model_flops_per_step(cfg) == pytest.approx(eq7, rel=0.005)
-    assert count_params(cfg) == pytest.approx(175e9, rel=0.02)
+    assert model_flops_per_sequence(m) * b == pytest.approx(eq7, rel=0.005)
+    assert count_params(m) == pytest.approx(175e9, rel=0.02)
 
 
 def test_breakdown_adds_up():
     cfg, _ = run(VALIDATION[0])
-    est = estimate(cfg, A100)
+    est = estimate(resolve(cfg))
     assert sum(est.breakdown_s.values()) == pytest.approx(est.step_time_s)
     assert 0 < est.mfu < 1
 
@@ -74,42 +74,43 @@ def big(sets):
     )
 
 
+def predict(sets):
+    return estimate(resolve(big(sets)))
+
+
 def test_more_microbatches_shrink_the_bubble():
-    few = estimate(big(["parallel.pipeline=4", "train.micro_batch=8"]), A100)
-    many = estimate(big(["parallel.pipeline=4", "train.micro_batch=1"]), A100)
+    few = predict(["parallel.pipeline=4", "train.micro_batch=8"])
+    many = predict(["parallel.pipeline=4", "train.micro_batch=1"])
     assert many.breakdown_s["pipeline_bubble"] / many.step_time_s < few.breakdown_s["pipeline_bubble"] / few.step_time_s
-    inter = estimate(
-        big(
-            ["parallel.pipeline=4", "train.micro_batch=1", "parallel.virtual_stages=2", "parallel.schedule=interleaved"]
-        ),
-        A100,
+    inter = predict(
+        ["parallel.pipeline=4", "train.micro_batch=1", "parallel.virtual_stages=2", "parallel.schedule=interleaved"]
     )
     assert inter.breakdown_s["pipeline_bubble"] < many.breakdown_s["pipeline_bubble"]
 
 
 def test_tensor_parallel_across_nodes_is_slower():
-    inside = estimate(big(["parallel.tensor=8", "parallel.data=2"]), A100)
+    inside = predict(["parallel.tensor=8", "parallel.data=2"])
     # 16-way tensor parallelism must cross InfiniBand
-    across = estimate(big(["parallel.tensor=16", "parallel.data=1", "model.heads=32"]), A100)
+    across = predict(["parallel.tensor=16", "parallel.data=1", "model.heads=32"])
     assert across.communication_s["tensor_parallel"] > 4 * inside.communication_s["tensor_parallel"]
 
 
 def test_does_not_fit_names_the_term():
-    est = estimate(big(["model.layers=200", "parallel.tensor=1", "parallel.data=1", "train.micro_batch=1"]), A100)
+    est = predict(["model.layers=200", "parallel.tensor=1", "parallel.data=1", "train.micro_batch=1"])
     assert not est.fits and est.overflow == "optimizer"
-    zero = estimate(big(["model.layers=200", "parallel.fsdp=64", "parallel.data=1", "train.micro_batch=1"]), A100)
+    zero = predict(["model.layers=200", "parallel.fsdp=64", "parallel.data=1", "train.micro_batch=1"])
     assert zero.memory_per_device_gib["optimizer"] < est.memory_per_device_gib["optimizer"] / 32
 
 
 def test_recompute_trades_memory_for_time():
-    none = estimate(big(["parallel.tensor=8"]), A100)
-    full = estimate(big(["parallel.tensor=8", "train.recompute=full"]), A100)
+    none = predict(["parallel.tensor=8"])
+    full = predict(["parallel.tensor=8", "train.recompute=full"])
     assert full.memory_per_device_gib["activations"] < none.memory_per_device_gib["activations"] / 5
     assert full.step_time_s > none.step_time_s and full.breakdown_s["recompute"] > 0
 
 
 def test_predict_cli_json(capsys):
-    assert main(["predict", str(ROOT / "configs/quickstart.yaml"), "--json", "--set", "parallel.data=4"]) == 0
+    assert main(["predict", str(ROOT / "configs/quickstart.yaml"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     for key in (
         "step_time_s",
@@ -124,15 +125,17 @@ def test_predict_cli_json(capsys):
     assert data["devices"] == 8
     assert set(data["memory_per_device_gib"]) == {"params", "optimizer", "gradients", "activations", "peak"}
     assert set(data["breakdown_s"]) == {"compute", "exposed_communication", "pipeline_bubble", "recompute", "optimizer"}
+    assert data["run"]["devices"] == 8 and data["run"]["parallel"]["data"] == 4  # the run train starts
 
 
 @pytest.mark.parametrize(
     ("sets", "pattern"),
     [
-        (["parallel.tensor=3"], r"model.heads=8 is not divisible by parallel.tensor=3"),
-        (["parallel.pipeline=3"], r"model.layers=4 is not divisible by parallel.pipeline x parallel.virtual_stages=3"),
+        (["parallel.tensor=3"], r"tensor=3 x pipeline=1 = 3 do not divide the 8 devices"),
+        (["parallel.tensor=8", "model.heads=4"], r"dimension '(kv_)?heads' of size 4 is not divisible"),
+        (["parallel.pipeline=3"], r"parallel.pipeline=3 does not divide the 8 devices"),
         (["parallel.schedule=interleaved"], r"the interleaved schedule needs virtual_stages > 1"),
-        (["parallel.data=5"], r"train.global_batch=32 is not divisible by data-parallel replicas \(data x fsdp\)=5"),
+        (["parallel.data=5"], r"data=5 x fsdp=1 x context=1 x tensor=2 x pipeline=1 = 10, but there are 8 devices"),
     ],
 )
 def test_predict_errors_exit_2(capsys, sets, pattern):
@@ -142,5 +145,5 @@ def test_predict_errors_exit_2(capsys, sets, pattern):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert re.search(pattern, err), err
-    with pytest.raises(ConfigError):
-        estimate(load_config(ROOT / "configs/quickstart.yaml", sets), A100)
+    with pytest.raises(HyperjaxError):
+        estimate(resolve(load_config(ROOT / "configs/quickstart.yaml", sets)))

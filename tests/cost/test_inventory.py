@@ -3,31 +3,29 @@
 import pytest
 from flax import nnx
 
+from hyperjax import load_config, make_mesh, resolve
 from hyperjax.cost.hlo import read_compiled
 from hyperjax.cost.inventory import runtime_inventory
 from hyperjax.models import build_model
-from hyperjax.topology import make_mesh
-from hyperjax.train import load_config, plan_run
-from hyperjax.train.data import Batches
-from hyperjax.train.step import build_train_step, init_state, make_optimizer
+from hyperjax.train import Batches, build_train_step, init_state, make_optimizer, prepare
 
 
 def compiled_and_analytic(sets):
-    cfg = load_config(None, ["model.layers=2", "train.global_batch=32", *sets])
-    plan = plan_run(cfg)
+    run = resolve(load_config(None, ["model.layers=2", "train.global_batch=32", *sets]))
+    cfg = run.config
     g, state = nnx.split(build_model(cfg.model))
     optimizer = make_optimizer(cfg.train)
     step = build_train_step(
         graphdef=g,
         param_state=state,
-        strategy=plan.strategy,
-        mesh=make_mesh(plan.hardware, plan.axes),
+        strategy=prepare(run).strategy,
+        mesh=make_mesh(run.hardware, run.axes),
         optimizer=optimizer,
     )
     batch = Batches(source="text", global_batch=32, seq_len=cfg.model.seq_len, vocab=256, seed=0)
     compiled = step.fn.lower(init_state(state, optimizer, step), batch.global_batch_arrays(0, step.batch_sharding))
     hlo = read_compiled(compiled.compile(), 8)
-    return hlo, runtime_inventory(cfg, plan.axes)
+    return hlo, runtime_inventory(run)
 
 
 STRATEGIES = [
@@ -47,6 +45,12 @@ STRATEGIES = [
     ["parallel.context=2", "parallel.tensor=4"],
     ["parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.data=2"],
     ["parallel.zero_stage=2", "parallel.data=4", "parallel.tensor=2", "model.family=llama"],
+    # architectures described by their parts
+    ["model.block=parallel", "parallel.tensor=4", "parallel.data=2"],
+    ["model.block=parallel", "model.family=llama", "parallel.tensor=2", "parallel.sequence_parallel=true"],
+    ["model.family=llama", "model.head_dim=48", "model.kv_heads=2", "parallel.tensor=2", "parallel.fsdp=4"],
+    ["model.mlp=relu", "model.tie_embeddings=false", "parallel.tensor=4", "parallel.data=2"],
+    ["model.mlp=geglu", "model.bias=false", "model.positions=rope", "parallel.tensor=2", "parallel.context=2"],
 ]
 
 

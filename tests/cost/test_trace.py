@@ -6,12 +6,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hyperjax import load_hardware
+from hyperjax import estimate, resolve
 from hyperjax.cli.main import main
-from hyperjax.cost import estimate
-from hyperjax.cost.trace import predicted_schedule, simulate
+from hyperjax.config import Config, build
+from hyperjax.cost.trace import simulate
 from hyperjax.mpmd.schedules import replay
-from hyperjax.train.config import Config, build
 
 ROOT = Path(__file__).parents[2]
 CFG = build(
@@ -26,11 +25,11 @@ def test_simulated_schedule_ends_at_the_predicted_step_time(schedule, virtual):
     cfg = dataclasses.replace(
         CFG, parallel=dataclasses.replace(CFG.parallel, schedule=schedule, virtual_stages=virtual)
     )
-    est = estimate(cfg, load_hardware("dgx-a100-80g"))
+    est = estimate(resolve(cfg))
     events = simulate(est)
     end = max(e["ts"] + e["dur"] for e in events) / 1e6
     assert end == pytest.approx(est.step_time_s, rel=1e-4)  # the estimate rounds task-length ratios
-    m = est.details["microbatches"]
+    m = est.run.microbatches
     for stage in range(8):
         mine = [e for e in events if e["pid"] == stage and e["tid"] == 0]
         assert sum(e["name"] == "forward" for e in mine) == m * virtual
@@ -46,8 +45,8 @@ def test_predicted_bubble_is_the_replayed_grid():
         cfg = dataclasses.replace(
             CFG, parallel=dataclasses.replace(CFG.parallel, schedule=schedule, virtual_stages=virtual)
         )
-        est = estimate(cfg, load_hardware("dgx-a100-80g"))
-        sched, seconds = predicted_schedule(est)
+        est = estimate(resolve(cfg))
+        sched, seconds = est.schedule()
         makespan = max(e for _, _, e in replay(sched, seconds).values())
         busy = sum(seconds.values()) / sched.stages
         assert est.breakdown_s["pipeline_bubble"] == pytest.approx(makespan - busy, rel=1e-3)
@@ -58,7 +57,7 @@ def test_zero_bubble_beats_1f1b_in_prediction():
     for schedule in ("1f1b", "zero-bubble"):
         parallel = dataclasses.replace(CFG.parallel, schedule=schedule, virtual_stages=1)
         cfg = dataclasses.replace(CFG, parallel=parallel)
-        times[schedule] = estimate(cfg, load_hardware("dgx-a100-80g")).breakdown_s["pipeline_bubble"]
+        times[schedule] = estimate(resolve(cfg)).breakdown_s["pipeline_bubble"]
     assert times["zero-bubble"] < 0.75 * times["1f1b"]  # W (a third of the work here) fills the cool-down
 
 

@@ -1,6 +1,7 @@
 import pytest
 
-from hyperjax import MAX_DEVICES_PER_PROCESS, Cluster, EmulationError, plan_processes
+from hyperjax import EmulationError
+from hyperjax.emulate import MAX_DEVICES_PER_PROCESS, Cluster, plan_processes
 from hyperjax.emulate.runtime import files_per_device
 
 BIG = 10**9  # an open-file limit that never binds

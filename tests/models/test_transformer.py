@@ -5,13 +5,29 @@ import pytest
 from flax import nnx
 
 from hyperjax import ConfigError
-from hyperjax.models import ModelConfig, build_model, count_params
+from hyperjax.config import ModelConfig, VisionConfig
+from hyperjax.cost.counts import count_params as counted_params
+from hyperjax.cost.counts import model_tensors
+from hyperjax.models import build_model, count_params
 
 SMALL = {"layers": 2, "d_model": 64, "heads": 4, "d_ff": 128, "vocab": 256, "seq_len": 16}
 
+# architectures described by their parts: the presets and shapes apart from them
+ARCHITECTURES = {
+    "gpt": {"family": "gpt"},
+    "llama": {"family": "llama"},
+    "llama-gqa": {"family": "llama", "kv_heads": 2},
+    "parallel-block": {"family": "gpt", "block": "parallel", "bias": False},
+    "head-dim-apart": {"family": "llama", "head_dim": 24, "kv_heads": 2},
+    "relu-untied": {"family": "gpt", "mlp": "relu", "tie_embeddings": False},
+    "geglu-rope-bias": {"family": "gpt", "mlp": "geglu", "positions": "rope", "norm": "rmsnorm"},
+    "palm": {"family": "llama", "block": "parallel", "tie_embeddings": True, "rope_theta": 500000.0},
+}
+
 
 def expected_params(cfg: ModelConfig) -> int:
-    d, f, v, s, hd, kv = cfg.d_model, cfg.d_ff, cfg.vocab, cfg.seq_len, cfg.head_dim, cfg.n_kv_heads
+    """The parameter count written out by hand for the two presets (GPT-2 and Llama)."""
+    d, f, v, s, hd, kv = cfg.d_model, cfg.d_ff, cfg.vocab, cfg.seq_len, cfg.head_dim, cfg.kv_heads
     if cfg.family == "gpt":  # biases, LayerNorm scale+bias, learned positions, tied head
         block = 2 * 2 * d + d * d + 2 * d * kv * hd + d * d + 3 * cfg.heads * hd + d + 2 * d * f + f + d
         return v * d + s * d + cfg.layers * block + 2 * d
@@ -23,12 +39,61 @@ def expected_params(cfg: ModelConfig) -> int:
 def test_parameter_count_and_logical_axes(family, kv):
     cfg = ModelConfig(family=family, kv_heads=kv, **SMALL)
     model = build_model(cfg)
-    assert count_params(model) == expected_params(cfg)
+    assert count_params(model) == expected_params(cfg) == counted_params(cfg)
     for path, var in jax.tree_util.tree_leaves_with_path(
         nnx.state(model), is_leaf=lambda x: isinstance(x, nnx.Variable)
     ):
         axes = var.get_metadata()["logical_axes"]
         assert len(axes) == var.get_value().ndim, path
+
+
+def state_tensors(model: nnx.Module) -> dict[str, tuple]:
+    out = {}
+    for path, var in jax.tree_util.tree_leaves_with_path(
+        nnx.state(model), is_leaf=lambda x: isinstance(x, nnx.Variable)
+    ):
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        out[name] = (tuple(var.get_value().shape), tuple(var.get_metadata()["logical_axes"]))
+    return out
+
+
+@pytest.mark.parametrize("name", [*ARCHITECTURES, "vision"])
+def test_the_counted_tensors_are_the_models_own(name):
+    """The cost model's tensor list (path, shape, logical axes) is exactly the NNX model's state."""
+    if name == "vision":
+        cfg = ModelConfig(family="llama", kv_heads=2, vision=VisionConfig(), **SMALL)
+    else:
+        cfg = ModelConfig(**{**SMALL, **ARCHITECTURES[name]})
+    model = nnx.eval_shape(lambda: build_model(cfg))
+    counted = {t.path: (t.shape, t.axes) for t in model_tensors(cfg)}
+    assert counted == state_tensors(model)
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_every_architecture_runs(name):
+    cfg = ModelConfig(**{**SMALL, **ARCHITECTURES[name]})
+    logits = build_model(cfg)(jnp.zeros((2, 16), jnp.int32))
+    assert logits.shape == (2, 16, 256) and np.isfinite(np.asarray(logits)).all()
+
+
+def test_family_presets_fill_the_parts():
+    gpt, llama = ModelConfig(family="gpt"), ModelConfig(family="llama")
+    assert (gpt.norm, gpt.mlp, gpt.positions, gpt.tie_embeddings, gpt.bias) == (
+        "layernorm",
+        "gelu",
+        "learned",
+        True,
+        True,
+    )
+    assert (llama.norm, llama.mlp, llama.positions, llama.tie_embeddings, llama.bias) == (
+        "rmsnorm",
+        "swiglu",
+        "rope",
+        False,
+        False,
+    )
+    assert ModelConfig(family="llama", mlp="gelu").mlp == "gelu"  # a part given wins over the preset
+    assert ModelConfig(d_model=64, heads=4).head_dim == 16 and ModelConfig(heads=4, head_dim=96).attn_width == 384
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
@@ -56,8 +121,9 @@ def test_bfloat16_compute_keeps_fp32_parameters():
     assert np.isfinite(np.asarray(logits)).all()
 
 
-def test_causal():
-    model = build_model(ModelConfig(**SMALL))
+@pytest.mark.parametrize("name", ["gpt", "parallel-block", "head-dim-apart"])
+def test_causal(name):
+    model = build_model(ModelConfig(**{**SMALL, **ARCHITECTURES[name]}))
     a = jnp.arange(16)[None] % 256
     b = a.at[0, 10].set(99)
     la, lb = model(a), model(b)
@@ -69,9 +135,16 @@ def test_causal():
     ("kwargs", "pattern"),
     [
         ({"family": "bert"}, r"model.family='bert' is not one of"),
-        ({"heads": 5}, r"model.d_model=64 is not divisible by model.heads=5"),
-        ({"kv_heads": 3}, r"model.kv_heads=3 must be a positive divisor of model.heads=4"),
+        ({"mlp": "swigelu"}, r"model.mlp='swigelu' is not one of .*; did you mean 'swiglu'\?"),
+        ({"norm": "batchnorm"}, r"model.norm='batchnorm' is not one of"),
+        ({"block": "parralel"}, r"model.block='parralel' is not one of .*did you mean 'parallel'"),
+        ({"heads": 5}, r"model.d_model=64 is not divisible by model.heads=5; .* or give model.head_dim"),
+        ({"kv_heads": 3}, r"model.kv_heads=3 must divide model.heads=4"),
         ({"layers": 0}, r"model.layers=0 must be a positive integer"),
+        ({"head_dim": 0}, r"model.head_dim=0 must be a positive integer or null"),
+        ({"family": "llama", "head_dim": 15}, r"model.positions=rope .* model.head_dim=15 is odd"),
+        ({"rope_theta": 0.0}, r"model.rope_theta=0.0 must be > 0"),
+        ({"family": "gpt", "vision": VisionConfig()}, r"model.vision needs model.positions: rope"),
     ],
 )
 def test_config_errors(kwargs, pattern):
@@ -82,3 +155,5 @@ def test_config_errors(kwargs, pattern):
 def test_build_errors():
     with pytest.raises(ConfigError, match=r"train.recompute='some' is not one of"):
         build_model(ModelConfig(**SMALL), recompute="some")
+    with pytest.raises(ConfigError, match=r"train.dtype='float16' is not one of"):
+        build_model(ModelConfig(**SMALL), dtype="float16")

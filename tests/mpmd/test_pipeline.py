@@ -6,10 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hyperjax.errors import ConfigError, HyperjaxError
-from hyperjax.models import ModelConfig
-from hyperjax.mpmd.pipeline import balance_layers, split_devices
-from hyperjax.train import load_config, plan_run, train
+from hyperjax import ConfigError, HyperjaxError, load_config, resolve, train
+from hyperjax.config import ModelConfig
+from hyperjax.mpmd.transfer import split_devices
+from hyperjax.resolver import balance_layers
 
 QUICKSTART = Path(__file__).parents[2] / "configs" / "quickstart.yaml"
 STEPS = 3
@@ -17,7 +17,7 @@ BASE = [f"train.steps={STEPS}", "parallel.tensor=1"]  # quickstart's global batc
 
 
 def losses(sets: list[str]) -> list[float]:
-    return train(plan_run(load_config(QUICKSTART, [*BASE, *sets])), log=io.StringIO()).losses
+    return train(resolve(load_config(QUICKSTART, [*BASE, *sets])), log=io.StringIO()).losses
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +50,7 @@ CASES += [["parallel.pipeline=2", "parallel.tensor=2", "train.microbatches=4"]] 
 
 @pytest.mark.parametrize("sets", CASES, ids=lambda s: ",".join(x.split("=")[-1] for x in s))
 def test_pipeline_matches_spmd(spmd, sets):
-    plan = plan_run(load_config(QUICKSTART, [*BASE, *sets]))
-    assert plan.pipeline is not None
+    assert resolve(load_config(QUICKSTART, [*BASE, *sets])).pipelined
     np.testing.assert_allclose(losses(sets), spmd, rtol=1e-4, atol=0)
 
 
@@ -79,10 +78,10 @@ def test_interleaved_four_stages_matches_spmd(spmd_deep, m):
 
 def test_unequal_stages_get_layers_by_their_devices():
     sets = ["train.global_batch=48", "parallel.pipeline=2", "parallel.stage_devices=[2,6]"]
-    plan = plan_run(load_config(QUICKSTART, [*BASE, *sets]))
-    assert plan.pipeline.stage_devices == (2, 6)
-    assert plan.pipeline.chunk_layers == (1, 3)
-    assert [a["data"] for a in plan.pipeline.stage_axes] == [2, 6]
+    run = resolve(load_config(QUICKSTART, [*BASE, *sets]))
+    assert [s.devices for s in run.stages] == [2, 6]
+    assert run.chunk_layers() == (1, 3)
+    assert [s.axes["data"] for s in run.stages] == [2, 6]
 
 
 def test_balance_weighs_the_output_layer():
@@ -113,7 +112,7 @@ def test_submeshes_are_consecutive_slices():
 )
 def test_invalid_splits_name_the_key(sets, match):
     with pytest.raises(HyperjaxError, match=match):
-        plan_run(load_config(QUICKSTART, [*BASE, *sets]))
+        resolve(load_config(QUICKSTART, [*BASE, *sets]))
 
 
 def test_split_backward_leaves_w_the_weight_gemms():
@@ -124,11 +123,12 @@ def test_split_backward_leaves_w_the_weight_gemms():
 
     from hyperjax.models import build_model
     from hyperjax.models.layers import no_constraint
-    from hyperjax.mpmd.pipeline import _programs, transformer_chunks
+    from hyperjax.mpmd import model_chunks
+    from hyperjax.mpmd.programs import chunk_programs
 
     sets = ["parallel.pipeline=2", "parallel.schedule=zero-bubble", "train.microbatches=4", "model.family=llama"]
-    plan = plan_run(load_config(QUICKSTART, [*BASE, *sets]))
-    chunk = transformer_chunks(build_model(plan.config.model), plan.pipeline)[1]  # the last: blocks, head, loss
+    run = resolve(load_config(QUICKSTART, [*BASE, *sets]))
+    chunk = model_chunks(build_model(run.config.model), run)[0][1]  # the last: blocks, head, loss
     graphdef, state = nnx.split(chunk)
     params = nnx.to_pure_dict(state)
     x = jnp.ones((4, 128, 256), jnp.float32)
@@ -139,19 +139,19 @@ def test_split_backward_leaves_w_the_weight_gemms():
     def flops(fn, *args):
         return fn.lower(*args).compile().cost_analysis()["flops"]
 
-    split = _programs(graphdef, no_constraint, first=False, last=True, m=4, taps=True)
-    plain = _programs(graphdef, no_constraint, first=False, last=True, m=4, taps=False)
-    _, res = split["forward"](params, x, fed)
-    _, pullback = plain["forward"](params, x, fed)
+    split = chunk_programs(graphdef, no_constraint, first=False, last=True, m=4, taps=True)
+    plain = chunk_programs(graphdef, no_constraint, first=False, last=True, m=4, taps=False)
+    _, res = split.forward(params, x, fed)
+    _, pullback = plain.forward(params, x, fed)
     pull, kept = res
-    b = flops(split["inputs"], pull, None, acc)
-    acc_b, _, douts = split["inputs"](pull, None, zeros())
-    w = flops(split["weights"], params, kept, x, douts, fed, acc)
-    fused = flops(plain["backward"], pullback, None, acc)
-    w_plain = flops(plain["weights"], pullback, None, acc)
+    b = flops(split.inputs, pull, None, acc)
+    acc_b, _, douts = split.inputs(pull, None, zeros())
+    w = flops(split.weights, params, kept, x, douts, fed, acc)
+    fused = flops(plain.backward, pullback, None, acc)
+    w_plain = flops(plain.weights, pullback, None, acc)
     assert w < 0.6 * w_plain  # the plain W re-ran the activation-gradient chain
     assert b + w < 1.1 * fused
     # the gradients are the fused backward's
-    g_split = split["weights"](params, kept, x, douts, fed, acc_b)
-    g_plain = plain["backward"](pullback, None, zeros())[0]
+    g_split = split.weights(params, kept, x, douts, fed, acc_b)
+    g_plain = plain.backward(pullback, None, zeros())[0]
     jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-7), g_split, g_plain)

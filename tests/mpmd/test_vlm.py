@@ -7,21 +7,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hyperjax.errors import HyperjaxError
-from hyperjax.train import load_config, plan_run, train
-from hyperjax.train.data import CaptionBatches
+from hyperjax import HyperjaxError, load_config, resolve, train
+from hyperjax.train import CaptionBatches
 
 VLM = Path(__file__).parents[2] / "configs" / "vlm-tiny-mpmd.yaml"
 STEPS = ["train.steps=4", "train.warmup_steps=1"]
 
 
 def losses(sets: list[str]) -> list[float]:
-    return train(plan_run(load_config(VLM, [*STEPS, *sets])), log=io.StringIO()).losses
+    return train(resolve(load_config(VLM, [*STEPS, *sets])), log=io.StringIO()).losses
 
 
 @pytest.fixture(scope="module")
 def spmd() -> list[float]:
-    return losses(["mpmd.submeshes=[]", "parallel.data=8"])
+    return losses(["mpmd.submeshes=[]", "parallel.data=8", "train.microbatches=1"])
 
 
 @pytest.mark.parametrize(
@@ -35,24 +34,24 @@ def spmd() -> list[float]:
     ids=["1f1b", "gpipe", "zero-bubble", "zero-bubble-recompute"],
 )
 def test_mpmd_matches_spmd(spmd, sets):
-    plan = plan_run(load_config(VLM, [*STEPS, *sets]))
-    assert plan.pipeline is not None and plan.pipeline.names == ("vision", "language")
+    run = resolve(load_config(VLM, [*STEPS, *sets]))
+    assert [s.name for s in run.stages] == ["vision", "language"]
     got = losses(sets)
     assert np.all(np.isfinite(got)) and len(set(got)) == len(got)  # training moves the parameters
     np.testing.assert_allclose(got, spmd, rtol=1e-4, atol=0)
 
 
 def test_spmd_vlm_matches_one_device():
-    one = train(plan_run(load_config(VLM, [*STEPS, "mpmd.submeshes=[]"]), devices=1), log=io.StringIO()).losses
-    many = losses(["mpmd.submeshes=[]", "parallel.data=4", "parallel.tensor=2"])
+    one = train(resolve(load_config(VLM, [*STEPS, "mpmd.submeshes=[]"]), 1), log=io.StringIO()).losses
+    many = losses(["mpmd.submeshes=[]", "parallel.data=4", "parallel.tensor=2", "train.microbatches=1"])
     np.testing.assert_allclose(many, one, rtol=1e-4, atol=0)
 
 
 def test_auto_sizes_submeshes_by_predicted_compute():
     auto = "mpmd.submeshes=[{name: vision, modules: [encoder]}, {name: language, modules: [language_model]}]"
-    plan = plan_run(load_config(VLM, [auto, "train.global_batch=56", "train.microbatches=1"]))
+    run = resolve(load_config(VLM, [auto, "train.global_batch=56", "train.microbatches=1"]))
     # the language model does about 10x the encoder's work: 1 + 7 devices balances best
-    assert plan.pipeline.stage_devices == (1, 7)
+    assert [s.devices for s in run.stages] == [1, 7]
 
 
 def test_captions_need_the_image():
@@ -80,4 +79,4 @@ def test_captions_need_the_image():
 )
 def test_invalid_mpmd_names_the_key(sets, match):
     with pytest.raises(HyperjaxError, match=match):
-        plan_run(load_config(VLM, sets))
+        resolve(load_config(VLM, sets))

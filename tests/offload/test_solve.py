@@ -8,8 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hyperjax.cost import estimate
-from hyperjax.errors import ConfigError
+from hyperjax import ConfigError, estimate, load_config, load_hardware, resolve
 from hyperjax.offload import (
     Placement,
     brute_force,
@@ -18,24 +17,25 @@ from hyperjax.offload import (
     from_patterns,
     from_recompute,
     greedy,
+    offload_pass,
     solve_exact,
 )
-from hyperjax.offload.plan import plan_offload
-from hyperjax.offload.solve import GIB, minimum_memory
-from hyperjax.topology import load_hardware
-from hyperjax.train import load_config
+from hyperjax.offload.problem import GIB
+from hyperjax.offload.solve import minimum_memory
 
 ROOT = Path(__file__).parents[2]
 HW = load_hardware("cloudmatrix384")
 
 
 def config(**sets):
-    return load_config(ROOT / "configs/quickstart.yaml", [f"{k}={v}" for k, v in sets.items()])
+    return load_config(
+        ROOT / "configs/quickstart.yaml", ["emulate.devices=null", *(f"{k}={v}" for k, v in sets.items())]
+    )
 
 
 def problem_of(cfg, budget_bytes, prefetch=1):
-    base = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none"))
-    return build_problem(estimate(base, HW), hardware=HW, budget_bytes=budget_bytes, prefetch=prefetch)
+    base = dataclasses.replace(resolve(cfg), recompute="none")
+    return build_problem(estimate(base), hardware=HW, budget_bytes=budget_bytes, prefetch=prefetch)
 
 
 def only(problem, keep):
@@ -55,7 +55,7 @@ def test_the_placement_of_train_recompute_prices_as_the_estimate(recompute, tens
     cfg = config(
         **{"train.recompute": recompute, "parallel.tensor": tensor, "parallel.data": 4, "train.micro_batch": 2}
     )
-    est = estimate(cfg, HW)
+    est = estimate(resolve(cfg))
     priced = evaluate(problem_of(cfg, HW.device.hbm_bytes), from_recompute(recompute, cfg.model.layers))
     assert priced.peak_bytes == pytest.approx(est.memory_per_device_gib["peak"] * GIB, rel=1e-9)
     assert priced.step_time_s == pytest.approx(est.step_time_s, rel=1e-9)
@@ -132,15 +132,15 @@ def test_a_tighter_budget_never_speeds_the_step_up():
 
 def test_a_budget_nothing_fits_names_the_term_and_the_smallest_budget():
     cfg = config(**{"offload.policy": "auto", "offload.device_memory_gib": 0.001, "parallel.data": 4})
-    plan = plan_offload(cfg, HW)
+    plan = offload_pass(resolve(cfg))
     assert not plan.fits
     out = plan.to_dict()
     assert out["fits"] is False
     assert out["cannot_fit"] in plan.problem.fixed_terms or out["cannot_fit"].startswith("device staging buffer")
     smallest = out["smallest_budget_gib"]
     assert smallest > 0.001
-    again = plan_offload(
-        dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, device_memory_gib=smallest)), HW
+    again = offload_pass(
+        resolve(dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, device_memory_gib=smallest)))
     )
     assert again.fits
     assert "offload.device_memory_gib" in str(plan.error()) and f"{smallest:g}" in str(plan.error())

@@ -6,10 +6,12 @@ from pathlib import Path
 import jax
 import pytest
 
+from hyperjax import load_config, resolve
 from hyperjax.cli.main import main
 from hyperjax.models import build_model
+from hyperjax.offload import block_policies
 from hyperjax.offload.apply import layer_of
-from hyperjax.train import load_config, plan_run
+from hyperjax.train import prepare
 from hyperjax.train.loop import _data, _spmd
 
 ROOT = Path(__file__).parents[2]
@@ -18,10 +20,10 @@ QUICKSTART = ROOT / "configs/quickstart.yaml"
 
 def run(sets, steps=3):
     cfg = load_config(QUICKSTART, [*sets, f"train.steps={steps}"])
-    plan = plan_run(cfg)
+    plan = prepare(resolve(cfg))
     t = cfg.train
-    placement = plan.offload.placement if plan.offload is not None else None
-    model = build_model(cfg.model, dtype=t.dtype, recompute=t.recompute, seed=t.seed, placement=placement)
+    policies = block_policies(plan.offload.placement, cfg.model.layers) if plan.offload is not None else None
+    model = build_model(cfg.model, dtype=t.dtype, recompute=t.recompute, seed=t.seed, policies=policies)
     step, state, _ = _spmd(plan, model, _data(cfg))
     losses = []
     for i in range(steps):
@@ -56,7 +58,7 @@ def test_offload_keeps_the_losses_and_puts_state_in_pinned_host(sets):
     for kind, tree in (("params", state["params"]), ("optimizer", state["opt_state"])):
         expected = {
             (i, "pinned_host" if placement[f"layers.{i}.{kind}"] == "host" else "device")
-            for i in range(plan.config.model.layers)
+            for i in range(plan.run.config.model.layers)
         }
         assert kinds(tree) == expected, kind
     assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state["params"]["embed"])} == {"device"}
@@ -76,10 +78,10 @@ def test_manual_activation_offload_and_recompute_keep_the_losses():
     try:
         _, _, reference = run([])
         cfg = load_config(path, ["train.steps=3"])
-        plan = plan_run(cfg)
+        plan = prepare(resolve(cfg))
         placement = plan.offload.placement
         assert placement["layers.3.act.qkv"] == "host" and placement["layers.2.act.norms"] == "recompute"
-        model = build_model(cfg.model, seed=cfg.train.seed, placement=placement)
+        model = build_model(cfg.model, seed=cfg.train.seed, policies=block_policies(placement, cfg.model.layers))
         assert model.policies[1] == (("norms", "attn_out"), ("qkv", "mlp_hidden"))  # attn_core recomputed
         assert model.policies[3] == (("norms", "attn_core", "attn_out"), ("qkv", "mlp_hidden"))
         step, state, _ = _spmd(plan, model, _data(cfg))

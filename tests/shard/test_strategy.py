@@ -7,7 +7,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hyperjax import ShardingError, Strategy, load_hardware, make_mesh
-from hyperjax.models import ModelConfig, build_model
+from hyperjax.config import ModelConfig
+from hyperjax.models import build_model
 
 HW = load_hardware("cloudmatrix384")
 RULES = {"batch": "data", "embed": None, "mlp": "tensor", "heads": "tensor", "seq": None}

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hyperjax.train import load_config, plan_run, train
+from hyperjax import load_config, resolve, train
 
 QUICKSTART = Path(__file__).parents[2] / "configs" / "quickstart.yaml"
 STEPS = 5
@@ -16,7 +16,7 @@ STEPS = 5
 
 def losses(sets: list[str], devices: int = 8, config: Path = QUICKSTART) -> list[float]:
     cfg = load_config(config, [f"train.steps={STEPS}", "parallel.tensor=1", *sets])
-    return train(plan_run(cfg, devices=devices), log=io.StringIO()).losses
+    return train(resolve(cfg, devices), log=io.StringIO()).losses
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +97,27 @@ def test_random_strategies_match_single_device(single_device, degrees, sequence_
         f"train.recompute={recompute}",
     ]
     np.testing.assert_allclose(losses(sets), single_device, rtol=1e-4, atol=0)
+
+
+# architectures described by their parts; the quickstart's shape, two layers
+ARCHITECTURES = {
+    "parallel-block": ["model.block=parallel", "model.bias=false"],
+    "head-dim-apart": ["model.family=llama", "model.head_dim=48", "model.kv_heads=4"],
+    "relu": ["model.mlp=relu"],
+    "untied": ["model.tie_embeddings=false", "model.mlp=geglu"],
+    # PaLM-style: one key/value head for all queries, kept whole on every tensor-parallel device
+    "multi-query": ["model.family=llama", "model.kv_heads=1", "shard.kv_heads=null", "shard.act_kv_heads=null"],
+}
+SHARDED = [
+    ["parallel.data=2", "parallel.tensor=4", "parallel.sequence_parallel=true"],
+    ["parallel.fsdp=2", "parallel.tensor=2", "parallel.context=2", "parallel.zero_stage=1"],
+]
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_architectures_match_single_device(name):
+    arch = [*ARCHITECTURES[name], "model.layers=2"]
+    reference = losses(arch, devices=1)
+    assert reference[-1] < reference[0]
+    for sets in SHARDED:
+        np.testing.assert_allclose(losses([*arch, *sets]), reference, rtol=1e-4, atol=0, err_msg=str(sets))

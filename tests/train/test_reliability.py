@@ -15,11 +15,10 @@ import jax
 import numpy as np
 import pytest
 
+from hyperjax import load_config, resolve, train
 from hyperjax.cli.main import main
-from hyperjax.train import load_config
+from hyperjax.train import prepare
 from hyperjax.train.checkpoint import Checkpoints, saved_steps
-from hyperjax.train.loop import train
-from hyperjax.train.plan import plan_run
 
 QUICK = str(Path(__file__).parents[2] / "configs" / "quickstart.yaml")
 # a smaller quickstart: 8 steps, a checkpoint every 2
@@ -44,7 +43,7 @@ def _losses(path: Path) -> list[float]:
 
 
 def test_resume_is_bitwise_on_the_same_mesh_and_close_on_another(tmp_path: Path):
-    plan = plan_run(_cfg())
+    plan = resolve(_cfg())
     whole = train(plan, checkpoint_dir=str(tmp_path / "a"), log=None)
     assert saved_steps(tmp_path / "a") == [4, 6, 8]  # train.keep_checkpoints: 3
     # the run as it stood after step 4: its checkpoint alone
@@ -55,7 +54,7 @@ def test_resume_is_bitwise_on_the_same_mesh_and_close_on_another(tmp_path: Path)
     assert _losses(metrics) == whole.losses  # the file covers the whole run, each step once
     # onto 4 devices under another strategy: restored resharded, the same numbers to 1e-4
     shutil.copytree(tmp_path / "a" / "4", tmp_path / "c" / "4")
-    other = plan_run(_cfg("emulate.devices=4", "parallel.tensor=1", "parallel.fsdp=2"))
+    other = resolve(_cfg("emulate.devices=4", "parallel.tensor=1", "parallel.fsdp=2"))
     assert other.devices == 4 and other.axes["fsdp"] == 2
     moved = train(other, checkpoint_dir=str(tmp_path / "c"), resume=True, log=None)
     assert moved.losses[:4] == whole.losses[:4]
@@ -72,8 +71,8 @@ def test_resume_is_bitwise_on_the_same_mesh_and_close_on_another(tmp_path: Path)
     ids=["pipeline", "offload"],
 )
 def test_pipeline_and_offload_runs_resume_bitwise(tmp_path: Path, sets: tuple[str, ...]):
-    plan = plan_run(_cfg(*sets, "train.steps=6"))
-    assert plan.pipeline is not None or plan.offload.placement["layers.0.params"] == "host"
+    plan = prepare(resolve(_cfg(*sets, "train.steps=6")))
+    assert plan.run.pipelined or plan.offload.placement["layers.0.params"] == "host"
     whole = train(plan, checkpoint_dir=str(tmp_path / "a"), log=None)
     shutil.copytree(tmp_path / "a" / "2", tmp_path / "b" / "2")
     assert train(plan, checkpoint_dir=str(tmp_path / "b"), resume=True, log=None).losses == whole.losses

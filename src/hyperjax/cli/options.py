@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from hyperjax.train.config import Config, load_config
+from hyperjax.config import Config, load_config
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, *, config_help: str, hardware: bool) -> None:
@@ -27,7 +27,7 @@ def config_from_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> Con
     """Load the config named on the command line with its ``--set`` (and ``--hardware``) overrides.
 
     Raises:
-      ConfigError: as :func:`hyperjax.train.load_config`.
+      ConfigError: as :func:`hyperjax.load_config`.
     """
     sets = [*args.sets, *extra]
     if getattr(args, "hardware", None):

@@ -16,6 +16,8 @@ from rich.table import Table
 from hyperjax.cli.display import console, fmt_count
 from hyperjax.cli.options import add_config_arguments, config_from_args
 from hyperjax.errors import ConfigError
+from hyperjax.search import NothingFits, plan
+from hyperjax.topology import load_hardware
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,16 +30,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hyperjax.cost.planner import NothingFits, plan
-    from hyperjax.topology import load_hardware
-
     if args.devices < 1 or args.top < 1:
         raise ConfigError(f"--devices {args.devices} and --top {args.top} must be positive integers")
     cfg = config_from_args(args)
     hw = load_hardware(cfg.hardware)
     start = time.perf_counter()
     try:
-        best, priced, fitting = plan(cfg, hw, args.devices, keep=args.top)
+        best, priced, fitting = plan(cfg, args.devices, keep=args.top, hardware=hw)
     except NothingFits as e:
         if args.json:  # the answer is "nothing fits": say so in the JSON too, then exit 2 with the message
             print(json.dumps(e.report | {"error": str(e)}, indent=2))
@@ -59,45 +58,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     out = console()
     out.print(
-        f"planned {cfg.model.family} ({fmt_count(best[0].estimate.details['params'])} parameters) on "
+        f"planned {cfg.model.family} ({fmt_count(best[0].estimate.params)} parameters) on "
         f"{args.devices} {hw.name} devices: {priced} strategies priced, {fitting} fit, {elapsed:.1f} s"
     )
     table = Table(title="fastest strategies that fit (predicted)")
-    for col in (
-        "#",
-        "data",
-        "fsdp",
-        "zero",
-        "tensor",
-        "sp",
-        "context",
-        "pipeline",
-        "schedule",
-        "micro",
-        "recompute",
-        "offload",
-        "step s",
-        "MFU",
-        "peak GiB",
-    ):
-        table.add_column(col, justify="right")
+    for col in ("#", "strategy", "recompute", "offload", "step s", "MFU", "peak GiB"):
+        table.add_column(col, justify="left" if col == "strategy" else "right")
     for i, c in enumerate(best, 1):
-        o, e = c.overrides, c.estimate
-        sched = o["parallel.schedule"] + (
-            f"x{o['parallel.virtual_stages']}" if o["parallel.virtual_stages"] > 1 else ""
-        )
+        e = c.estimate
         table.add_row(
             str(i),
-            str(o["parallel.data"]),
-            str(o["parallel.fsdp"]),
-            str(o["parallel.zero_stage"]),
-            str(o["parallel.tensor"]),
-            "y" if o["parallel.sequence_parallel"] else "-",
-            str(o["parallel.context"]),
-            str(o["parallel.pipeline"]),
-            sched if o["parallel.pipeline"] > 1 else "-",
-            str(o["train.micro_batch"] or "all"),
-            o["train.recompute"],
+            c.run.describe(),
+            c.run.recompute,
             f"{c.offload['host_gib_per_device']:.2g}" if c.offload else "-",
             f"{e.step_time_s:.4g}",
             f"{e.mfu:.1%}",

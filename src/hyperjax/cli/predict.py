@@ -1,6 +1,8 @@
 """``hyperjax predict CONFIG``: what one training step of the config costs on the real machine.
 
-Any size works: ``emulate`` is ignored and the device count is the product of the parallel degrees.
+The config is resolved exactly as ``hyperjax train`` resolves it (:func:`hyperjax.resolve`), so the run
+priced is the run ``train`` would start; ``--json`` prints it as ``"run"``. Any size works: a run too
+large to emulate here is still priced.
 """
 
 from __future__ import annotations
@@ -10,50 +12,46 @@ import json
 
 from rich.table import Table
 
-from hyperjax.cli.display import console, fmt_count
+from hyperjax.cli.display import check_writable, console, fmt_count
 from hyperjax.cli.options import add_config_arguments, config_from_args
+from hyperjax.config import ACTIVATIONS
+from hyperjax.cost import Estimate, estimate, write_trace
+from hyperjax.offload import OffloadResult, offload_pass, with_offload
+from hyperjax.offload.placement import KINDS
+from hyperjax.resolver import resolve
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("predict", help="predict step time, memory and communication", description=__doc__)
     add_config_arguments(p, config_help="YAML config", hardware=True)
+    p.add_argument("--devices", type=int, metavar="N", help="devices of the run (as train --devices)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", metavar="FILE.json", help="write a Perfetto / Chrome trace of the predicted step")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from hyperjax.cli.display import check_writable
-    from hyperjax.cost import estimate
-    from hyperjax.cost.trace import write_trace
-    from hyperjax.topology import load_hardware
-
     if args.trace:
         check_writable(args.trace, "--trace")
-    cfg = config_from_args(args)
-    hw = load_hardware(cfg.hardware)
-    est = estimate(cfg, hw)
+    run = resolve(config_from_args(args), args.devices)
+    est = estimate(run)
     offload = None
-    if cfg.offload.policy != "none":
-        from hyperjax.offload.plan import plan_offload, with_offload
-
-        offload = plan_offload(cfg, hw)
+    if run.offload != "none":
+        offload = offload_pass(run)
         est = with_offload(offload)
     if args.trace:
-        write_trace(est, args.trace, title=f"{cfg.model.family} on {hw.name}")
+        write_trace(est, args.trace, title=f"{run.config.model.family} on {run.hardware.name}")
     if args.json:
         print(json.dumps(est.to_dict() | ({"offload": offload.to_dict()} if offload else {}), indent=2))
         return 0
-    print_estimate(est, hw.name)
+    print_estimate(est)
     if offload is not None:
         print_offload(offload)
     return 0
 
 
-def print_offload(plan) -> None:
-    """The placement table of an :class:`hyperjax.offload.plan.OffloadPlan` and its price."""
-    from hyperjax.offload.placement import ACTIVATIONS, KINDS
-
+def print_offload(plan: OffloadResult) -> None:
+    """The placement table of an offload pass's result and its price."""
     out = console()
     p = plan.priced
     table = Table(title=f"offload placement ({plan.policy}), per layer")
@@ -72,15 +70,15 @@ def print_offload(plan) -> None:
         out.print(f"  the smallest budget any placement fits: {plan.smallest_budget_gib:g} GiB")
 
 
-def print_estimate(est, hardware: str) -> None:
+def print_estimate(est: Estimate) -> None:
     """The readable form of an estimate."""
     out = console()
-    axes = ",".join(f"{k}={v}" for k, v in est.details["axes"].items() if v > 1) or "single device"
+    run = est.run
     out.print(
-        f"[bold]predicted on {hardware}[/bold]: {est.devices} devices, {axes}; "
-        f"{fmt_count(est.details['params'])} parameters, {est.details['microbatches']} micro-batches of "
-        f"{est.details['micro_batch']}"
+        f"[bold]predicted on {run.hardware.name}[/bold]: {run.devices} devices; {fmt_count(est.params)} parameters; "
+        f"{run.microbatches} micro-batches of {run.micro_batch} per replica"
     )
+    out.print(f"  strategy: {run.describe()}", soft_wrap=True)
     out.print(
         f"  step time {est.step_time_s:.4g} s; MFU {est.mfu:.1%}; "
         f"{est.model_flops_per_step / est.step_time_s / est.devices / 1e12:.1f} model TFLOP/s per device"

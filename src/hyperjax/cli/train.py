@@ -1,18 +1,22 @@
 """``hyperjax train CONFIG``: train a model on the emulated mesh under a HyperShard strategy.
 
-The configuration is parsed and the whole plan validated before any device starts. Runs of more than
+The configuration is resolved (:func:`hyperjax.resolve`) and checked before any device starts. Runs of more than
 256 devices go through the launcher transparently: the same command at 8 or 384 devices.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 from hyperjax.cli.display import check_folder, check_writable, console
 from hyperjax.cli.launching import add_join_arguments, run_on_devices
 from hyperjax.cli.options import add_config_arguments
-from hyperjax.errors import ConfigError
-from hyperjax.train.config import load_config
+from hyperjax.config import Run, load_config
+from hyperjax.errors import ConfigError, EmulationError
+from hyperjax.resolver import elastic_overrides, resolve
+from hyperjax.train import Prepared, prepare
+from hyperjax.train.checkpoint import last_progress, saved_steps
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,6 +26,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-out", metavar="FILE.jsonl", help="write one JSON object per step")
     p.add_argument("--out-dir", metavar="DIR", help="where the loss curve goes (default: runs/CONFIG-NAME)")
     p.add_argument("--explain", action="store_true", help="print where every parameter lives, then exit")
+    p.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="resolve and check the run train would start, print it, and exit without starting any device",
+    )
+    p.add_argument("--json", action="store_true", help="with --plan-only: print the run as one JSON object")
     ckpt = p.add_argument_group("checkpoints and failures")
     ckpt.add_argument(
         "--checkpoint-dir", metavar="DIR", help="write a checkpoint every train.checkpoint_every steps into DIR"
@@ -48,27 +58,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from hyperjax.train.checkpoint import saved_steps
-    from hyperjax.train.plan import elastic_overrides, plan_run
-
     _check_flags(args)
     sets = [*args.sets, *([] if args.steps is None else [f"train.steps={args.steps}"])]  # what children are told
     if args.devices is not None and args.elastic:
-        moved, plan = elastic_overrides(_loader(args, sets), args.devices)
+        moved, run = elastic_overrides(_loader(args, sets), args.devices)
         sets += moved
     else:
         sets += [] if args.devices is None else [f"emulate.devices={args.devices}"]
-        plan = plan_run(load_config(args.config, sets))
+        run = resolve(load_config(args.config, sets))
+    ready = prepare(run)  # everything train checks before it starts a device
+    if args.plan_only:
+        return _print_run(run, json_out=args.json)
+    if run.processes is None:
+        raise EmulationError(f"{run.emulation_limit}; hyperjax predict still prices this run")
     out_dir = args.out_dir or str(Path("runs") / Path(args.config).stem)
     if args.metrics_out:
         check_writable(args.metrics_out, "--metrics-out")
     check_folder(out_dir, "--out-dir")
     if args.checkpoint_dir:
         check_folder(args.checkpoint_dir, "--checkpoint-dir")
-        if plan.pipeline is not None and plan.processes > 1:
+        if run.pipelined and run.processes > 1:
             raise ConfigError(
                 f"--checkpoint-dir: a pipeline or MPMD run keeps each stage's state in the processes of its "
-                f"submesh, and checkpoints of such runs across {plan.processes} processes are not supported; "
+                f"submesh, and checkpoints of such runs across {run.processes} processes are not supported; "
                 "run it in one process (--set emulate.processes=1, up to 256 devices) to checkpoint it"
             )
         earlier = saved_steps(args.checkpoint_dir)
@@ -96,12 +108,12 @@ def run(args: argparse.Namespace) -> int:
     if args.max_restarts == 0 or args.explain:
         return run_on_devices(
             args,
-            devices=plan.devices,
-            processes=plan.processes,
-            child_args=child(sets, plan.processes, args.resume),
-            work=lambda: _train(plan, args, out_dir),
+            devices=run.devices,
+            processes=run.processes,
+            child_args=child(sets, run.processes, args.resume),
+            work=lambda: _train(ready, args, out_dir),
         )
-    return _supervise(args, plan, sets, child)
+    return _supervise(args, run, sets, child)
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -118,19 +130,19 @@ def _check_flags(args: argparse.Namespace) -> None:
         )
     if args.max_restarts and args.coordinator is not None:
         raise ConfigError("--max-restarts supervises the processes it launches; do not combine it with --coordinator")
+    if args.json and not args.plan_only:
+        raise ConfigError("--json prints the resolved run; use it with --plan-only")
     if args.elastic and not (args.max_restarts or args.resume or args.devices):
         raise ConfigError(
             "--elastic changes the device count of a restart or a resume; add --max-restarts N or --resume"
         )
 
 
-def _supervise(args: argparse.Namespace, plan, sets: list[str], child) -> int:
+def _supervise(args: argparse.Namespace, run: Run, sets: list[str], child) -> int:
     """Run the job in launched processes; when one dies, restart from the latest checkpoint (``--max-restarts``)."""
     from hyperjax.cli.launching import spawn
-    from hyperjax.train.checkpoint import last_progress, saved_steps
-    from hyperjax.train.plan import elastic_overrides
 
-    devices, processes, resume = plan.devices, plan.processes, args.resume
+    devices, processes, resume = run.devices, run.processes, args.resume
     for attempt in range(args.max_restarts + 1):
         ended = spawn(devices=devices, processes=processes, child_args=child(sets, processes, resume))
         if ended.status == 0:
@@ -147,12 +159,10 @@ def _supervise(args: argparse.Namespace, plan, sets: list[str], child) -> int:
         reached = last_progress(args.checkpoint_dir) or 0
         if args.elastic and processes > 1:
             lost = devices // processes
-            moved, new_plan = elastic_overrides(_loader(args, sets), devices - lost)
+            moved, new_run = elastic_overrides(_loader(args, sets), devices - lost)
             sets = [*sets, *moved]
-            devices, processes = new_plan.devices, new_plan.processes
-            where = (
-                f"on {devices} devices ({lost} dropped with process {ended.process}; strategy {new_plan.describe()})"
-            )
+            devices, processes = new_run.devices, new_run.processes
+            where = f"on {devices} devices ({lost} dropped with process {ended.process}; strategy {new_run.describe()})"
         else:
             where = f"on {devices} devices"
         start = "the start" if latest is None else f"the checkpoint of step {latest}"
@@ -177,37 +187,56 @@ def _say(message: str) -> None:
     print(f"[launcher] {message}", file=sys.stderr, flush=True)
 
 
-def _train(plan, args: argparse.Namespace, out_dir: str) -> int:
+def _print_run(run: Run, *, json_out: bool) -> int:
+    """``--plan-only``: the run train would start, as ``predict`` prints it."""
+    if json_out:
+        print(json.dumps({"run": run.to_dict()}, indent=2))
+        return 0
+    out = console()
+    where = f"{run.processes} process(es)" if run.processes else f"not emulated here: {run.emulation_limit}"
+    out.print(
+        f"plan only: {run.config.model.family} on {run.devices} emulated {run.hardware.name} devices "
+        f"({where}); strategy: {run.describe()}",
+        soft_wrap=True,
+    )
+    for stage in run.stages:
+        last = stage.first_device + stage.devices - 1
+        out.print(f"  {stage.name}: {stage.describe()} (devices {stage.first_device}-{last})")
+    return 0
+
+
+def _train(ready: Prepared, args: argparse.Namespace, out_dir: str) -> int:
     import jax
     from flax import nnx
 
     from hyperjax.models import build_model
     from hyperjax.topology import make_mesh
-    from hyperjax.train.loop import summary, train
+    from hyperjax.train import summary, train
 
     out = console()
     lead = jax.process_index() == 0
-    t = plan.config.train
+    run, t = ready.run, ready.run.config.train
     if args.explain:
-        mesh = make_mesh(plan.hardware, plan.axes, devices=jax.devices()[: plan.devices])
-        state = nnx.state(nnx.eval_shape(lambda: build_model(plan.config.model, seed=t.seed)))
+        mesh = make_mesh(run.hardware, run.axes, devices=jax.devices()[: run.devices])
+        state = nnx.state(nnx.eval_shape(lambda: build_model(run.config.model, seed=t.seed)))
         if lead:
-            out.print(plan.strategy.explain(state, mesh).table(f"parameters under {plan.describe()}"))
+            out.print(ready.strategy.explain(state, mesh).table(f"parameters under {run.describe()}"))
         return 0
     if lead:
         out.print(
-            f"training {plan.config.model.family} on {plan.devices} emulated {plan.hardware.name} devices "
-            f"({jax.process_count()} process(es)); strategy: {plan.describe()}"
+            f"training {run.config.model.family} on {run.devices} emulated {run.hardware.name} devices "
+            f"({jax.process_count()} process(es)); strategy: {run.describe()}",
+            soft_wrap=True,
         )
-    if lead and plan.offload is not None:
+    if lead and ready.offload is not None:
         from hyperjax.cli.predict import print_offload
 
-        print_offload(plan.offload)
+        print_offload(ready.offload)
     result = train(
-        plan, metrics_out=args.metrics_out, out_dir=out_dir, checkpoint_dir=args.checkpoint_dir, resume=args.resume
+        ready, metrics_out=args.metrics_out, out_dir=out_dir, checkpoint_dir=args.checkpoint_dir, resume=args.resume
     )
     if lead:
-        s = summary(plan, result)
+        s = summary(run, result)
         out.print(
             f"[bold]summary[/bold]: {s['params']:,} parameters; strategy {s['strategy']}; mesh "
             + ",".join(f"{k}={v}" for k, v in s["mesh"].items())
@@ -216,25 +245,14 @@ def _train(plan, args: argparse.Namespace, out_dir: str) -> int:
         out.print(f"  per-device memory of the compiled step: {s['memory_per_device_bytes'] / 2**20:.1f} MiB")
         out.print(f"  emulated step time: {s['emulated_step_time_s'] * 1e3:.1f} ms (median after compilation)")
         out.print(f"  loss curve: {out_dir}/loss.png")
-        _print_prediction(plan)
+        _print_prediction(ready)
     return 0
 
 
-def _print_prediction(plan) -> None:
+def _print_prediction(ready: Prepared) -> None:
     """The cost model's prediction for the same run on the real machine of its preset."""
-    import dataclasses
-
     from hyperjax.cli.predict import print_estimate
     from hyperjax.cost import estimate
+    from hyperjax.offload import with_offload
 
-    cfg = plan.config
-    if cfg.model.vision is not None:
-        print("  prediction: a vision-language model is priced by hyperjax.cost.mpmd (python benchmarks/mpmd.py)")
-        return
-    same = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, data=plan.axes["data"]))
-    if plan.offload is not None:
-        from hyperjax.offload.plan import with_offload
-
-        print_estimate(with_offload(plan.offload), plan.hardware.name)
-        return
-    print_estimate(estimate(same, plan.hardware), plan.hardware.name)
+    print_estimate(with_offload(ready.offload) if ready.offload is not None else estimate(ready.run))

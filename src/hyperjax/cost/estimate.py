@@ -1,34 +1,28 @@
-"""Predict a training step on real hardware: time, memory and communication, from the configuration alone.
+"""Predict a training step on real hardware: time, memory and communication of a resolved run.
 
-An analytic inventory of one transformer training step on one device (matrix multiplies, element-wise
-traffic, collectives, memory terms) is priced by :mod:`hyperjax.cost.compute` and
-:mod:`hyperjax.cost.collectives` and combined with the strategy's overlap and the pipeline schedule. It
-answers in milliseconds for any size: thousands of devices, hundreds of billions of parameters.
-
-Conventions (Megatron's, so published runs compare directly):
-- FLOPs count attention scores over the full ``s x s`` square, and model FLOPs exclude recomputation.
-- Stored activations per layer follow Korthikanti et al. (2022), ``s b h (34 + 5 a s / h)`` bytes in
-  16-bit, split by tensor and sequence parallelism and cut by selective or full recomputation.
-- Tensor-parallel and context-parallel collectives sit on the critical path; data-parallel gradient
-  reduction overlaps the last micro-batch's backward pass; FSDP gathers overlap the previous layer.
+Each stage of the run is priced for one micro-batch (:mod:`hyperjax.cost.stage`), and the stages are
+combined by the schedule the runtime executes. Stages equal in devices, mesh and layers are combined in
+closed form, every stage priced as the slowest of them: GPipe and 1F1B idle the grid's own fraction,
+interleaved and zero-bubble the fraction of their grid replayed with these task lengths. Unequal stages
+(a pipeline with ``stage_devices`` or ``stage_layers``, a vision-language model's submeshes) are replayed
+on the grid task by task, each chunk with its own lengths. The data-parallel gradient reduction overlaps
+the last micro-batch's backward; the optimizer step follows. It answers in milliseconds for any size.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import itertools
 from typing import Any
 
-from hyperjax.cost.collectives import collective_time
-from hyperjax.cost.compute import gemm_time, stream_time
-from hyperjax.errors import ConfigError
-from hyperjax.mpmd.schedules import grid_bubble, uniform_bubble
-from hyperjax.shard import mesh_axes_for
-from hyperjax.topology import Hardware, axis_spans
-from hyperjax.train.config import Config
+from hyperjax.config import Run
+from hyperjax.cost.counts import count_params, model_flops_per_sequence
+from hyperjax.cost.stage import StageCost, boundary_span, price_stage
+from hyperjax.mpmd.schedules import Schedule, Task, grid_bubble, make_schedule, replay, task_seconds, uniform_bubble
+from hyperjax.topology import AxisSpan, Hardware, axis_spans
 
 GIB = 2**30
-PLACEMENT = ("pipeline", "data", "fsdp", "context", "tensor")  # outermost first: tensor stays in the fast tier
+MEMORY_TERMS = ("params", "optimizer", "gradients", "activations")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,20 +30,27 @@ class Estimate:
     """A predicted training step.
 
     Attributes:
+      run: the resolved run it prices.
       step_time_s: seconds per optimizer step.
       devices: devices in the job.
       model_flops_per_step: FLOPs of forward and backward over the global batch, recomputation excluded.
       mfu: model FLOPs utilisation, ``model_flops_per_step / (step_time_s * devices * peak)``, the peak
         the compute dtype's products run at (:meth:`Hardware.matmul_flops`: TF32's for float32 on A100/H100).
-      memory_per_device_gib: ``params``, ``optimizer``, ``gradients``, ``activations`` and ``peak``.
+      memory_per_device_gib: the fullest stage's ``params``, ``optimizer``, ``gradients``, ``activations``
+        and ``peak``.
       fits: whether ``peak`` fits the device memory.
       overflow: when it does not fit, the largest memory term.
       breakdown_s: ``compute``, ``exposed_communication``, ``pipeline_bubble``, ``recompute``,
-        ``optimizer`` (they add up to ``step_time_s``).
-      communication_s: every collective's total time per step, by name, exposed or not.
-      details: derived sizes (micro-batches, layers per stage, mesh axes, ...).
+        ``optimizer`` of the slowest stage (they add up to ``step_time_s``).
+      communication_s: every collective's total time per step on the slowest stage, by name, exposed or not.
+      stages: every stage's cost.
+      critical: the slowest stage (per micro-batch), whose terms make the breakdown.
+      fullest: the stage with the largest peak memory.
+      bubble_ratio: the pipeline's idle time over the slowest stage's busy time.
+      closed_form: whether the stages were combined in closed form (equal stages) or replayed.
     """
 
+    run: Run
     step_time_s: float
     devices: int
     model_flops_per_step: float
@@ -59,257 +60,151 @@ class Estimate:
     overflow: str | None
     breakdown_s: dict[str, float]
     communication_s: dict[str, float]
-    details: dict[str, Any]
+    stages: tuple[StageCost, ...]
+    critical: int
+    fullest: int
+    bubble_ratio: float
+    closed_form: bool
+
+    @property
+    def params(self) -> int:
+        """Parameters of the model."""
+        return count_params(self.run.config.model)
+
+    def details(self) -> dict[str, Any]:
+        """Derived sizes, for people reading ``--json``: the slowest stage's mesh, layers, task lengths."""
+        c = self.stages[self.critical]
+        spans = c.spans
+        task = self.task_lengths()
+        return {
+            "axes": {"pipeline": len(self.run.stages), **c.stage.axes},
+            "microbatches": self.run.microbatches,
+            "micro_batch": self.run.micro_batch,
+            "layers_per_stage": c.layers,
+            "params": self.params,
+            "tiers": {k: sp.tier for k, sp in spans.items()},
+            "task_s": {"F": task[0], "B": task[1], "W": task[2]},
+            "in_flight": self.stages[self.fullest].in_flight,
+            "bubble_ratio": self.bubble_ratio,
+            "closed_form": self.closed_form,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready data (the ``hyperjax predict --json`` object)."""
-        return dataclasses.asdict(self)
+        return {
+            "step_time_s": self.step_time_s,
+            "devices": self.devices,
+            "model_flops_per_step": self.model_flops_per_step,
+            "mfu": self.mfu,
+            "memory_per_device_gib": self.memory_per_device_gib,
+            "fits": self.fits,
+            "overflow": self.overflow,
+            "breakdown_s": self.breakdown_s,
+            "communication_s": self.communication_s,
+            "details": self.details(),
+            "run": self.run.to_dict(),
+        }
 
-
-def predict_axes(cfg: Config) -> dict[str, int]:
-    """Mesh axis sizes for prediction: the product of the degrees (``parallel.data: null`` means 1)."""
-    p = cfg.parallel
-    data = 1 if p.data is None else p.data
-    devices = data * p.fsdp * p.context * p.tensor * p.pipeline
-    axes = mesh_axes_for(
-        devices=devices, data=data, fsdp=p.fsdp, context=p.context, tensor=p.tensor, pipeline=p.pipeline
-    )
-    return {"pipeline": p.pipeline, **axes}
-
-
-def estimate(cfg: Config, hardware: Hardware) -> Estimate:
-    """Predict one training step of ``cfg`` on ``hardware``.
-
-    Raises:
-      ConfigError: degrees that do not divide the model (heads, layers, batch, sequence).
-    """
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    if m.vision is not None:
-        raise ConfigError(
-            "model.vision: predict prices decoder-only models; a vision-language model is priced module by "
-            "module, as one SPMD program and as MPMD submeshes, by hyperjax.cost.mpmd (python benchmarks/mpmd.py)"
+    def task_lengths(self) -> tuple[float, float, float]:
+        """The slowest stage's ``F``, ``B`` and ``W`` per chunk, averaged over its chunks."""
+        c = self.stages[self.critical]
+        v = len(c.chunks)
+        return (
+            sum(t.forward_s for t in c.chunks) / v,
+            sum(t.backward_s for t in c.chunks) / v,
+            sum(t.weight_s for t in c.chunks) / v,
         )
-    axes = predict_axes(cfg)
-    ordered = {k: axes[k] for k in PLACEMENT}
-    spans = _spans(hardware, tuple(ordered.items()))
-    devices = math.prod(axes.values())
-    tp, cp, pp, v = p.tensor, p.context, p.pipeline, p.virtual_stages
-    dp = axes["data"] * p.fsdp
-    _check_divisible(cfg, dp)
-    e = 2 if t.dtype == "bfloat16" else 4  # activation and matmul operand bytes
-    dtype = t.dtype
-    if pp > 1 and t.microbatches is not None and t.micro_batch is None:
-        micro = max(1, t.global_batch // (t.microbatches * dp))
+
+    def schedule(self) -> tuple[Schedule, dict[Task, float]]:
+        """The grid the step was priced on and each task's predicted length (exposed communication
+        included): every stage at the slowest stage's lengths when combined in closed form."""
+        run = self.run
+        sched = make_schedule(run.schedule or "1f1b", len(run.stages), run.microbatches, run.virtual_stages)
+        if self.closed_form:
+            return sched, task_seconds(sched, *self.task_lengths())
+        return sched, chunk_task_seconds(sched, self.stages)
+
+
+def chunk_task_seconds(sched: Schedule, stages: tuple[StageCost, ...]) -> dict[Task, float]:
+    """Every task of ``sched`` at its own chunk's predicted length."""
+    lengths = {c.chunk: c for s in stages for c in s.chunks}
+    kind = {"F": "forward_s", "B": "backward_s", "W": "weight_s"}
+    return {task: getattr(lengths[task.chunk], kind[task.kind]) for _, _, task in sched.starts()}
+
+
+def estimate(run: Run) -> Estimate:
+    """Predict one training step of ``run`` on its hardware."""
+    hw = run.hardware
+    spans = _stage_spans(hw, run)
+    p2p = _hand_over_span(hw, run)
+    stages = tuple(price_stage(run, s, sp, p2p) for s, sp in zip(run.stages, spans, strict=True))
+    m = run.microbatches
+    critical = max(range(len(stages)), key=lambda i: stages[i].per_microbatch_s)
+    c = stages[critical]
+    busy = m * c.per_microbatch_s
+    equal = len({(s.devices, tuple(s.axes.items()), s.layers, s.modules) for s in run.stages}) == 1
+    if len(stages) == 1:
+        idle = 0.0
+    elif equal:
+        idle = _closed_form_idle(run, c)
     else:
-        micro = t.micro_batch if t.micro_batch is not None else (1 if pp > 1 else t.global_batch // dp)
-    microbatches = t.global_batch // (micro * dp)
-    layers_per_chunk = math.ceil(m.layers / (pp * v))
-    layers_per_stage = layers_per_chunk * v
-    s, h, a, kv, hd, f, vocab = m.seq_len, m.d_model, m.heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab
-    gated = m.family == "llama"
-    tokens = micro * s / cp  # tokens of one micro-batch on one device
-    gemm = lambda mm, nn, kk, count=1: gemm_time(
-        mm,
-        nn,
-        kk,
-        count=count,
-        bytes_per_element=e,
-        dtype=dtype,
-        hardware=hardware,
-    )
-
-    # ---- one layer, one micro-batch, one device --------------------------------------------------------
-    gemms = {
-        "qkv": gemm(tokens, (a + 2 * kv) * hd / tp, h),
-        "attn_out": gemm(tokens, h, a * hd / tp),
-        "mlp_hidden": gemm(tokens, f * (2 if gated else 1) / tp, h) + gemm(tokens, h, f / tp),
-    }
-    proj = sum(gemms.values())
-    core = 2 * gemm(s / cp, s, hd, count=micro * a / tp)  # scores and attention-weighted values
-    sbh = micro * (s / cp) * h
-    scale = e / 2  # Korthikanti's byte counts are for 16-bit activations
-    replicated = 10 * sbh * scale / (tp if p.sequence_parallel else 1)
-    split = 24 * sbh * scale / tp
-    attn_acts = 5 * a * (s / cp) * s * micro * scale / tp
-    stored_full = replicated + split + attn_acts
-    ew_fwd = stream_time(2 * (replicated + split), ops=12, hardware=hardware)
-    ew_core_fwd = stream_time(2 * attn_acts, ops=4, hardware=hardware)
-    fwd = proj + core + ew_fwd + ew_core_fwd
-    bwd = 2 * (proj + core) + 2 * (ew_fwd + ew_core_fwd)
-    recompute = {"none": 0.0, "selective": core + ew_core_fwd, "full": fwd}[t.recompute]
-    stored = {
-        "none": stored_full,
-        "selective": replicated + split,
-        "full": 2 * sbh * scale / (tp if p.sequence_parallel else 1),
-    }[t.recompute]
-
-    # the activations kept for backward, by the names the models tag (Korthikanti's 34 sbh + 5 a s^2 b:
-    # the block input 2, the norms and the mid-block residual 8, Q/K/V 6, the output projection's input 2,
-    # the MLP's hidden 16, the attention core 5 a s / h), and what recomputing each costs: the forward ops
-    # that produce or read it, so that recomputing all of them costs the whole forward (``full``) and the
-    # attention core alone is ``selective``
-    rep = tp if p.sequence_parallel else 1
-    layer_acts = {
-        "block_in": 2 * sbh * scale / rep,
-        "norms": 8 * sbh * scale / rep,
-        "qkv": 6 * sbh * scale / tp,
-        "attn_out": 2 * sbh * scale / tp,
-        "mlp_hidden": 16 * sbh * scale / tp,
-        "attn_core": attn_acts,
-    }
-    ew_share = lambda name: ew_fwd * layer_acts[name] / (replicated + split)
-    layer_recompute = {
-        "norms": ew_fwd * (layer_acts["norms"] + layer_acts["block_in"]) / (replicated + split),
-        **{k: g + ew_share(k) for k, g in gemms.items()},
-        "attn_core": core + ew_core_fwd,
-    }
-
-    comm: dict[str, float] = {}
-
-    def add(name: str, seconds: float) -> float:
-        comm[name] = comm.get(name, 0.0) + seconds
-        return seconds
-
-    act_bytes = sbh * e
-    tp_calls = 4 + (2 if t.recompute == "full" else 0)  # fwd 2, bwd 2, re-forward 2 (all-reduce or AG+RS pairs)
-    tp_layer = tp_calls * collective_time("all_reduce", act_bytes, spans["tensor"], hardware)
-    kv_bytes = 2 * micro * s * kv * hd * e / tp
-    cp_calls = 2 + (1 if t.recompute == "full" else 0)
-    cp_layer = cp_calls * collective_time("all_gather", kv_bytes, spans["context"], hardware)
-
-    # ---- per stage, per micro-batch -------------------------------------------------------------------
-    logits = 3 * gemm(tokens, vocab / tp, h) + stream_time(tokens * vocab / tp * 4 * 3, ops=6, hardware=hardware)
-    fsdp_layer_params = _layer_params(cfg) / tp
-    fsdp_gather = collective_time("all_gather", fsdp_layer_params * e, spans["fsdp"], hardware)
-    fsdp_scatter = collective_time("reduce_scatter", fsdp_layer_params * 4, spans["fsdp"], hardware)
-    layer_compute = fwd + bwd + recompute
-    fsdp_exposed = max(0.0, 2 * fsdp_gather + fsdp_scatter - layer_compute)
-    stage_compute = layers_per_stage * (fwd + bwd) + logits
-    stage_recompute = layers_per_stage * recompute
-    stage_comm = layers_per_stage * (tp_layer + cp_layer + fsdp_exposed) + (fsdp_gather if p.fsdp > 1 else 0.0)
-    p2p = 0.0
-    if pp > 1:
-        boundary = act_bytes / (tp if p.sequence_parallel else 1)
-        p2p = 2 * v * collective_time("send", boundary, spans["pipeline"], hardware)
-    per_micro = stage_compute + stage_recompute + stage_comm + p2p
-    add("tensor_parallel", microbatches * layers_per_stage * tp_layer)
-    add("context_parallel", microbatches * layers_per_stage * cp_layer)
-    add("fsdp", microbatches * layers_per_stage * (2 * fsdp_gather + fsdp_scatter))
-    add("pipeline_p2p", microbatches * p2p)
-
-    # one task of one chunk (a stage holds v chunks); exposed communication is split between F and B.
-    # A split backward (zero-bubble) leaves the weight-gradient GEMMs (as many FLOPs as the forward's)
-    # and the head's to W.
-    half_comm = (stage_comm + p2p) / 2
-    task_f = (layers_per_stage * fwd + logits / 3 + half_comm) / v
-    task_b = (layers_per_stage * (bwd + recompute) + 2 * logits / 3 + half_comm) / v
-    task_w = (layers_per_stage * proj + logits / 3) / v if p.schedule == "zero-bubble" else 0.0
-    task_b -= task_w
-    # the bubble: the schedule's own grid (the one the runtime executes) replayed with these task lengths.
-    # For GPipe and 1F1B over equal stages that is the grid's own fraction, whatever the lengths; for
-    # interleaved and zero-bubble only the ratios matter, rounded to three figures so the cache is shared
-    idle = 0.0
-    if pp > 1 and p.schedule in ("gpipe", "1f1b"):
-        idle = grid_bubble(p.schedule, pp, microbatches, v)
-    elif pp > 1:
-        ratio = lambda x: float(f"{x / task_f:.3g}")
-        idle = uniform_bubble(p.schedule, pp, microbatches, v, 1.0, ratio(task_b), ratio(task_w))
-    bubble = microbatches * per_micro * idle / (1 - idle)
-
-    # ---- data parallel, optimizer -----------------------------------------------------------------------
-    total_params = count_params(cfg)
-    local_params = total_params / (tp * pp)
-    grad_local = local_params / p.fsdp  # parameters (and their gradients) held per device
-    dp_kind = "all_reduce" if p.zero_stage == 0 else "reduce_scatter"
-    dp_time = collective_time(dp_kind, grad_local * 4, spans["data"], hardware)
-    if p.zero_stage >= 1:
-        dp_time += collective_time("all_gather", grad_local * e, spans["data"], hardware)
-    add("data_parallel", dp_time)
-    last_backward = layers_per_stage * (bwd + recompute)
-    dp_exposed = max(0.0, dp_time - last_backward) + dp_time / max(layers_per_stage, 1)
-    opt_params = grad_local / (axes["data"] if p.zero_stage >= 1 else 1)
-    optimizer = stream_time(opt_params * (30 if e == 2 else 28), ops=8, hardware=hardware)
-
-    steady_compute = microbatches * stage_compute
-    step = microbatches * per_micro + bubble + (dp_exposed if dp > 1 else 0.0) + optimizer
-    breakdown = {
-        "compute": steady_compute,
-        "exposed_communication": microbatches * (stage_comm + p2p) + (dp_exposed if dp > 1 else 0.0),
-        "pipeline_bubble": bubble,
-        "recompute": microbatches * stage_recompute,
-        "optimizer": optimizer,
-    }
-
-    # ---- memory -----------------------------------------------------------------------------------------
-    in_flight = 1
-    if pp > 1:
-        # 1F1B: the first stage holds p micro-batches; interleaving adds (p - 1) / (p v) (Korthikanti 4.2.3)
-        interleave = 1 + (pp - 1) / (pp * v) if v > 1 else 1.0
-        in_flight = microbatches if p.schedule == "gpipe" else min(microbatches, math.ceil(pp * interleave))
-    memory = {
-        "params": grad_local * (4 + (2 if e == 2 else 0)),
-        "optimizer": opt_params * 8,
-        "gradients": grad_local / (axes["data"] if p.zero_stage >= 2 else 1) * 4,
-        "activations": in_flight * layers_per_stage * stored + tokens * vocab / tp * 4 * 2,
-    }
-    memory["peak"] = sum(memory.values()) * 1.05  # allocator fragmentation and workspace
-    layer_params = _layer_params(cfg) / (tp * p.fsdp)
-    layer = {
-        # one layer on one device: its tensor groups (bytes) and its compute per micro-batch (seconds)
-        "params_bytes": layer_params * (4 + (2 if e == 2 else 0)),
-        "param_transfer_bytes": layer_params * e,
-        "gradients_bytes": layer_params / (axes["data"] if p.zero_stage >= 2 else 1) * 4,
-        "optimizer_bytes": layer_params / (axes["data"] if p.zero_stage >= 1 else 1) * 8,
-        "activation_bytes": layer_acts,
-        "recompute_s": layer_recompute,
-        "forward_s": fwd,
-        "backward_s": bwd,
-    }
-    fits = memory["peak"] <= hardware.device.hbm_bytes
-    overflow = None if fits else max(("params", "optimizer", "gradients", "activations"), key=memory.__getitem__)
-
-    model_flops = model_flops_per_step(cfg)
-    mfu = model_flops / (step * devices * hardware.matmul_flops(dtype))
+        sched = make_schedule(run.schedule, len(stages), m, run.virtual_stages)
+        end = max(e for _, _, e in replay(sched, chunk_task_seconds(sched, stages)).values())
+        idle = max(0.0, end - busy)
+    step = busy + idle + c.data_parallel_exposed_s + c.optimizer_s
+    fullest = max(range(len(stages)), key=lambda i: stages[i].memory["peak"])
+    memory = dict(stages[fullest].memory)
+    fits = memory["peak"] <= hw.device.hbm_bytes
+    flops = model_flops_per_sequence(run.config.model) * run.global_batch
     return Estimate(
+        run=run,
         step_time_s=step,
-        devices=devices,
-        model_flops_per_step=model_flops,
-        mfu=mfu,
+        devices=run.devices,
+        model_flops_per_step=flops,
+        mfu=flops / (step * run.devices * hw.matmul_flops(run.dtype)),
         memory_per_device_gib={k: v / GIB for k, v in memory.items()},
         fits=fits,
-        overflow=overflow,
-        breakdown_s=breakdown,
-        communication_s=comm,
-        details={
-            "axes": ordered,
-            "microbatches": microbatches,
-            "micro_batch": micro,
-            "layers_per_stage": layers_per_stage,
-            "params": total_params,
-            "tiers": {k: sp.tier for k, sp in spans.items()},
-            # one stage, one micro-batch: what the trace draws
-            "stage_forward_s": layers_per_stage * fwd + logits / 3,
-            "stage_backward_s": layers_per_stage * (bwd + recompute) + 2 * logits / 3,
-            "stage_comm_s": stage_comm + p2p,
-            # one task of one chunk, exposed communication included: what the schedule grid is replayed with
-            "task_s": {"F": task_f, "B": task_b, "W": task_w},
-            "task_comm_s": half_comm / v,
-            "dp_exposed_s": dp_exposed if dp > 1 else 0.0,
-            "optimizer_s": optimizer,
-            "schedule": p.schedule,
-            "virtual_stages": v,
-            "in_flight": in_flight,
-            "logits_s": logits,
-            "bubble_ratio": idle / (1 - idle),
-            "layer": layer,
+        overflow=None if fits else max(MEMORY_TERMS, key=memory.__getitem__),
+        breakdown_s={
+            "compute": m * c.compute_s,
+            "exposed_communication": m * (c.comm_s + c.p2p_s) + c.data_parallel_exposed_s,
+            "pipeline_bubble": idle,
+            "recompute": m * c.recompute_s,
+            "optimizer": c.optimizer_s,
         },
+        communication_s={
+            "tensor_parallel": m * sum(p.layers * p.layer.tensor_comm_s for p in c.parts),
+            "context_parallel": m * sum(p.layers * p.layer.context_comm_s for p in c.parts),
+            "fsdp": m * sum(p.layers * (2 * p.layer.fsdp_gather_s + p.layer.fsdp_scatter_s) for p in c.parts),
+            "pipeline_p2p": m * c.p2p_s,
+            "data_parallel": c.data_parallel_s,
+        },
+        stages=stages,
+        critical=critical,
+        fullest=fullest,
+        bubble_ratio=idle / busy if busy else 0.0,
+        closed_form=equal,
     )
 
 
-_SPANS: dict[tuple, dict[str, Any]] = {}
+def _closed_form_idle(run: Run, c: StageCost) -> float:
+    """The idle time of a pipeline of stages like ``c``: the grid's own fraction for GPipe and 1F1B (it does
+    not depend on the task lengths), the grid replayed at these lengths for interleaved and zero-bubble
+    (only their ratios matter, rounded to three figures so the replays are shared)."""
+    p, m, v = len(run.stages), run.microbatches, run.virtual_stages
+    if run.schedule in ("gpipe", "1f1b"):
+        frac = grid_bubble(run.schedule, p, m, v)
+    else:
+        f, b, w = (sum(getattr(t, k) for t in c.chunks) / v for k in ("forward_s", "backward_s", "weight_s"))
+        ratio = lambda x: float(f"{x / f:.3g}")
+        frac = uniform_bubble(run.schedule, p, m, v, 1.0, ratio(b), ratio(w))
+    return m * c.per_microbatch_s * frac / (1 - frac)
 
 
-def _spans(hardware: Hardware, axes: tuple[tuple[str, int], ...]) -> dict[str, Any]:
+_SPANS: dict[tuple, dict[str, AxisSpan]] = {}
+
+
+def _spans(hardware: Hardware, axes: tuple[tuple[str, int], ...]) -> dict[str, AxisSpan]:
     # axis_spans walks every device; the planner asks for the same few meshes thousands of times
     key = (hardware.name, hardware.tiers, axes)
     if key not in _SPANS:
@@ -317,43 +212,21 @@ def _spans(hardware: Hardware, axes: tuple[tuple[str, int], ...]) -> dict[str, A
     return _SPANS[key]
 
 
-def matrix_params(cfg: Config) -> float:
-    """Parameters in one block's attention and MLP matrices (what tensor parallelism splits)."""
-    return cfg.model.block_matrix_params
+def _stage_spans(hw: Hardware, run: Run) -> list[dict[str, AxisSpan]]:
+    """The tiers each stage's axes span: equal stages as one mesh with the pipeline axis outermost (so each
+    stage is a consecutive block), unequal ones each on its own."""
+    sizes = {s.devices for s in run.stages}
+    if len(sizes) == 1 and len({tuple(s.axes.items()) for s in run.stages}) == 1:
+        whole = _spans(hw, (("pipeline", len(run.stages)), *run.stages[0].axes.items()))
+        inner = {k: v for k, v in whole.items() if k != "pipeline"}
+        return [inner] * len(run.stages)
+    return [_spans(hw, tuple(s.axes.items())) for s in run.stages]
 
 
-def _layer_params(cfg: Config) -> float:
-    return matrix_params(cfg) + 4 * cfg.model.d_model
-
-
-def count_params(cfg: Config) -> float:
-    """Parameters of the model (embeddings once when tied, as ``gpt`` ties them)."""
-    m = cfg.model
-    embed = m.vocab * m.d_model * (1 if m.family == "gpt" else 2) + (m.seq_len * m.d_model if m.family == "gpt" else 0)
-    return m.layers * _layer_params(cfg) + embed
-
-
-def model_flops_per_step(cfg: Config) -> float:
-    """Forward + backward FLOPs over the global batch, recomputation excluded (Korthikanti eq. 7 for GPT)."""
-    m = cfg.model
-    s, h = m.seq_len, m.d_model
-    per_layer = 2 * s * m.block_matrix_params + 4 * s * s * m.heads * m.head_dim
-    forward = m.layers * per_layer + 2 * s * h * m.vocab
-    return 3 * forward * cfg.train.global_batch
-
-
-def _check_divisible(cfg: Config, dp: int) -> None:
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    checks = [
-        ("model.heads", m.heads, "parallel.tensor", p.tensor),
-        ("model.kv_heads", m.n_kv_heads, "parallel.tensor", p.tensor),
-        ("model.d_ff", m.d_ff, "parallel.tensor", p.tensor),
-        ("model.seq_len", m.seq_len, "parallel.context", p.context),
-        ("model.layers", m.layers, "parallel.pipeline x parallel.virtual_stages", p.pipeline * p.virtual_stages),
-        ("train.global_batch", t.global_batch, "data-parallel replicas (data x fsdp)", dp),
-    ]
-    if t.micro_batch is not None:
-        checks.append(("train.global_batch", t.global_batch, "train.micro_batch x data x fsdp", t.micro_batch * dp))
-    for key, size, by, ways in checks:
-        if size % ways:
-            raise ConfigError(f"{key}={size} is not divisible by {by}={ways}; choose degrees that divide {size}")
+def _hand_over_span(hw: Hardware, run: Run) -> AxisSpan | None:
+    """The slowest tier a hand-over between neighbouring stages crosses (``None`` for one stage)."""
+    if len(run.stages) == 1:
+        return None
+    order = [t.name for t in hw.tiers]
+    spans = [boundary_span(hw, a.first_device, b.first_device) for a, b in itertools.pairwise(run.stages)]
+    return max(spans, key=lambda sp: order.index(sp.tier))

@@ -28,8 +28,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hyperjax.cost.estimate import count_params, matrix_params, model_flops_per_step
-from hyperjax.train.config import Config
+from hyperjax.config import Run
+from hyperjax.cost.counts import attention_flops_per_token, model_flops_per_sequence, model_tensors
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,27 +41,23 @@ class Inventory:
     gather_bytes: float  # all-gather result bytes
 
 
-def runtime_inventory(cfg: Config, axes: dict[str, int]) -> Inventory:
-    """The inventory of hyperjax's training step for ``cfg`` on a mesh of ``axes``."""
-    m, t, p = cfg.model, cfg.train, cfg.parallel
+def runtime_inventory(run: Run) -> Inventory:
+    """The inventory of hyperjax's training step for a one-stage ``run`` of a decoder-only model."""
+    m, t = run.config.model, run.config.train
+    axes = run.axes
     devices = math.prod(axes.values())
     tp, cp, fsdp, data = axes["tensor"], axes["context"], axes["fsdp"], axes["data"]
     e = 4 if t.dtype == "float32" else 2
-    forward = model_flops_per_step(cfg) / 3
+    forward = model_flops_per_sequence(m) * t.global_batch / 3
     s, h = m.seq_len, m.d_model
-    core = 4 * s * s * m.heads * m.head_dim * m.layers * t.global_batch  # attention scores and values
+    core = attention_flops_per_token(m) * s * m.layers * t.global_batch  # attention scores and values
     extra = {"none": 0.0, "selective": core, "full": forward}[t.recompute]
     flops = (3 * forward + extra) / devices
     # XLA's CPU compiler currently drops the rematerialisation (the compiled FLOPs and collectives equal
     # the program without it); on accelerators the recomputed forward pass runs. Compare with care.
 
-    params = count_params(cfg)
-    tensor_split = m.layers * _tensor_split_params(cfg)
-    if m.family == "gpt":
-        tensor_split += m.vocab * h  # the tied embedding is split over vocab
-    else:
-        tensor_split += 2 * m.vocab * h
-    local = (params - tensor_split) + tensor_split / tp  # per device before FSDP/ZeRO
+    tensors = model_tensors(m)
+    local = sum(x.size / (tp if x.tensor_split else 1) for x in tensors)  # per device before FSDP/ZeRO
     reduce = gather = 0.0
     if data * fsdp * cp > 1:
         reduce += 4 * local
@@ -69,23 +65,23 @@ def runtime_inventory(cfg: Config, axes: dict[str, int]) -> Inventory:
         reduce += 4 * local
     if fsdp > 1:
         gather += 4 * local
-    if p.zero_stage >= 1 and data > 1:
+    if run.zero_stage >= 1 and data > 1:
         gather += 4 * local
     batch = t.global_batch / (data * fsdp)
     act = batch * (s / cp) * h * e
     if tp > 1:
-        per_layer = 2 + 3 + (2 if m.family == "llama" else 1)
-        reduce += (m.layers * per_layer + 2) * act
-        if p.sequence_parallel:  # the residual stream is gathered before attention and MLP, both passes
-            gather += (4 * m.layers + 1) * act
+        reduce += (m.layers * _tensor_reductions(m) + 2) * act
+        if run.sequence_parallel:  # the residual stream is gathered before attention and MLP, both passes
+            gather += ((4 if m.block == "sequential" else 2) * m.layers + 1) * act
     if cp > 1:
-        kv = batch * s * m.n_kv_heads * m.head_dim * e / tp
+        kv = batch * s * m.kv_heads * m.head_dim * e / tp
         gather += m.layers * 2 * kv
         reduce += m.layers * 2 * kv
     return Inventory(flops=flops, reduce_bytes=reduce, gather_bytes=gather)
 
 
-def _tensor_split_params(cfg: Config) -> float:
-    m = cfg.model
-    biases = (m.heads + 2 * m.n_kv_heads) * m.head_dim + m.d_ff if m.family == "gpt" else 0
-    return matrix_params(cfg) + biases
+def _tensor_reductions(m) -> int:
+    """Tensor-parallel all-reduces of the residual stream per block: after the attention and MLP output
+    projections in the forward, and in the backward after each input projection (query, key, value, the
+    MLP's input and, gated, its gate: separate matrices whose partial sums XLA reduces separately)."""
+    return 2 + 3 + (2 if m.gated else 1)

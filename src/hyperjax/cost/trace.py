@@ -10,34 +10,27 @@ track (each task's exposed collectives, the data-parallel gradient reduction, th
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from hyperjax.cost.estimate import Estimate
 from hyperjax.files import write_json
-from hyperjax.mpmd.schedules import Schedule, Task, make_schedule, replay, task_seconds
+from hyperjax.mpmd.schedules import Task, replay
 
 COMPUTE, COMMUNICATION = 0, 1
 
 
-def predicted_schedule(est: Estimate) -> tuple[Schedule, dict[Task, float]]:
-    """The grid ``est`` was priced on and each task's predicted length (exposed communication included)."""
-    d = est.details
-    stages = d["axes"]["pipeline"]
-    name, v = (d["schedule"], d["virtual_stages"]) if stages > 1 else ("1f1b", 1)
-    sched = make_schedule(name, stages, d["microbatches"], v)
-    t = d["task_s"]
-    return sched, task_seconds(sched, t["F"], t["B"], t["W"])
-
-
 def task_events(
-    times: dict[Task, tuple[int, float, float]], *, pid: int = 0, comm_s: float = 0.0
+    times: dict[Task, tuple[int, float, float]], *, pid: int = 0, comm_s: float | Mapping[int, float] = 0.0
 ) -> list[dict[str, Any]]:
     """Trace events of replayed tasks (``{task: (stage, start, end)}`` in seconds), one process per stage
-    from ``pid`` on. ``comm_s`` of each ``F`` and ``B`` task is drawn on the communication track."""
+    from ``pid`` on. ``comm_s`` (one figure, or one per chunk) of each ``F`` and ``B`` task is drawn on the
+    communication track."""
     events = []
     for task, (stage, start, end) in sorted(times.items(), key=lambda kv: kv[1][1]):
-        comm = comm_s if task.kind != "W" else 0.0
+        per = comm_s.get(task.chunk, 0.0) if isinstance(comm_s, Mapping) else comm_s
+        comm = per if task.kind != "W" else 0.0
         name = {"F": "forward", "B": "backward", "W": "weight gradient"}[task.kind]
         args = {"task": str(task), "microbatch": task.microbatch, "chunk": task.chunk}
         events.append(_event(name, start, end - start - comm, pid + stage, COMPUTE, args))
@@ -61,19 +54,30 @@ def stage_metadata(stages: int, *, pid: int = 0, label: str = "stage") -> list[d
 
 def simulate(est: Estimate, *, pid: int = 0) -> list[dict[str, Any]]:
     """Trace events (microseconds) of one predicted step."""
-    d = est.details
-    sched, seconds = predicted_schedule(est)
+    sched, seconds = est.schedule()
     times = replay(sched, seconds)
-    events = task_events(times, pid=pid, comm_s=d["task_comm_s"])
+    comm = {c.chunk: c.comm_s / 2 for s in est.stages for c in s.chunks}
+    if est.closed_form:
+        share = est.stages[est.critical].chunks
+        comm = dict.fromkeys(comm, sum(c.comm_s for c in share) / len(share) / 2)
+    events = task_events(times, pid=pid, comm_s=comm)
     end = max(e for _, _, e in times.values())
+    stage = est.stages[est.critical]  # the step ends with the slowest stage's reduction and update
     for i in range(sched.stages):
         t = end
-        if d["dp_exposed_s"]:
+        if stage.data_parallel_exposed_s:
             events.append(
-                _event("data-parallel gradient reduction (exposed)", t, d["dp_exposed_s"], pid + i, COMMUNICATION, {})
+                _event(
+                    "data-parallel gradient reduction (exposed)",
+                    t,
+                    stage.data_parallel_exposed_s,
+                    pid + i,
+                    COMMUNICATION,
+                    {},
+                )
             )
-            t += d["dp_exposed_s"]
-        events.append(_event("optimizer step", t, d["optimizer_s"], pid + i, COMPUTE, {}))
+            t += stage.data_parallel_exposed_s
+        events.append(_event("optimizer step", t, stage.optimizer_s, pid + i, COMPUTE, {}))
     return events
 
 
@@ -84,7 +88,7 @@ def _event(name: str, start_s: float, dur_s: float, pid: int, tid: int, args: di
 def write_trace(est: Estimate, path: str | Path, *, title: str) -> None:
     """Write the trace of ``est`` to ``path`` (JSON in the Chrome trace event format), atomically."""
     data = {
-        "traceEvents": stage_metadata(est.details["axes"]["pipeline"]) + simulate(est),
+        "traceEvents": stage_metadata(len(est.run.stages)) + simulate(est),
         "displayTimeUnit": "ms",
         "otherData": {"title": title, "predicted_step_time_s": est.step_time_s},
     }

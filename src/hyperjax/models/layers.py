@@ -9,12 +9,14 @@ the compute dtype where they are used.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from hyperjax.config import GATED, MLPKind, Norm
 from hyperjax.models.taps import product
 
 Constrain = Callable[[jax.Array, tuple[str | None, ...]], jax.Array]
@@ -63,22 +65,26 @@ def use(p: nnx.Param, constrain: Constrain) -> jax.Array:
 
 
 class LayerNorm(nnx.Module):
-    """LayerNorm with scale and bias (GPT)."""
+    """LayerNorm with a scale and, with ``bias``, a shift."""
 
-    def __init__(self, d: int, *, rngs: nnx.Rngs) -> None:
+    def __init__(self, d: int, *, bias: bool = True, rngs: nnx.Rngs) -> None:
         self.scale = param(rngs, (d,), ("embed",), init="ones")
-        self.bias = param(rngs, (d,), ("embed",), init="zeros")
+        if bias:
+            self.bias = param(rngs, (d,), ("embed",), init="zeros")
+        self.use_bias = bias
 
     def __call__(self, x: jax.Array, constrain: Constrain = no_constraint) -> jax.Array:
         x32 = x.astype(jnp.float32)
         mean = x32.mean(-1, keepdims=True)
         var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + 1e-5) * use(self.scale, constrain) + use(self.bias, constrain)
+        y = (x32 - mean) * jax.lax.rsqrt(var + 1e-5) * use(self.scale, constrain)
+        if self.use_bias:
+            y = y + use(self.bias, constrain)
         return y.astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm with scale (Llama)."""
+    """RMSNorm with a scale (Llama)."""
 
     def __init__(self, d: int, *, rngs: nnx.Rngs) -> None:
         self.scale = param(rngs, (d,), ("embed",), init="ones")
@@ -89,10 +95,15 @@ class RMSNorm(nnx.Module):
         return y.astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
+def make_norm(kind: Norm, d: int, *, bias: bool, rngs: nnx.Rngs) -> LayerNorm | RMSNorm:
+    """The norm a model's ``norm`` part names."""
+    return LayerNorm(d, bias=bias, rngs=rngs) if kind == "layernorm" else RMSNorm(d, rngs=rngs)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> jax.Array:
     """Rotary position embedding over the last dimension of ``x`` (batch, seq, heads, head_dim)."""
     half = x.shape[-1] // 2
-    freqs = 1.0 / (10000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
+    freqs = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
     angles = positions[:, None].astype(jnp.float32) * freqs[None, :]  # (seq, half)
     sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
@@ -100,22 +111,24 @@ def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """Causal multi-head or grouped-query attention; the projections are Megatron column/row splits."""
+    """Causal (or, for an encoder, bidirectional) multi-head or grouped-query attention of ``heads`` heads of
+    ``head_dim``; the projections are Megatron column/row splits, rotary positions when ``rope_theta`` is set."""
 
     def __init__(
         self,
         d_model: int,
         heads: int,
         kv_heads: int,
+        head_dim: int,
         *,
         bias: bool,
-        use_rope: bool,
+        rope_theta: float | None,
         layers: int,
         rngs: nnx.Rngs,
         causal: bool = True,
     ) -> None:
-        hd = d_model // heads
-        self.heads, self.kv_heads, self.use_rope, self.causal = heads, kv_heads, use_rope, causal
+        hd = head_dim
+        self.heads, self.kv_heads, self.rope_theta, self.causal = heads, kv_heads, rope_theta, causal
         self.q_proj = param(rngs, (d_model, heads, hd), ("embed", "heads", "head_dim"))
         self.k_proj = param(rngs, (d_model, kv_heads, hd), ("embed", "kv_heads", "head_dim"))
         self.v_proj = param(rngs, (d_model, kv_heads, hd), ("embed", "kv_heads", "head_dim"))
@@ -141,9 +154,9 @@ class Attention(nnx.Module):
                 k + use(self.k_bias, constrain).astype(dt),
                 v + use(self.v_bias, constrain).astype(dt),
             )
-        if self.use_rope:
+        if self.rope_theta is not None:
             positions = jnp.arange(x.shape[1])
-            q, k = rope(q, positions), rope(k, positions)
+            q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
         # queries keep their sequence shard (context parallel); keys and values are projected on the local
         # shard (so their weight gradients stay local too) and then gathered whole
         q = constrain(checkpoint_name(q, "qkv"), ("batch", "seq", "act_heads", None))
@@ -168,16 +181,20 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """GELU MLP (GPT) or SwiGLU (Llama); the input projection is column-split, the output row-split."""
+    """The MLP of a block: ``gelu`` or ``relu`` (input and output matrices), or the gated ``swiglu`` and
+    ``geglu`` (an input, a gate and an output matrix). The input projections are column-split, the output
+    row-split."""
 
-    def __init__(self, d_model: int, d_ff: int, *, gated: bool, bias: bool, layers: int, rngs: nnx.Rngs) -> None:
-        self.gated, self.bias = gated, bias
+    def __init__(self, d_model: int, d_ff: int, *, kind: MLPKind, bias: bool, layers: int, rngs: nnx.Rngs) -> None:
+        self.kind, self.gated, self.bias = kind, kind in GATED, bias
         self.w_in = param(rngs, (d_model, d_ff), ("embed", "mlp"))
-        if gated:
+        if self.gated:
             self.w_gate = param(rngs, (d_model, d_ff), ("embed", "mlp"))
         self.w_out = param(rngs, (d_ff, d_model), ("mlp", "embed"), scale=0.02 / (2 * layers) ** 0.5)
         if bias:
             self.b_in = param(rngs, (d_ff,), ("mlp",), init="zeros")
+            if self.gated:
+                self.b_gate = param(rngs, (d_ff,), ("mlp",), init="zeros")
             self.b_out = param(rngs, (d_model,), ("embed",), init="zeros")
 
     def __call__(self, x: jax.Array, constrain: Constrain) -> jax.Array:
@@ -188,7 +205,12 @@ class MLP(nnx.Module):
         h = checkpoint_name(h, "mlp_hidden")  # the up-projection's output and the activation's are both kept
         if self.gated:
             gate = product("...d,df->...f", x, use(self.w_gate, constrain).astype(dt))
-            h = jax.nn.silu(checkpoint_name(gate, "mlp_hidden")) * h
+            if self.bias:
+                gate = gate + use(self.b_gate, constrain).astype(dt)
+            act = jax.nn.silu if self.kind == "swiglu" else partial(jax.nn.gelu, approximate=True)
+            h = act(checkpoint_name(gate, "mlp_hidden")) * h
+        elif self.kind == "relu":
+            h = jax.nn.relu(h)
         else:
             h = jax.nn.gelu(h, approximate=True)
         h = constrain(checkpoint_name(h, "mlp_hidden"), ("batch", "seq", "act_mlp"))

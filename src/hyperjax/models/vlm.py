@@ -12,12 +12,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hyperjax.models.config import ModelConfig, VisionConfig
+from hyperjax.config import DType, ModelConfig, Recompute, VisionConfig
 from hyperjax.models.layers import Constrain, LayerNorm, no_constraint, param, use
 from hyperjax.models.taps import product
-from hyperjax.models.transformer import Block, Transformer, logits
-
-MODULES = ("encoder", "language_model")
+from hyperjax.models.transformer import Block, Transformer, embed_tokens, logits, recompute_policy, run_block
 
 
 def patchify(images: jax.Array, patch: int) -> jax.Array:
@@ -30,8 +28,9 @@ def patchify(images: jax.Array, patch: int) -> jax.Array:
 class VisionEncoder(nnx.Module):
     """ViT: patch embedding, learned positions, bidirectional pre-norm blocks, projection to ``d_out``."""
 
-    def __init__(self, v: VisionConfig, d_out: int, *, dtype: str, recompute: str, rngs: nnx.Rngs) -> None:
+    def __init__(self, v: VisionConfig, d_out: int, *, dtype: DType, recompute: Recompute, rngs: nnx.Rngs) -> None:
         self.vision, self.dtype, self.recompute = v, dtype, recompute
+        self.policy = recompute_policy(recompute)
         self.cfg = v.as_model()
         self.patch_embed = param(rngs, (v.patch_dim, v.d_model), (None, "embed"))
         self.pos_embed = param(rngs, (v.patches, v.d_model), (None, "embed"), scale=0.01)
@@ -46,26 +45,27 @@ class VisionEncoder(nnx.Module):
         x = product("...p,pd->...d", patches, use(self.patch_embed, constrain).astype(dt))
         x = constrain(x + use(self.pos_embed, constrain).astype(dt), ("batch", "res_seq", "act_embed"))
         for block in self.blocks:
-            x = Transformer.run_block(self, block, x, constrain)  # type: ignore[arg-type]
+            x = run_block(block, x, constrain, self.policy)
         x = product("...e,ed->...d", self.final_norm(x, constrain), use(self.project, constrain).astype(dt))
         return constrain(x, ("batch", "res_seq", "act_embed"))
 
 
 def decode(lm: Transformer, prefix: jax.Array, tokens: jax.Array, constrain: Constrain) -> jax.Array:
     """Logits of the text positions when ``prefix`` (image tokens) comes before ``tokens``."""
-    x = lm.embed_tokens(tokens, constrain)
+    x = embed_tokens(lm, tokens, constrain)
     x = jnp.concatenate([prefix.astype(x.dtype), x], axis=1)
     x = constrain(x, ("batch", "res_seq", "act_embed"))
-    for i, block in enumerate(lm.blocks):
-        x = lm.run_block(block, x, constrain, layer=i)
-    return logits(lm, lm.lm_head, x[:, prefix.shape[1] :], constrain)
+    for block, policy in zip(lm.blocks, lm.policies, strict=True):
+        x = run_block(block, x, constrain, policy)
+    return logits(lm, lm.head, x[:, prefix.shape[1] :], constrain)
 
 
 class VisionLanguageModel(nnx.Module):
-    """``encoder`` (ViT) then ``language_model`` (llama family) over ``[image tokens; text]``."""
+    """``encoder`` (ViT) then ``language_model`` (rotary positions) over ``[image tokens; text]``."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype: str = "float32", recompute: str = "none", rngs: nnx.Rngs) -> None:
-        assert cfg.vision is not None
+    def __init__(
+        self, cfg: ModelConfig, *, dtype: DType = "float32", recompute: Recompute = "none", rngs: nnx.Rngs
+    ) -> None:
         self.cfg = cfg
         self.encoder = VisionEncoder(cfg.vision, cfg.d_model, dtype=dtype, recompute=recompute, rngs=rngs)
         self.language_model = Transformer(cfg, dtype=dtype, recompute=recompute, rngs=rngs)

@@ -1,5 +1,34 @@
 """HyperMPMD: separate programs per submesh, pipeline schedules as data, heterogeneous models."""
 
-from hyperjax.mpmd.schedules import SCHEDULES, Schedule, ScheduleError, Task, make_schedule, theory_bubble, validate
+from hyperjax.mpmd.chunks import Chunk, model_chunks
+from hyperjax.mpmd.runner import PipelineRunner
+from hyperjax.mpmd.schedules import (
+    SCHEDULES,
+    Schedule,
+    ScheduleError,
+    Task,
+    make_schedule,
+    replay,
+    replayed_bubble,
+    task_seconds,
+    theory_bubble,
+    uniform_bubble,
+    validate,
+)
 
-__all__ = ["SCHEDULES", "Schedule", "ScheduleError", "Task", "make_schedule", "theory_bubble", "validate"]
+__all__ = [
+    "SCHEDULES",
+    "Chunk",
+    "PipelineRunner",
+    "Schedule",
+    "ScheduleError",
+    "Task",
+    "make_schedule",
+    "model_chunks",
+    "replay",
+    "replayed_bubble",
+    "task_seconds",
+    "theory_bubble",
+    "uniform_bubble",
+    "validate",
+]

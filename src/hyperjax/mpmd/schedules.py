@@ -22,9 +22,10 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
+from hyperjax.config import ScheduleName, TaskKind, choices
 from hyperjax.errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+SCHEDULES: tuple[ScheduleName, ...] = choices(ScheduleName)
 _SLOTS = {"F": 1, "B": 2, "W": 1}  # slots per task; "B" is 1 slot when the backward is split
 
 
@@ -43,7 +44,7 @@ class Task:
       chunk: the model chunk, in model order (``0 .. stages * virtual_stages - 1``).
     """
 
-    kind: str
+    kind: TaskKind
     microbatch: int
     chunk: int
 
@@ -67,7 +68,7 @@ class Schedule:
       grid: ``grid[stage][slot]``.
     """
 
-    name: str
+    name: ScheduleName
     stages: int
     microbatches: int
     virtual_stages: int
@@ -137,7 +138,12 @@ def theory_bubble(
     return (p - 1) / (m + p - 1)
 
 
-def _check_sizes(name: str, stages: int, microbatches: int, virtual_stages: int) -> None:
+def check_sizes(name: str, stages: int, microbatches: int, virtual_stages: int) -> None:
+    """Sizes schedule ``name`` can take.
+
+    Raises:
+      ConfigError: naming the config key and the fix.
+    """
     if name not in SCHEDULES:
         raise ConfigError(f"parallel.schedule={name!r} is not one of {SCHEDULES}")
     for key, value in (
@@ -218,7 +224,7 @@ def make_schedule(name: str, stages: int, microbatches: int, virtual_stages: int
     Raises:
       ConfigError: an unknown schedule or sizes it cannot take, naming the config key.
     """
-    _check_sizes(name, stages, microbatches, virtual_stages)
+    check_sizes(name, stages, microbatches, virtual_stages)
     split = name == "zero-bubble"
     orders = [_ORDERS[name](s, stages, microbatches, virtual_stages) for s in range(stages)]
     chunks = stages * virtual_stages

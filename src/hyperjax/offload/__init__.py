@@ -1,20 +1,27 @@
 """HyperOffload: cost-based placement of parameters, optimizer state, gradients and activations."""
 
-from hyperjax.offload.placement import ACTIVATIONS, OPTIONS, Placement, from_patterns, from_recompute, group_names
-from hyperjax.offload.solve import Priced, Problem, brute_force, build_problem, evaluate, greedy, solve_exact
+from hyperjax.offload.apply import block_policies
+from hyperjax.offload.passes import OffloadResult, budget_bytes, offload_pass, with_offload
+from hyperjax.offload.placement import OPTIONS, Placement, from_patterns, from_recompute, group_names
+from hyperjax.offload.problem import Priced, Problem, build_problem, evaluate
+from hyperjax.offload.solve import brute_force, greedy, solve_exact
 
 __all__ = [
-    "ACTIVATIONS",
     "OPTIONS",
+    "OffloadResult",
     "Placement",
     "Priced",
     "Problem",
+    "block_policies",
     "brute_force",
+    "budget_bytes",
     "build_problem",
     "evaluate",
     "from_patterns",
     "from_recompute",
     "greedy",
     "group_names",
+    "offload_pass",
     "solve_exact",
+    "with_offload",
 ]

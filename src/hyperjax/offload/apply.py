@@ -3,7 +3,7 @@
 Parameters and optimizer state a placement puts on the host live in ``pinned_host`` shardings between
 steps; the step moves them to the device where it starts and back when it ends (its output shardings).
 Host gradients are moved to ``pinned_host`` after each micro-batch is accumulated. Activations go by
-the models' rematerialisation policies (:func:`hyperjax.models.transformer.block_policies`).
+the models' rematerialisation policies (:func:`block_policies`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,22 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
+from hyperjax.models import BlockPolicy
+from hyperjax.offload.placement import Placement
+
 HOST, DEVICE = "pinned_host", "device"
+
+
+def block_policies(placement: Placement, layers: int) -> tuple[BlockPolicy, ...]:
+    """Each block's rematerialisation policy under ``placement``: activations on the device are saved, those
+    on the host offloaded, the rest recomputed (``None`` where everything stays on the device)."""
+    out: list[BlockPolicy] = []
+    for i in range(layers):
+        where = placement.block(i)
+        saved = tuple(a for a, o in where.items() if o == "device")
+        offloaded = tuple(a for a, o in where.items() if o == "host")
+        out.append(None if len(saved) == len(where) else (saved, offloaded))
+    return tuple(out)
 
 
 def layer_of(path: tuple[Any, ...]) -> int | None:

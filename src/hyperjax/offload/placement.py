@@ -16,13 +16,11 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from hyperjax.config import ACTIVATIONS, OffloadOption, Recompute, choices
 from hyperjax.errors import ConfigError
 
-OPTIONS = ("device", "host", "recompute")
+OPTIONS: tuple[OffloadOption, ...] = choices(OffloadOption)
 KINDS = ("params", "optimizer", "gradients")
-# activations a block keeps for backward, by the names the models tag; the block input is the
-# rematerialisation boundary and always stays on the device
-ACTIVATIONS = ("norms", "qkv", "attn_core", "attn_out", "mlp_hidden")
 _GROUP = re.compile(r"layers\.(\d+)\.(params|optimizer|gradients|act\.(\w+))$")
 
 
@@ -132,7 +130,7 @@ def from_patterns(patterns: Mapping[str, str], layers: int, base: Placement | No
     return Placement.of(choice)
 
 
-def from_recompute(recompute: str, layers: int) -> Placement:
+def from_recompute(recompute: Recompute, layers: int) -> Placement:
     """The placement ``train.recompute`` means: everything on the device, the named activations recomputed."""
     names = {"none": (), "selective": ("attn_core",), "full": ACTIVATIONS}[recompute]
     return Placement.of({f"layers.{i}.act.{a}": "recompute" for i in range(layers) for a in names})

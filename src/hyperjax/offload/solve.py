@@ -1,293 +1,25 @@
-"""The placement pass: the fastest placement whose peak device memory fits a budget.
+"""The placement pass's solvers: the fastest placement whose peak device memory fits a budget.
 
-One model of a step serves every solver. A placement adds to the step without offload:
-
-- recomputation: each recomputed activation costs the forward ops that produce it, once per
-  micro-batch, in the backward of its layer;
-- transfers over the preset's host link (one direction at a time, full duplex): a host-placed layer's
-  parameters are fetched before its forward and again before its backward, host activations are
-  written after the forward and fetched before the backward, host gradients are written (and, when
-  micro-batches accumulate, read back) during the backward, host optimizer state is streamed through
-  the device in the optimizer step. With prefetch depth ``k`` a transfer is spread over the compute of
-  the ``k`` layers before the use ("windows"); in each window the transfer time beyond the window's
-  compute (and recomputation) is exposed. Windows aggregate a step's micro-batches;
-- host memory: what the placement puts on the host must fit the preset's host memory per device;
-- memory, at two peaks: the start of the backward (weights, gradients, optimizer state, activations of
-  the micro-batches in flight) and the optimizer step (no activations); plus staging buffers on the
-  device for what streams from the host: ``k + 1`` layers of parameters or activations, two of
-  gradients or optimizer state.
-
-:func:`solve_exact` finds the optimum of this model as an integer program (scipy's HiGHS);
-:func:`greedy` is the baseline that evicts groups by size times reuse distance until the step fits;
-:func:`brute_force` enumerates small instances. :func:`evaluate` prices any placement.
+:func:`solve_exact` finds the optimum of the placement problem (:mod:`hyperjax.offload.problem`) as an
+integer program (scipy's HiGHS); :func:`greedy` is the baseline that evicts groups by size times reuse
+distance until the step fits; :func:`brute_force` enumerates small instances.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import dataclasses
 import itertools
 import math
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 from scipy import sparse
 
-from hyperjax.offload.placement import ACTIVATIONS, Placement, options_of, parse_group
-
-GIB = 2**30
-FRAGMENTATION = 1.05  # as the estimate: allocator fragmentation and workspace
-PHASES = ("backward", "optimizer")
-
-
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    """One option of one group, as linear terms.
-
-    Attributes:
-      memory: device bytes per phase.
-      seconds: time added to the step (recomputation).
-      loads: ``(window, direction, seconds)`` host-link time put on a window (0 in, 1 out).
-      capacity: ``(window, seconds)`` compute added to a window (recomputation runs there).
-      buffers: the staging buffers this option needs on the device.
-      host_bytes: host memory it takes.
-    """
-
-    memory: tuple[float, float]
-    seconds: float = 0.0
-    loads: tuple[tuple[int, int, float], ...] = ()
-    capacity: tuple[tuple[int, float], ...] = ()
-    buffers: tuple[str, ...] = ()
-    host_bytes: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """A placement problem: groups with their options, windows, buffers and the fixed memory.
-
-    Attributes:
-      groups: ``{group: {option: Choice}}`` in layer order.
-      windows: ``(name, compute seconds)`` over which host transfers overlap.
-      buffers: ``{buffer: (phase index, bytes)}``.
-      fixed: device bytes per phase that no placement moves (embeddings, the head, block inputs, logits).
-      fixed_terms: those bytes by what they are, for error messages.
-      base_step_s: the step with everything on the device and nothing recomputed.
-      budget_bytes: the device-memory budget.
-      host_bytes: host memory per device (the preset's).
-      stretch: time a pipeline stage adds stretches its bubble by this factor (1 without a pipeline).
-    """
-
-    groups: dict[str, dict[str, Choice]]
-    windows: tuple[tuple[str, float], ...]
-    buffers: dict[str, tuple[int, float]]
-    fixed: tuple[float, float]
-    fixed_terms: dict[str, float]
-    base_step_s: float
-    budget_bytes: float
-    host_bytes: float = float("inf")
-    stretch: float = 1.0
-    layers: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Priced:
-    """A placement's predicted step."""
-
-    placement: Placement
-    step_time_s: float
-    peak_bytes: float
-    fits: bool
-    recompute_s: float
-    transfer_s: float
-    exposed_transfer_s: float
-    host_bytes: float
-    phase_bytes: tuple[float, float]
-    moved_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
-    staging_bytes: float = 0.0
-
-
-def build_problem(est: Any, *, hardware: Any, budget_bytes: float, prefetch: int) -> Problem:
-    """The placement problem of one pipeline stage (or the whole model).
-
-    ``est`` is the :class:`hyperjax.cost.Estimate` of the run with ``train.recompute: none``;
-    ``hardware`` gives the host link.
-    """
-    d, layer = est.details, est.details["layer"]
-    n, m, k = d["layers_per_stage"], d["microbatches"], prefetch
-    link = hardware.host.bandwidth
-    lat = hardware.host.latency
-
-    def xfer(nbytes: float) -> float:
-        return nbytes / link + lat
-
-    windows: list[tuple[str, float]] = [("before the forward", 0.0)]
-    windows += [(f"forward of layer {i}", m * layer["forward_s"]) for i in range(n)]
-    windows += [("loss and head", m * d["logits_s"])]
-    windows += [(f"backward of layer {i}", m * layer["backward_s"]) for i in range(n)]
-    windows += [("optimizer step", d["optimizer_s"])]
-    start, turn, opt = 0, n + 1, 2 * n + 2
-    fwd = lambda i: start if i < 0 else (turn if i >= n else 1 + i)
-    bwd = lambda i: turn if i >= n else (opt if i < 0 else n + 2 + i)
-
-    def spread(seconds: float, direction: int, where: Sequence[int]) -> tuple[tuple[int, int, float], ...]:
-        if not where:  # no prefetch: fetched when needed, all of it exposed
-            where = [start]
-        return tuple((w, direction, seconds / len(where)) for w in where)
-
-    acts_in_flight = d["in_flight"]
-    groups: dict[str, dict[str, Choice]] = {}
-    for i in range(n):
-        before_f = [fwd(i - j) for j in range(1, k + 1)]  # the layers computed before layer i's forward
-        after_f = [fwd(i + j) for j in range(1, k + 1)]
-        before_b = [bwd(i + j) for j in range(1, k + 1)]  # backward runs from the last layer down
-        after_b = [bwd(i - j) for j in range(1, k + 1)]
-        p, g, o = layer["params_bytes"], layer["gradients_bytes"], layer["optimizer_bytes"]
-        tp = xfer(layer["param_transfer_bytes"])
-        groups[f"layers.{i}.params"] = {
-            "device": Choice(memory=(p, p)),
-            "host": Choice(
-                memory=(0.0, 0.0),
-                loads=spread(m * tp, 0, before_f)
-                + spread(m * tp, 0, before_b)
-                + ((opt, 0, xfer(p)), (opt, 1, xfer(p))),
-                buffers=("params", "optimizer stream"),
-                host_bytes=p,
-            ),
-        }
-        groups[f"layers.{i}.gradients"] = {
-            "device": Choice(memory=(g, g)),
-            "host": Choice(
-                memory=(0.0, 0.0),
-                loads=spread(m * xfer(g), 1, after_b) + spread((m - 1) * xfer(g), 0, before_b) + ((opt, 0, xfer(g)),),
-                buffers=("gradients", "optimizer stream"),
-                host_bytes=g,
-            ),
-        }
-        groups[f"layers.{i}.optimizer"] = {
-            "device": Choice(memory=(o, o)),
-            "host": Choice(
-                memory=(0.0, 0.0),
-                loads=((opt, 0, xfer(o)), (opt, 1, xfer(o))),
-                buffers=("optimizer stream",),
-                host_bytes=o,
-            ),
-        }
-        for a in ACTIVATIONS:
-            nbytes, rec = layer["activation_bytes"][a], layer["recompute_s"][a]
-            kept = acts_in_flight * nbytes
-            t = m * xfer(nbytes)
-            groups[f"layers.{i}.act.{a}"] = {
-                "device": Choice(memory=(kept, 0.0)),
-                "host": Choice(
-                    memory=(0.0, 0.0),
-                    loads=spread(t, 1, after_f) + spread(t, 0, before_b),
-                    buffers=(f"activations {a}",),
-                    host_bytes=kept,
-                ),
-                "recompute": Choice(memory=(0.0, 0.0), seconds=m * rec, capacity=((bwd(i), m * rec),)),
-            }
-    acts_layer = sum(layer["activation_bytes"][a] for a in ACTIVATIONS)
-    lp, lg, lo = layer["params_bytes"], layer["gradients_bytes"], layer["optimizer_bytes"]
-    buffers = {
-        "params": (0, (k + 1) * layer["param_transfer_bytes"]),
-        "gradients": (0, 2 * lg),
-        **{f"activations {a}": (0, (k + 1) * layer["activation_bytes"][a]) for a in ACTIVATIONS},
-        "optimizer stream": (1, 2 * (lp + lg + lo)),
-    }
-    mem = {key: GIB * value for key, value in est.memory_per_device_gib.items()}
-    block_in = n * acts_in_flight * layer["activation_bytes"]["block_in"]
-    outside = {  # what the layers' groups leave of the estimate's memory terms
-        "embeddings and head (parameters, gradients, optimizer state)": mem["params"]
-        + mem["gradients"]
-        + mem["optimizer"]
-        - n * (lp + lg + lo),
-        f"block inputs (layers.*.act.block_in, {acts_in_flight} micro-batches in flight)": block_in,
-        "logits and loss": mem["activations"]
-        - n * acts_in_flight * (acts_layer + layer["activation_bytes"]["block_in"]),
-    }
-    fixed_backward = sum(outside.values())
-    fixed_optimizer = outside["embeddings and head (parameters, gradients, optimizer state)"]
-    return Problem(
-        groups=groups,
-        windows=tuple(windows),
-        buffers=buffers,
-        fixed=(fixed_backward, fixed_optimizer),
-        fixed_terms=outside,
-        base_step_s=est.step_time_s,
-        budget_bytes=budget_bytes,
-        host_bytes=hardware.host.bytes_per_device,
-        stretch=1.0 + d["bubble_ratio"],
-        layers=n,
-    )
-
-
-class _Tally:
-    """Running sums of a placement's terms, updated one group option at a time."""
-
-    def __init__(self, problem: Problem) -> None:
-        self.problem = problem
-        self.phase = np.array(problem.fixed, dtype=float)
-        self.loads = np.zeros((len(problem.windows), 2))
-        self.capacity = np.array([c for _, c in problem.windows], dtype=float)
-        self.seconds = self.transfer = self.host = 0.0
-        self.buffers: collections.Counter[str] = collections.Counter()
-        self.moved = {"params": 0.0, "optimizer": 0.0, "gradients": 0.0, "activations": 0.0}
-
-    def add(self, group: str, option: str, sign: int = 1) -> None:
-        options = self.problem.groups[group]
-        c = options[option]
-        self.phase += sign * np.asarray(c.memory)
-        self.seconds += sign * c.seconds
-        self.host += sign * c.host_bytes
-        for w, direction, sec in c.loads:
-            self.loads[w, direction] += sign * sec
-            self.transfer += sign * sec
-        for w, sec in c.capacity:
-            self.capacity[w] += sign * sec
-        for b in c.buffers:
-            self.buffers[b] += sign
-        if option != "device":  # what leaves the device, by the estimate's memory terms
-            kind = parse_group(group)[1]
-            self.moved["activations" if kind.startswith("act.") else kind] += sign * options["device"].memory[0]
-
-    def terms(self) -> tuple[float, float, bool, float, tuple[float, float], float]:
-        """Step time, peak, fits, exposed transfer time, per-phase peaks, staging bytes."""
-        phase, staging = self.phase.copy(), 0.0
-        for b, count in self.buffers.items():
-            if count > 0:
-                ph, nbytes = self.problem.buffers[b]
-                phase[ph] += nbytes
-                staging += nbytes
-        exposed = float(np.maximum(self.loads.max(axis=1) - self.capacity, 0.0).sum())
-        peak = FRAGMENTATION * float(phase.max())
-        step = self.problem.base_step_s + self.problem.stretch * (self.seconds + exposed)
-        fits = peak <= self.problem.budget_bytes and self.host <= self.problem.host_bytes
-        return step, peak, fits, exposed, (FRAGMENTATION * phase[0], FRAGMENTATION * phase[1]), staging
-
-
-def evaluate(problem: Problem, placement: Placement) -> Priced:
-    """The predicted step of ``placement`` under ``problem``'s model."""
-    tally = _Tally(problem)
-    for group in problem.groups:
-        tally.add(group, placement[group])
-    step, peak, fits, exposed, phases, staging = tally.terms()
-    return Priced(
-        placement=placement,
-        step_time_s=step,
-        peak_bytes=peak,
-        fits=fits,
-        recompute_s=tally.seconds,
-        transfer_s=tally.transfer,
-        exposed_transfer_s=exposed,
-        host_bytes=tally.host,
-        phase_bytes=phases,
-        moved_bytes=tally.moved,
-        staging_bytes=staging,
-    )
+from hyperjax.offload.placement import Placement, options_of, parse_group
+from hyperjax.offload.problem import FRAGMENTATION, GIB, Priced, Problem, Tally, evaluate
 
 
 def _program(problem: Problem) -> tuple[list[tuple[str, str]], dict[str, Any]]:
@@ -411,7 +143,7 @@ def greedy(problem: Problem, start: Placement | None = None) -> Priced | None:
     everything does not fit."""
     n = problem.layers
     current = {g: (start[g] if start is not None else "device") for g in problem.groups}
-    tally = _Tally(problem)
+    tally = Tally(problem)
     for group, option in current.items():
         tally.add(group, option)
 

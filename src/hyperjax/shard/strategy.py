@@ -2,9 +2,11 @@
 
 A :class:`Strategy` says where every named dimension of every tensor lives on the mesh. Tensors name their
 dimensions with *logical axes* (``batch``, ``embed``, ``heads``, ...): model parameters carry them as
-``logical_axes`` metadata on their ``nnx.Param`` (flax's own ``sharding_names`` are read too), and plain
-arrays get them from ``params``, glob patterns over the pytree key path. ``rules`` maps each logical axis
-to a mesh axis, a tuple of mesh axes, or ``None`` (replicated). Turning logical axes into a
+``logical_axes`` metadata on their ``nnx.Param``, or as flax's own sharding annotation (``out_sharding``,
+what ``nnx.with_partitioning`` and ``nnx.Param(..., sharding_names=...)`` store), and plain arrays get
+them from ``params``, glob patterns over the pytree key path. ``rules`` maps each logical axis to a mesh
+axis, a tuple of mesh axes, or ``None`` (replicated); a dimension may name several logical axes (a tuple),
+and is then sharded over all their mesh axes. Turning logical axes into a
 ``PartitionSpec`` is one pure function, :meth:`Strategy.spec`; everything else (shardings for a whole
 tree, constraints inside ``jit``, the explanation table) is built on it and checked before anything
 compiles.
@@ -28,15 +30,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.tree_util import keystr
 
 from hyperjax.errors import ShardingError
+from hyperjax.shard.explanation import Explanation, TensorPlacement
+from hyperjax.shard.metadata import LogicalAxes, metadata_axes
 
 MeshAxes = str | tuple[str, ...] | None
-LogicalAxes = tuple[str | None, ...]
 Role = Literal["params", "gradients", "optimizer"]
 Constrain = Callable[[jax.Array, LogicalAxes], jax.Array]
-
-_METADATA_KEYS = ("logical_axes", "sharding_names", "sharding")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,14 +77,23 @@ class Strategy:
                 f"zero_stage={self.zero_stage} must be 0, 1 or 2 (stage 3 is FSDP: shard 'embed' over an axis)"
             )
 
-    def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
-        """The mesh axes of one logical axis (empty when replicated).
+    def mesh_axes(self, logical: str | tuple[str, ...] | None) -> tuple[str, ...]:
+        """The mesh axes of one dimension's logical axis (empty when replicated).
+
+        Args:
+          logical: a logical axis name, ``None``, or a tuple of names (the dimension is sharded over the mesh
+            axes of all of them, in order).
+
+        Returns:
+          The mesh axes, outermost first.
 
         Raises:
-          ShardingError: the logical axis has no rule.
+          ShardingError: a logical axis has no rule.
         """
         if logical is None:
             return ()
+        if isinstance(logical, tuple):
+            return tuple(axis for name in logical for axis in self.mesh_axes(name))
         if logical not in self.rules:
             close = difflib.get_close_matches(logical, list(self.rules), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -93,24 +104,47 @@ class Strategy:
         axes = self.rules[logical]
         return () if axes is None else (axes,) if isinstance(axes, str) else axes
 
-    def spec(self, logical_axes: Sequence[str | None]) -> P:
-        """The ``PartitionSpec`` of a tensor whose dimensions have these logical axes."""
+    def spec(self, logical_axes: Sequence[str | tuple[str, ...] | None]) -> P:
+        """The ``PartitionSpec`` of a tensor whose dimensions have these logical axes.
+
+        Args:
+          logical_axes: one entry per dimension: a logical axis name, ``None``, or a tuple of names.
+
+        Returns:
+          The spec, with each logical axis replaced by its mesh axes from ``rules``.
+
+        Raises:
+          ShardingError: a logical axis has no rule.
+        """
         return P(*(_entry(self.mesh_axes(name)) for name in logical_axes))
 
     def logical_axes(self, tree: Any) -> Any:
         """The logical axes of every leaf of ``tree`` (a tuple per leaf; ``None`` where nothing names them).
 
-        Leaves that are ``nnx.Variable`` use their metadata; other leaves use the first ``params``
-        pattern that matches their key path.
+        A leaf that is an ``nnx.Variable`` uses its sharding metadata: hyperjax's ``logical_axes``, or flax's
+        ``out_sharding`` (where flax 0.12 keeps ``nnx.with_partitioning(init, names)``,
+        ``nnx.Param(value, out_sharding=names)`` and the deprecated ``sharding_names=`` / ``sharding=``), a
+        tuple or ``PartitionSpec`` whose names are logical axes here: they go through ``rules`` (flax's own
+        ``sharding_rules`` metadata and ``nnx.logical_axis_rules`` are not consulted). A variable without
+        such metadata, and any other leaf, uses the first ``params`` pattern that matches its key path.
+
+        Args:
+          tree: a pytree of arrays, ``jax.ShapeDtypeStruct`` s or ``nnx.Variable`` s (an NNX state).
+
+        Returns:
+          The same tree structure with a tuple of logical axes (or ``None``) per leaf.
+
+        Raises:
+          ShardingError: a variable's sharding metadata is not a tuple (or ``PartitionSpec``) of logical axis
+            names, ``None`` and tuples of names, or two of its metadata keys name different axes.
         """
 
         def one(path: tuple, leaf: Any) -> LogicalAxes | None:
+            name = keystr(path, simple=True, separator="/")
             if isinstance(leaf, nnx.Variable):
-                meta = leaf.get_metadata()
-                for key in _METADATA_KEYS:
-                    if meta.get(key) is not None:
-                        return tuple(meta[key])
-            name = key_path_str(path)
+                axes = metadata_axes(name, leaf.get_metadata())
+                if axes is not None:
+                    return axes
             for pattern, axes in self.params.items():
                 if fnmatch.fnmatchcase(name, pattern):
                     return axes
@@ -143,7 +177,7 @@ class Strategy:
         def one(path: tuple, leaf: Any) -> Any:
             value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
             (axes,) = self._axes_of(leaf, path)
-            spec = self.check(key_path_str(path), np.shape(value), axes, mesh, zero=zero)
+            spec = self.check(keystr(path, simple=True, separator="/"), np.shape(value), axes, mesh, zero=zero)
             sharding = NamedSharding(mesh, spec)
             return leaf.replace(value=sharding) if isinstance(leaf, nnx.Variable) else sharding
 
@@ -212,7 +246,7 @@ class Strategy:
         def record(path: tuple, leaf: Any) -> None:
             (axes,) = self._axes_of(leaf, path)
             if axes is not None:
-                name = key_path_str(path)
+                name = keystr(path, simple=True, separator="/")
                 found[name] = found[f"*/{name}"] = axes
 
         jax.tree_util.tree_map_with_path(record, state, is_leaf=_is_variable)
@@ -233,7 +267,7 @@ class Strategy:
             (axes,) = self._axes_of(leaf, path)
             rows.append(
                 TensorPlacement(
-                    path=key_path_str(path),
+                    path=keystr(path, simple=True, separator="/"),
                     shape=shape,
                     logical_axes=axes,
                     spec=sharding.spec,
@@ -252,63 +286,35 @@ class Strategy:
         """A function ``(x, logical_axes) -> x`` that applies :meth:`constrain` on ``mesh``; models take it."""
         return lambda x, logical_axes: self.constrain(x, logical_axes, mesh=mesh)
 
-    def constrain(self, x: jax.Array, logical_axes: Sequence[str | None], *, mesh: jax.sharding.Mesh | None = None):
+    def constrain(
+        self,
+        x: jax.Array,
+        logical_axes: Sequence[str | tuple[str, ...] | None],
+        *,
+        mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    ) -> jax.Array:
         """A sharding constraint inside ``jit``: ``x`` is laid out as its logical axes say.
 
         Args:
           x: the array.
-          logical_axes: one logical axis (or ``None``) per dimension of ``x``.
+          logical_axes: one logical axis (or ``None``, or a tuple of them) per dimension of ``x``.
           mesh: the mesh; without it, the mesh set by ``jax.set_mesh``.
+
+        Returns:
+          ``x`` with the constraint applied.
+
+        Raises:
+          ShardingError: a logical axis has no rule, or no ``mesh`` is given and none is set.
         """
         spec = self.spec(logical_axes)
-        return jax.lax.with_sharding_constraint(x, spec if mesh is None else NamedSharding(mesh, spec))
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TensorPlacement:
-    """Where one tensor lives: a row of :meth:`Strategy.explain`."""
-
-    path: str
-    shape: tuple[int, ...]
-    logical_axes: LogicalAxes | None
-    spec: P
-    bytes_per_device: int
-    bytes_total: int
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Explanation:
-    """The placement of every tensor of a tree, and what one device holds in all."""
-
-    rows: tuple[TensorPlacement, ...]
-    mesh_shape: Mapping[str, int]
-
-    @property
-    def bytes_per_device(self) -> int:
-        """Bytes one device holds for the whole tree."""
-        return sum(r.bytes_per_device for r in self.rows)
-
-    @property
-    def bytes_total(self) -> int:
-        """Bytes of the whole tree, unsharded."""
-        return sum(r.bytes_total for r in self.rows)
-
-    def table(self, title: str = "placement") -> Any:
-        """A ``rich.table.Table`` of the rows with a totals line."""
-        from rich.table import Table
-
-        mesh = ",".join(f"{k}={v}" for k, v in self.mesh_shape.items())
-        table = Table(title=f"{title} on mesh {mesh}")
-        for col in ("tensor", "shape", "logical axes", "PartitionSpec", "bytes/device"):
-            table.add_column(col, justify="right" if col == "bytes/device" else "left")
-        for r in self.rows:
-            axes = "-" if r.logical_axes is None else "(" + ", ".join(str(a) for a in r.logical_axes) + ")"
-            spec = "(" + ", ".join(str(e) for e in r.spec) + ")"
-            table.add_row(r.path, "x".join(map(str, r.shape)) or "scalar", axes, spec, f"{r.bytes_per_device:,}")
-        table.add_row(
-            "[bold]total[/bold]", "", "", f"{self.bytes_total:,} unsharded", f"[bold]{self.bytes_per_device:,}[/bold]"
-        )
-        return table
+        if mesh is None:
+            mesh = _context_mesh(x)
+            if mesh is None:
+                raise ShardingError(
+                    f"constrain(x, {tuple(logical_axes)!r}) has no mesh: pass mesh=, or set one around the call "
+                    "with `with jax.set_mesh(mesh):`"
+                )
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def _leaves(tree: Any) -> list[tuple[tuple, Any]]:
@@ -324,6 +330,20 @@ def _at_path(path: tuple, leaf: Any) -> Any:
     return tree
 
 
+def _context_mesh(x: Any) -> jax.sharding.Mesh | jax.sharding.AbstractMesh | None:
+    """The mesh ``jax.set_mesh`` set, concrete where ``x`` is (outside ``jit``); ``None`` when none is set."""
+    abstract = jax.sharding.get_abstract_mesh()
+    if abstract.empty:
+        return None
+    if isinstance(x, jax.core.Tracer):
+        return abstract
+    try:
+        # a concrete array outside jit needs the concrete mesh; jax refuses it while tracing
+        return jax.sharding.get_mesh()
+    except ValueError:
+        return abstract
+
+
 def _entry(axes: tuple[str, ...]) -> MeshAxes:
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
@@ -336,16 +356,3 @@ def place(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     """A host value as a global array on ``sharding``; each process fills only the shards it holds."""
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx], dtype=x.dtype)
-
-
-def key_path_str(path: Sequence[Any]) -> str:
-    """``(DictKey('blocks'), SequenceKey(0), ...)`` -> ``"blocks/0/..."``."""
-    parts = []
-    for k in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)

@@ -79,6 +79,20 @@ class DeviceSpec:
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
         object.__setattr__(self, "matmul_precision", MappingProxyType(dict(self.matmul_precision)))
 
+    def __hash__(self) -> int:  # the mappings hash by their items, so a preset can key a cache
+        return hash(
+            (
+                self.name,
+                tuple(sorted(self.peak_flops.items())),
+                self.hbm_bytes,
+                self.hbm_bandwidth,
+                self.matmul_efficiency,
+                self.memory_efficiency,
+                self.kernel_overhead,
+                tuple(sorted(self.matmul_precision.items())),
+            )
+        )
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Tier:
@@ -194,6 +208,9 @@ class Hardware:
                 f"{math.prod(self.default_axes.values())}, not devices={self.devices}"
             )
         object.__setattr__(self, "default_axes", MappingProxyType(dict(self.default_axes)))
+
+    def __hash__(self) -> int:  # the mappings hash by their items, so a preset can key a cache
+        return hash((self.name, self.devices, self.device, self.tiers, self.host, tuple(self.default_axes.items())))
 
     def to_dict(self) -> dict[str, Any]:
         """The preset as plain JSON-ready data, in the layout of a preset file."""

@@ -12,12 +12,13 @@ import dataclasses
 import math
 import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hyperjax.errors import MeshError
-from hyperjax.topology.hardware import Hardware
+from hyperjax.topology.hardware import Hardware, load_hardware
 
 if TYPE_CHECKING:
     import jax
@@ -119,7 +120,7 @@ def axis_spans(hardware: Hardware, axes: Mapping[str, int]) -> dict[str, AxisSpa
     """
     check_axes(axes)
     total = math.prod(axes.values())
-    _check_capacity(hardware, total)
+    check_capacity(hardware, total)
     positions = np.arange(total).reshape(tuple(axes.values()))
     spans = {}
     for k, (name, size) in enumerate(axes.items()):
@@ -144,7 +145,12 @@ def _group_levels(hardware: Hardware, group: np.ndarray) -> tuple[tuple[str, int
     return tuple(levels)
 
 
-def _check_capacity(hardware: Hardware, devices: int) -> None:
+def check_capacity(hardware: Hardware, devices: int) -> None:
+    """The machine connects ``devices`` devices.
+
+    Raises:
+      MeshError: more devices than the preset's outermost tier connects.
+    """
     top = hardware.max_devices
     if top is not None and devices > top:
         raise MeshError(
@@ -163,7 +169,7 @@ def physical_order(devices: Sequence[jax.Device]) -> list[jax.Device]:
 
 
 def make_mesh(
-    hardware: Hardware,
+    hardware: Hardware | str | Path,
     axes: Mapping[str, int],
     *,
     devices: Sequence[jax.Device] | None = None,
@@ -172,7 +178,9 @@ def make_mesh(
     """Build a ``jax.sharding.Mesh`` over the machine with inner axes inside the fastest tiers.
 
     Args:
-      hardware: the machine (its tiers decide nothing about the order here, but bound the device count).
+      hardware: the machine (its tiers decide nothing about the order here, but bound the device count): a
+        :class:`Hardware`, a shipped preset's name (``"cloudmatrix384"``) or the path of a preset YAML file,
+        loaded with :func:`~hyperjax.topology.hardware.load_hardware`.
       axes: mesh axis sizes, outermost first; the last axis varies fastest over physical devices.
       devices: the devices to use (default: all of ``jax.devices()``).
       axis_types: one ``AxisType`` per axis (default: ``Auto`` for every axis).
@@ -182,12 +190,15 @@ def make_mesh(
 
     Raises:
       MeshError: axis sizes that do not multiply to the number of devices, or too many devices.
+      PresetError: ``hardware`` names an unknown preset or a malformed preset file.
     """
     import jax
 
+    if isinstance(hardware, str | Path):
+        hardware = load_hardware(hardware)
     devs = physical_order(jax.devices() if devices is None else devices)
     check_axes(axes, len(devs))
-    _check_capacity(hardware, len(devs))
+    check_capacity(hardware, len(devs))
     if axis_types is None:
         axis_types = (jax.sharding.AxisType.Auto,) * len(axes)
     grid = np.array(devs, dtype=object).reshape(tuple(axes.values()))

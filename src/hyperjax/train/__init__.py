@@ -1,17 +1,24 @@
-"""Training on the emulated supernode: configuration, planning, data, the step and the loop."""
+"""Training on the emulated supernode: the step, data, checkpoints and the loop."""
 
-from hyperjax.train.config import Config, EmulateConfig, ParallelConfig, TrainConfig, load_config
-from hyperjax.train.loop import RunResult, train
-from hyperjax.train.plan import Plan, plan_run
+from hyperjax.train.checkpoint import Checkpoints, saved_steps
+from hyperjax.train.data import Batches, CaptionBatches
+from hyperjax.train.loop import RunResult, summary, train
+from hyperjax.train.prepare import Prepared, prepare
+from hyperjax.train.step import TrainStep, build_train_step, compiled_bytes, init_state, make_optimizer
 
 __all__ = [
-    "Config",
-    "EmulateConfig",
-    "ParallelConfig",
-    "Plan",
+    "Batches",
+    "CaptionBatches",
+    "Checkpoints",
+    "Prepared",
     "RunResult",
-    "TrainConfig",
-    "load_config",
-    "plan_run",
+    "TrainStep",
+    "build_train_step",
+    "compiled_bytes",
+    "init_state",
+    "make_optimizer",
+    "prepare",
+    "saved_steps",
+    "summary",
     "train",
 ]

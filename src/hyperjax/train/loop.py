@@ -1,4 +1,4 @@
-"""Run a planned training job on the live mesh: step, log, plot, summarise.
+"""Train a resolved run on the live mesh: step, log, plot, summarise.
 
 Every process runs the same loop; process 0 alone prints, writes metrics and draws the loss curve.
 """
@@ -17,15 +17,16 @@ from typing import Any, TextIO
 import jax
 from flax import nnx
 
+from hyperjax.config import Config, Run
 from hyperjax.errors import ConfigError
 from hyperjax.models import build_model, count_params
-from hyperjax.models.vlm import LanguageChunk
-from hyperjax.mpmd.pipeline import PipelineRunner, transformer_chunks
+from hyperjax.mpmd import PipelineRunner, model_chunks
+from hyperjax.offload import block_policies
 from hyperjax.topology import make_mesh
 from hyperjax.train.checkpoint import Checkpoints
 from hyperjax.train.data import Batches, CaptionBatches
-from hyperjax.train.plan import Plan
-from hyperjax.train.step import build_train_step, init_state, make_optimizer
+from hyperjax.train.prepare import Prepared, prepare
+from hyperjax.train.step import build_train_step, compiled_bytes, init_state, make_optimizer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,7 +53,7 @@ class RunResult:
 
 
 def train(
-    plan: Plan,
+    run: Run | Prepared,
     *,
     metrics_out: str | None = None,
     out_dir: str | None = None,
@@ -60,27 +61,30 @@ def train(
     checkpoint_dir: str | None = None,
     resume: bool = False,
 ) -> RunResult:
-    """Train as planned on the devices already started (see :func:`hyperjax.start_devices`).
+    """Train ``run`` on the devices already started (see :func:`hyperjax.start_devices`).
 
     Args:
-      plan: from :func:`hyperjax.train.plan.plan_run`.
+      run: from :func:`hyperjax.resolve` (or already :func:`hyperjax.train.prepare` d).
       metrics_out: a JSON-lines file, one object per step (process 0 writes it).
       out_dir: where process 0 writes ``loss.png``.
       log: where progress lines go (default: stdout on process 0, nowhere elsewhere).
       checkpoint_dir: write a checkpoint there every ``train.checkpoint_every`` steps and after the last.
-      resume: continue from the latest checkpoint in ``checkpoint_dir`` (restored onto this plan's mesh);
+      resume: continue from the latest checkpoint in ``checkpoint_dir`` (restored onto this run's mesh);
         the metrics of the steps it holds are written to ``metrics_out`` again, so the file covers the run.
 
     Raises:
-      ConfigError: ``resume`` without a readable checkpoint, or one written for another model or data.
+      HyperjaxError: a run that cannot train here (see :func:`hyperjax.train.prepare.prepare`), ``resume``
+        without a readable checkpoint, or one written for another model or data.
     """
-    cfg, t = plan.config, plan.config.train
+    ready = run if isinstance(run, Prepared) else prepare(run)
+    run = ready.run
+    cfg, t = run.config, run.config.train
     lead = jax.process_index() == 0
     log = (sys.stdout if lead else None) if log is None else log
-    placement = plan.offload.placement if plan.offload is not None else None
-    model = build_model(cfg.model, dtype=t.dtype, recompute=t.recompute, seed=t.seed, placement=placement)
+    policies = block_policies(ready.offload.placement, cfg.model.layers) if ready.offload is not None else None
+    model = build_model(cfg.model, dtype=run.dtype, recompute=run.recompute, seed=t.seed, policies=policies)
     data = _data(cfg)
-    run, state, memory = (_pipeline if plan.pipeline is not None else _spmd)(plan, model, data)
+    step_fn, state, memory = (_pipeline if run.pipelined else _spmd)(ready, model, data)
     tokens = t.global_batch * cfg.model.seq_len
     ckpt = Checkpoints(checkpoint_dir, keep=t.keep_checkpoints) if checkpoint_dir is not None else None
     records: list[dict[str, Any]] = []
@@ -89,7 +93,7 @@ def train(
             raise ConfigError("--resume needs --checkpoint-dir, the folder the run wrote its checkpoints to")
         try:
             restored = ckpt.restore(state)
-            _check_same_run(restored.meta, plan, ckpt.directory / str(restored.step))
+            _check_same_run(restored.meta, run, ckpt.directory / str(restored.step))
         except BaseException:
             ckpt.close()
             raise
@@ -106,7 +110,7 @@ def train(
     try:
         for i in range(len(records), t.steps):
             start = time.perf_counter()
-            state, metrics = run(state, i)
+            state, metrics = step_fn(state, i)
             loss = float(metrics["loss"])
             elapsed = time.perf_counter() - start
             record = {
@@ -119,7 +123,7 @@ def train(
             }
             records.append(record)
             if ckpt is not None and ((i + 1) % t.checkpoint_every == 0 or i + 1 == t.steps):
-                ckpt.save(i + 1, state, _meta(plan, records))
+                ckpt.save(i + 1, state, _meta(run, records))
             if (i + 1) % t.checkpoint_every == 0:
                 trim_heap()
             if ckpt is not None and lead:
@@ -149,7 +153,7 @@ def train(
         params=count_params(model),
     )
     if lead and out_dir is not None:
-        plot_losses(result.losses, Path(out_dir) / "loss.png", title=f"{cfg.model.family}, {plan.describe()}")
+        plot_losses(result.losses, Path(out_dir) / "loss.png", title=f"{cfg.model.family}, {run.describe()}")
     return result
 
 
@@ -179,22 +183,22 @@ def resident_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _meta(plan: Plan, records: list[dict[str, Any]]) -> dict[str, Any]:
+def _meta(run: Run, records: list[dict[str, Any]]) -> dict[str, Any]:
     """What a checkpoint records beside the arrays: where the data stands, the seeds, the run so far."""
-    t = plan.config.train
+    t = run.config.train
     return {
         "step": len(records),
         "data": {"source": t.data, "seed": t.seed, "position": len(records), "global_batch": t.global_batch},
         "rng": {"seed": t.seed},
-        "devices": plan.devices,
-        "strategy": plan.describe(),
+        "devices": run.devices,
+        "strategy": run.describe(),
         "records": list(records),  # a copy: orbax writes it on another thread while training goes on
     }
 
 
-def _check_same_run(meta: dict[str, Any], plan: Plan, where: Path) -> None:
+def _check_same_run(meta: dict[str, Any], run: Run, where: Path) -> None:
     """A checkpoint continues only the run it came from: same data, seed and global batch."""
-    t = plan.config.train
+    t = run.config.train
     want = {"source": t.data, "seed": t.seed, "global_batch": t.global_batch}
     keys = {"source": "train.data", "seed": "train.seed", "global_batch": "train.global_batch"}
     for key, value in want.items():
@@ -210,7 +214,7 @@ def _check_same_run(meta: dict[str, Any], plan: Plan, where: Path) -> None:
         )
 
 
-def _data(cfg: Any) -> Batches | CaptionBatches:
+def _data(cfg: Config) -> Batches | CaptionBatches:
     t, m = cfg.train, cfg.model
     if m.vision is not None:
         v = m.vision
@@ -226,60 +230,50 @@ def _data(cfg: Any) -> Batches | CaptionBatches:
     return Batches(source=t.data, global_batch=t.global_batch, seq_len=m.seq_len, vocab=m.vocab, seed=t.seed)
 
 
-def _spmd(plan: Plan, model: nnx.Module, data: Batches | CaptionBatches) -> tuple[Any, Any, int]:
-    """One SPMD program over the whole mesh: ``(run(state, step) -> (state, metrics), state, bytes)``."""
-    t = plan.config.train
-    mesh = make_mesh(plan.hardware, plan.axes, devices=jax.devices()[: plan.devices])
+def _spmd(ready: Prepared, model: nnx.Module, data: Batches | CaptionBatches) -> tuple[Any, Any, int]:
+    """One SPMD program over the whole mesh: ``(step(state, i) -> (state, metrics), state, bytes)``."""
+    run, t = ready.run, ready.run.config.train
+    mesh = make_mesh(run.hardware, run.axes, devices=jax.devices()[: run.devices])
     graphdef, param_state = nnx.split(model)
     optimizer = make_optimizer(t)
     step = build_train_step(
         graphdef=graphdef,
         param_state=param_state,
-        strategy=plan.strategy,
+        strategy=ready.strategy,
         mesh=mesh,
         optimizer=optimizer,
-        microbatches=plan.microbatches,
-        feeds={"images": 4} if plan.config.model.vision is not None else None,
-        placement=plan.offload.placement if plan.offload is not None else None,
+        microbatches=run.microbatches,
+        feeds={"images": 4} if run.config.model.vision is not None else None,
+        placement=ready.offload.placement if ready.offload is not None else None,
     )
     state = init_state(param_state, optimizer, step)
     compiled = step.fn.lower(state, data.global_batch_arrays(0, step.batch_shardings)).compile()
-    mem = compiled.memory_analysis()
-    memory = (
-        0
-        if mem is None
-        else (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
-    )
 
-    def run(state: Any, i: int) -> tuple[Any, dict[str, Any]]:
+    def advance(state: Any, i: int) -> tuple[Any, dict[str, Any]]:
         return compiled(state, data.global_batch_arrays(i, step.batch_shardings))
 
-    return run, state, memory
+    return advance, state, compiled_bytes(compiled)
 
 
-def _pipeline(plan: Plan, model: nnx.Module, data: Batches | CaptionBatches) -> tuple[Any, Any, int]:
+def _pipeline(ready: Prepared, model: nnx.Module, data: Batches | CaptionBatches) -> tuple[Any, Any, int]:
     """One program per chunk on its stage's submesh, run by the schedule's grid (see hyperjax.mpmd)."""
-    t = plan.config.train
-    if plan.config.model.vision is not None:  # the encoder on one submesh, the language model on the other
-        chunks, entry = [model.encoder, LanguageChunk(model.language_model)], "images"
-    else:
-        chunks, entry = transformer_chunks(model, plan.pipeline), "inputs"
+    run, t = ready.run, ready.run.config.train
+    chunks, entry = model_chunks(model, run)
     runner = PipelineRunner(
         chunks=chunks,
         entry=entry,
-        layout=plan.pipeline,
-        strategy=plan.strategy,
-        hardware=plan.hardware,
-        devices=jax.devices()[: plan.devices],
+        run=run,
+        strategy=ready.strategy,
+        devices=jax.devices()[: run.devices],
         optimizer=make_optimizer(t, clip=False),
         grad_clip=t.grad_clip,
     )
     state = runner.init_state()
 
-    def run(state: Any, i: int) -> tuple[Any, dict[str, Any]]:
+    def advance(state: Any, i: int) -> tuple[Any, dict[str, Any]]:
         return runner.step(state, data.batch(i))
 
-    return run, state, runner.memory_per_device(state)
+    return advance, state, runner.memory_per_device(state)
 
 
 def _progress_bar(steps: int, done: int = 0) -> tuple[Any, Any]:
@@ -317,13 +311,13 @@ def plot_losses(losses: list[float], path: Path, *, title: str) -> None:
     tmp.replace(path)
 
 
-def summary(plan: Plan, result: RunResult) -> dict[str, Any]:
+def summary(run: Run, result: RunResult) -> dict[str, Any]:
     """The closing summary of a run as plain data."""
     return {
-        "hardware": plan.hardware.name,
-        "strategy": plan.describe(),
-        "mesh": plan.axes,
-        "devices": plan.devices,
+        "hardware": run.hardware.name,
+        "strategy": run.describe(),
+        "mesh": run.axes,
+        "devices": run.devices,
         "processes": jax.process_count(),
         "params": result.params,
         "memory_per_device_bytes": result.memory_per_device,

@@ -1,4 +1,4 @@
-"""The training step, built from a plan: model, strategy, mesh and optimizer in; one jitted function out.
+"""The training step: model, strategy, mesh and optimizer in; one jitted function out.
 
 The step itself never looks at configuration flags: everything that varies (shardings, ZeRO, gradient
 accumulation, recomputation) is decided when it is built and lives in its shardings and in the model.
@@ -15,10 +15,10 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from hyperjax.config import TrainConfig
+from hyperjax.offload import Placement
 from hyperjax.offload.apply import DEVICE, HOST, on_device, place_kinds, to_kind
-from hyperjax.offload.placement import Placement
 from hyperjax.shard import Strategy, place
-from hyperjax.train.config import TrainConfig
 
 
 def make_optimizer(train: TrainConfig, *, clip: bool = True) -> optax.GradientTransformation:
@@ -80,7 +80,7 @@ def build_train_step(
     feeds: dict[str, int] | None = None,
     placement: Any = None,
 ) -> TrainStep:
-    """Build the jitted step for one plan.
+    """Build the jitted step.
 
     Args:
       graphdef: the model's structure (from ``nnx.split``).
@@ -156,3 +156,11 @@ def init_state(param_state: Any, optimizer: optax.GradientTransformation, step: 
         host,
         step.state_shardings,
     )
+
+
+def compiled_bytes(compiled: Any) -> int:
+    """Bytes per device of a compiled program: arguments + outputs + temporaries - aliased (0 if unknown)."""
+    mem = compiled.memory_analysis()
+    if mem is None:
+        return 0
+    return mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes

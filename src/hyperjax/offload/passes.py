@@ -1,28 +1,23 @@
-"""``offload:`` applied to a config: the placement its policy gives, priced, and the estimate it changes."""
+"""The offload pass on a resolved run: the placement its ``offload`` policy gives, priced, and the estimate it
+changes."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
+from hyperjax.config import Config, Run
+from hyperjax.cost import Estimate, estimate
 from hyperjax.errors import ConfigError
 from hyperjax.offload.placement import Placement, from_patterns, from_recompute
-from hyperjax.offload.solve import (
-    GIB,
-    Priced,
-    Problem,
-    build_problem,
-    ceil_gib,
-    describe_infeasible,
-    evaluate,
-    greedy,
-    solve_exact,
-)
+from hyperjax.offload.problem import GIB, Priced, Problem, build_problem, evaluate
+from hyperjax.offload.solve import ceil_gib, describe_infeasible, greedy, minimum_memory, solve_exact
+from hyperjax.topology import Hardware
 
 
 @dataclasses.dataclass(frozen=True)
-class OffloadPlan:
-    """The placement a config's ``offload`` policy gives and its price.
+class OffloadResult:
+    """The placement a run's ``offload`` policy gives and its price.
 
     Attributes:
       policy: ``offload.policy``.
@@ -38,7 +33,8 @@ class OffloadPlan:
     fits: bool
     budget_gib: float
     problem: Problem
-    base: Any  # the estimate without offload or recomputation the placement is priced against
+    run: Run  # the run as resolved
+    base: Estimate  # the run without offload or recomputation, which the placement is priced against
     cannot_fit: str | None = None
     smallest_budget_gib: float | None = None
 
@@ -75,69 +71,72 @@ class OffloadPlan:
         )
 
 
-def budget_bytes(cfg: Any, hardware: Any) -> float:
+def budget_bytes(cfg: Config, hardware: Hardware) -> float:
     """The device-memory budget per device: ``offload.device_memory_gib``, else the preset's HBM."""
     gib = cfg.offload.device_memory_gib
     return gib * GIB if gib is not None else hardware.device.hbm_bytes
 
 
-def plan_offload(cfg: Any, hardware: Any) -> OffloadPlan:
-    """The placement ``cfg.offload`` gives on ``hardware``, priced by the cost model.
+def offload_pass(run: Run) -> OffloadResult:
+    """The placement ``run``'s offload policy gives, priced by the cost model.
 
     ``none`` prices ``train.recompute``'s placement; ``manual`` applies ``offload.manual`` over it; ``greedy``
     and ``auto`` search from scratch (recomputation is one of the options they weigh).
-    """
-    from hyperjax.cost import estimate
 
-    o = cfg.offload
-    base = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none"))
-    est = estimate(base, hardware)
-    budget = budget_bytes(cfg, hardware)
+    Raises:
+      ConfigError: the run has no decoder blocks to place (a vision-language model).
+    """
+    o, policy = run.config.offload, run.offload
+    hardware = run.hardware
+    est = estimate(dataclasses.replace(run, recompute="none"))
+    budget = budget_bytes(run.config, hardware)
     problem = build_problem(est, hardware=hardware, budget_bytes=budget, prefetch=o.prefetch)
     layers = problem.layers
-    start = from_recompute(cfg.train.recompute, layers)
-    if o.policy == "none":
+    start = from_recompute(run.recompute, layers)
+    if policy == "none":
         priced = evaluate(problem, start)
-    elif o.policy == "manual":
+    elif policy == "manual":
         priced = evaluate(problem, from_patterns(o.manual, layers, base=start))
-    elif o.policy == "greedy":
+    elif policy == "greedy":
         priced = greedy(problem)
     else:
         priced = solve_exact(problem)
     budget_gib = budget / GIB
     if priced is not None and priced.fits:
-        return OffloadPlan(policy=o.policy, priced=priced, fits=True, budget_gib=budget_gib, problem=problem, base=est)
+        return OffloadResult(
+            policy=policy, priced=priced, fits=True, budget_gib=budget_gib, problem=problem, run=run, base=est
+        )
     term, smallest = describe_infeasible(problem)
     if priced is None:  # greedy or auto found nothing that fits: report the smallest-peak placement
-        from hyperjax.offload.solve import minimum_memory
-
         priced = minimum_memory(problem)
-    return OffloadPlan(
-        policy=o.policy,
+    return OffloadResult(
+        policy=policy,
         priced=priced,
         fits=False,
         budget_gib=budget_gib,
         problem=problem,
+        run=run,
         base=est,
         cannot_fit=term,
         smallest_budget_gib=ceil_gib(smallest),
     )
 
 
-def with_offload(plan: OffloadPlan) -> Any:
+def with_offload(result: OffloadResult) -> Estimate:
     """The estimate of the run under the placement: its step time, memory terms and verdict."""
-    est, p = plan.base, plan.priced
+    est, p = result.base, result.priced
     memory = {k: v - p.moved_bytes.get(k, 0.0) / GIB for k, v in est.memory_per_device_gib.items() if k != "peak"}
     memory |= {"staging": p.staging_bytes / GIB, "host": p.host_bytes / GIB, "peak": p.peak_bytes / GIB}
     breakdown = dict(est.breakdown_s)
-    breakdown["recompute"] = plan.problem.stretch * p.recompute_s
-    breakdown["exposed_host_transfer"] = plan.problem.stretch * p.exposed_transfer_s
+    breakdown["recompute"] = result.problem.stretch * p.recompute_s
+    breakdown["exposed_host_transfer"] = result.problem.stretch * p.exposed_transfer_s
     return dataclasses.replace(
         est,
+        run=result.run,
         step_time_s=p.step_time_s,
         mfu=est.mfu * est.step_time_s / p.step_time_s,
         memory_per_device_gib=memory,
-        fits=plan.fits,
-        overflow=None if plan.fits else plan.cannot_fit,
+        fits=result.fits,
+        overflow=None if result.fits else result.cannot_fit,
         breakdown_s=breakdown,
     )

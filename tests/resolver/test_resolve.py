@@ -2,19 +2,49 @@ from pathlib import Path
 
 import pytest
 
-from hyperjax import ConfigError, ShardingError
-from hyperjax.train import load_config, plan_run
+from hyperjax import ConfigError, ShardingError, load_config, resolve
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 
 
-def test_shipped_configs_plan():
-    quick = plan_run(load_config(CONFIGS / "quickstart.yaml"))
+def test_shipped_configs_resolve():
+    quick = resolve(load_config(CONFIGS / "quickstart.yaml"))
     assert quick.devices == 8 and quick.processes == 1
-    big = load_config(CONFIGS / "gpt-tiny-cm384.yaml")
-    plan = plan_run(big)
-    assert plan.devices == 384 and plan.axes["data"] > 1 and plan.axes["tensor"] > 1
-    assert plan.processes > 1
+    assert dict(quick.parallel) == {
+        "data": 4,
+        "fsdp": 1,
+        "context": 1,
+        "tensor": 2,
+        "pipeline": 1,
+        "virtual_stages": 1,
+    }
+    assert quick.micro_batch == 8 and quick.microbatches == 1 and quick.schedule is None
+    run = resolve(load_config(CONFIGS / "gpt-tiny-cm384.yaml"))
+    assert run.devices == 384 and run.axes["data"] > 1 and run.axes["tensor"] > 1
+    assert run.processes > 1
+
+
+def test_devices_come_from_the_config_or_the_degrees():
+    degrees = ["parallel.data=2", "parallel.tensor=4", "parallel.pipeline=2"]
+    assert resolve(load_config(None, degrees)).devices == 16  # every degree given: their product
+    assert resolve(load_config(None, ["parallel.tensor=2"])).devices == 8  # data inferred on 8 devices
+    assert resolve(load_config(None, ["parallel.tensor=2"]), 4).axes["data"] == 2
+    assert resolve(load_config(None, ["emulate.devices=4"])).devices == 4
+
+
+def test_pipeline_microbatches_are_decided_once():
+    base = ["parallel.tensor=1", "parallel.pipeline=2"]
+    assert resolve(load_config(CONFIGS / "quickstart.yaml", base)).microbatches == 4  # 2 x stages
+    run = resolve(load_config(CONFIGS / "quickstart.yaml", [*base, "train.micro_batch=2"]))
+    assert (run.microbatches, run.micro_batch) == (4, 2)  # 32 sequences over 4 replicas of 2
+    both = [*base, "train.micro_batch=2", "train.microbatches=8"]
+    with pytest.raises(ConfigError, match=r"train.micro_batch=2 x 4 data-parallel replicas x train.microbatches=8"):
+        resolve(load_config(CONFIGS / "quickstart.yaml", both))
+
+
+def test_a_run_too_large_to_emulate_still_resolves():
+    run = resolve(load_config(None, ["hardware=dgx-h100", "parallel.data=8192", "train.global_batch=8192"]))
+    assert run.devices == 8192 and run.processes is None and "8192 devices" in run.emulation_limit
 
 
 def test_overrides_and_yaml_values():
@@ -23,7 +53,7 @@ def test_overrides_and_yaml_values():
         ["parallel.tensor=4", "train.lr=3e-4", "parallel.data=null", "parallel.sequence_parallel=true"],
     )
     assert cfg.parallel.tensor == 4 and cfg.train.lr == 3e-4 and cfg.parallel.sequence_parallel
-    assert plan_run(cfg).axes == {"data": 2, "fsdp": 1, "context": 1, "tensor": 4}
+    assert resolve(cfg).axes == {"data": 2, "fsdp": 1, "context": 1, "tensor": 4}
 
 
 @pytest.mark.parametrize(
@@ -63,8 +93,17 @@ def test_overrides_and_yaml_values():
         (
             ["parallel.pipeline=2", "parallel.tensor=1", "train.microbatches=3"],
             ConfigError,
-            r"train.global_batch=32 in train.microbatches=3 micro-batches",
+            r"train.global_batch=32 does not split into 3 micro-batches",
         ),
+        (
+            ["parallel.pipeline=2", "parallel.tensor=1", "train.microbatches=16"],
+            ConfigError,
+            r"2 sequences each, which the data-parallel degrees \(data x fsdp\) \[4, 4\] must divide",
+        ),
+        (["train.recompute=ful"], ConfigError, r"train.recompute='ful' is not one of .*; did you mean 'full'\?"),
+        (["parallel.schedule=1f1"], ConfigError, r"parallel.schedule='1f1' is not one of"),
+        (["offload.policy=greed"], ConfigError, r"offload.policy='greed' is not one of .*did you mean 'greedy'"),
+        (["train.data=texts"], ConfigError, r"train.data='texts' is not one of"),
         (["shard.vocab=tensr"], ShardingError, r"shard.vocab: mesh axis 'tensr' does not exist"),
         (["hardware=cm384"], Exception, r"unknown hardware preset 'cm384'"),
         (
@@ -77,18 +116,4 @@ def test_overrides_and_yaml_values():
 )
 def test_bad_configs(sets, error, pattern):
     with pytest.raises(error, match=pattern):
-        plan_run(load_config(CONFIGS / "quickstart.yaml", sets))
-
-
-def test_bad_files(tmp_path: Path):
-    with pytest.raises(ConfigError, match=r"config file '.*missing.yaml' does not exist"):
-        load_config(tmp_path / "missing.yaml")
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("model: {layers: [\n")
-    with pytest.raises(ConfigError, match="is not valid YAML"):
-        load_config(bad)
-    bad.write_text("- a list\n")
-    with pytest.raises(ConfigError, match="must hold a mapping of sections"):
-        load_config(bad)
-    with pytest.raises(ConfigError, match=r"--set 'tensor' is not KEY=VALUE"):
-        load_config(None, ["tensor"])
+        resolve(load_config(CONFIGS / "quickstart.yaml", sets))

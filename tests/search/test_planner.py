@@ -5,11 +5,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hyperjax import load_hardware
+from hyperjax import estimate, plan, resolve
 from hyperjax.cli.main import main
-from hyperjax.cost import estimate
-from hyperjax.cost.planner import apply, plan, strategies
-from hyperjax.train.config import Config, build
+from hyperjax.config import Config, build
+from hyperjax.search import candidate, strategies
 
 ROOT = Path(__file__).parents[2]
 
@@ -24,15 +23,15 @@ def calibration(name: str) -> Config:
 )
 def test_plan_beats_or_matches_the_published_strategy(name):
     cfg = calibration(name)
-    hw = load_hardware(cfg.hardware)
-    published = estimate(cfg, hw)
-    best, priced, fitting = plan(cfg, hw, published.devices, keep=3)
+    published = estimate(resolve(cfg))
+    best, priced, fitting = plan(cfg, published.devices, keep=3)
     assert priced >= fitting > 0
     assert best[0].estimate.step_time_s <= published.step_time_s * (1 + 1e-9)
     assert best[0].estimate.fits
     # the winner really is what its overrides say
-    again = estimate(apply(cfg, best[0].overrides), hw)
+    again = estimate(resolve(candidate(cfg, best[0].overrides), published.devices))
     assert again.step_time_s == pytest.approx(best[0].estimate.step_time_s)
+    assert again.run == best[0].run
 
 
 def test_every_candidate_is_valid_and_covers_the_devices():

@@ -1,0 +1,157 @@
+"""Reading a run config: YAML parsed once, at the entry point, into the frozen :class:`Config`.
+
+``--set key=value`` overrides any key by its dotted name (``--set parallel.tensor=4``); values are read
+as YAML (``true``, ``null``, ``3e-4``). Unknown keys (with a did-you-mean), wrong types, words outside a
+vocabulary and out-of-range values are :class:`hyperjax.ConfigError` s that name the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hyperjax.config.checks import literal_options
+from hyperjax.config.sections import Config
+from hyperjax.errors import ConfigError
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Read a YAML config and apply ``key=value`` overrides.
+
+    Args:
+      path: the YAML file (``None``: all defaults).
+      overrides: ``--set`` items such as ``"parallel.tensor=4"``.
+
+    Raises:
+      ConfigError: a missing, empty or malformed file, an unknown key, a wrong type, or an invalid value.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(
+                f"config file {str(path)!r} does not exist; pass the path of a YAML file, "
+                "such as configs/quickstart.yaml"
+            )
+        text = path.read_text()
+        try:
+            raw = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+        if raw is None:
+            raise ConfigError(
+                f"config file {str(path)!r} is empty; give it at least one section (model:, train:, parallel:), "
+                "or copy configs/quickstart.yaml"
+            )
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(raw).__name__}")
+    for item in overrides:
+        apply_override(raw, item)
+    return build(Config, raw, "")
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one ``dotted.key=value`` override to the raw mapping in place.
+
+    Raises:
+      ConfigError: the item is not ``key=value`` or the value is not valid YAML.
+    """
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r} is not KEY=VALUE; e.g. --set parallel.tensor=4")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        raise ConfigError(f"--set {item!r}: value {text!r} is not valid YAML") from None
+    parts = key.strip().split(".")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {item!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def build(cls: type, raw: Any, prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from a raw mapping, checking every key and type.
+
+    Raises:
+      ConfigError: unknown keys, wrong types, or what the dataclass's own validation rejects.
+    """
+    where = prefix.rstrip(".") or "config"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping of keys, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+            raise ConfigError(f"unknown config key {prefix}{key}{hint} Known keys here: {', '.join(fields)}")
+        hint_type = hints[key]
+        options = typing.get_args(hint_type) if isinstance(hint_type, types.UnionType) else ()
+        nested = [o for o in options if dataclasses.is_dataclass(o)]
+        items = typing.get_args(hint_type) if typing.get_origin(hint_type) is tuple else ()
+        if dataclasses.is_dataclass(hint_type):
+            kwargs[key] = build(hint_type, value if value is not None else {}, f"{prefix}{key}.")
+        elif nested and value is not None:  # an optional section
+            kwargs[key] = build(nested[0], value, f"{prefix}{key}.")
+        elif items and dataclasses.is_dataclass(items[0]):  # a list of sections
+            if not isinstance(value, list):
+                raise ConfigError(f"{prefix}{key} must be a list of mappings, got {value!r}")
+            kwargs[key] = tuple(build(items[0], v, f"{prefix}{key}[{i}].") for i, v in enumerate(value))
+        else:
+            kwargs[key] = _coerce(value, hint_type, f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    options = (
+        typing.get_args(hint)
+        if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+        else (hint,)
+    )
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ConfigError(f"{key} must not be null; give a {_name(hint)}")
+    words = literal_options(hint)
+    if words is not None:
+        if value in words:
+            return value
+        close = difflib.get_close_matches(str(value), [str(w) for w in words], n=1)
+        raise ConfigError(f"{key}={value!r} is not one of {words}" + (f"; did you mean {close[0]!r}?" if close else ""))
+    for option in options:
+        if option is bool and isinstance(value, bool):
+            return value
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if option is float and isinstance(value, str):
+            try:
+                return float(value)  # YAML 1.1 reads 3e-4 as a string
+            except ValueError:
+                pass
+        if option is str and isinstance(value, str):
+            return value
+        if option is Any or (typing.get_origin(option) in (Mapping, dict) and isinstance(value, dict)):
+            return value
+        if typing.get_origin(option) is tuple and isinstance(value, list | tuple):
+            kind = typing.get_args(option)[0]
+            if all(isinstance(x, kind) and not isinstance(x, bool) for x in value):
+                return tuple(value)
+    raise ConfigError(f"{key}={value!r} has the wrong type: expected {_name(hint)}, got {type(value).__name__}")
+
+
+def _name(hint: Any) -> str:
+    return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")

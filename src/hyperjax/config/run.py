@@ -1,0 +1,189 @@
+"""A resolved run: what a config asks for with every inferred value decided, as one frozen value.
+
+:func:`hyperjax.resolve` builds it, once; ``predict``, ``plan``, the offload pass and ``train`` all read
+it, so the run a person reads about is the run they get. Nothing here is ``null`` that a program needs:
+devices and processes, every parallel degree, the micro-batches, the stages with their devices and
+layers, the schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from hyperjax.config.sections import Config
+from hyperjax.config.types import DType, OffloadPolicy, Recompute, ScheduleName
+from hyperjax.topology.hardware import Hardware
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Stage:
+    """One submesh of a run: the whole mesh of an SPMD run, a pipeline stage, or an MPMD module's submesh.
+
+    Attributes:
+      name: a label (``stage 0``, or an MPMD submesh's name).
+      devices: devices in the submesh.
+      first_device: its first device in physical order (stages are consecutive slices of that order).
+      axes: its mesh axes (``data``, ``fsdp``, ``context``, ``tensor``), outermost first.
+      chunks: the model chunks it holds, in model order (chunk ``c`` lives on stage ``c mod stages``).
+      layers: the blocks of each of those chunks.
+      modules: the model's modules it runs: ``("decoder",)`` for a language model alone, ``("encoder",)``,
+        ``("language_model",)`` or both for a vision-language model.
+    """
+
+    name: str
+    devices: int
+    first_device: int
+    axes: Mapping[str, int]
+    chunks: tuple[int, ...]
+    layers: tuple[int, ...]
+    modules: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "axes", MappingProxyType(dict(self.axes)))
+
+    @property
+    def data_parallel(self) -> int:
+        """Replicas of the batch: ``data x fsdp``."""
+        return self.axes["data"] * self.axes["fsdp"]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready data."""
+        return {
+            "name": self.name,
+            "devices": self.devices,
+            "first_device": self.first_device,
+            "parallel": dict(self.axes),
+            "chunks": list(self.chunks),
+            "layers": list(self.layers),
+            "modules": list(self.modules),
+        }
+
+    def describe(self) -> str:
+        """``2 devices (data=2) 2+2 layers``."""
+        degrees = ",".join(f"{k}={v}" for k, v in self.axes.items() if v > 1) or "1 device"
+        return f"{self.devices} devices ({degrees}) {'+'.join(map(str, self.layers))} layers"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Run:
+    """A config resolved for a machine: the one answer to every question the config leaves open.
+
+    Attributes:
+      config: the config as read (model, optimizer, data and everything not resolved here).
+      hardware: the machine's preset.
+      devices: devices in the run.
+      processes: emulating processes on this machine; ``None`` when this machine cannot emulate the run
+        (``emulation_limit`` says why; ``predict`` still answers, ``train`` refuses).
+      emulation_limit: why this machine cannot emulate the run, or ``None``.
+      parallel: every degree by name: ``data``, ``fsdp``, ``context``, ``tensor`` (the first stage's),
+        ``pipeline`` (stages) and ``virtual_stages``.
+      sequence_parallel: the residual stream's sequence split over the tensor axis.
+      zero_stage: ZeRO over the data axis (1: optimizer state, 2: also gradients).
+      micro_batch: sequences per micro-batch on one data-parallel replica of the first stage.
+      microbatches: micro-batches per optimizer step (gradient accumulation, or the pipeline's).
+      schedule: the pipeline schedule; ``None`` for a single stage.
+      stages: the submeshes, in the order data flows through them.
+      recompute: activation recomputation per block.
+      dtype: compute dtype.
+      offload: how the placement of tensor groups is chosen (``offload.policy``).
+    """
+
+    config: Config
+    hardware: Hardware
+    devices: int
+    processes: int | None
+    emulation_limit: str | None
+    parallel: Mapping[str, int]
+    sequence_parallel: bool
+    zero_stage: int
+    micro_batch: int
+    microbatches: int
+    schedule: ScheduleName | None
+    stages: tuple[Stage, ...]
+    recompute: Recompute
+    dtype: DType
+    offload: OffloadPolicy
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parallel", MappingProxyType(dict(self.parallel)))
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step."""
+        return self.config.train.global_batch
+
+    @property
+    def rows(self) -> int:
+        """Sequences per micro-batch over all replicas."""
+        return self.global_batch // self.microbatches
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the run has several stages (a pipeline, or MPMD submeshes)."""
+        return len(self.stages) > 1
+
+    @property
+    def virtual_stages(self) -> int:
+        """Model chunks per stage."""
+        return self.parallel["virtual_stages"]
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks in all."""
+        return sum(len(s.chunks) for s in self.stages)
+
+    @property
+    def axes(self) -> dict[str, int]:
+        """The first stage's mesh axes (the whole mesh of an SPMD run)."""
+        return dict(self.stages[0].axes)
+
+    def chunk_layers(self) -> tuple[int, ...]:
+        """Layers of every chunk, in model order."""
+        layers = {c: n for s in self.stages for c, n in zip(s.chunks, s.layers, strict=True)}
+        return tuple(layers[c] for c in range(len(layers)))
+
+    def stage_of(self, chunk: int) -> Stage:
+        """The stage that holds ``chunk``."""
+        return next(s for s in self.stages if chunk in s.chunks)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``"run"`` object of ``predict --json`` and ``train --plan-only --json``."""
+        return {
+            "hardware": self.hardware.name,
+            "devices": self.devices,
+            "processes": self.processes,
+            "parallel": dict(self.parallel),
+            "sequence_parallel": self.sequence_parallel,
+            "zero_stage": self.zero_stage,
+            "global_batch": self.global_batch,
+            "micro_batch": self.micro_batch,
+            "microbatches": self.microbatches,
+            "stages": [s.to_dict() for s in self.stages],
+            "schedule": self.schedule,
+            "recompute": self.recompute,
+            "dtype": self.dtype,
+            "offload": self.offload,
+            "emulation_limit": self.emulation_limit,
+        }
+
+    def describe(self) -> str:
+        """The strategy in one line, as ``predict`` and ``train`` print it."""
+        extras = []
+        if self.sequence_parallel:
+            extras.append("sequence_parallel")
+        if self.zero_stage:
+            extras.append(f"zero_stage={self.zero_stage}")
+        if not self.pipelined:
+            parts = [f"{k}={v}" for k, v in self.stages[0].axes.items() if v > 1] or ["single device"]
+            if self.microbatches > 1:
+                extras.append(f"{self.microbatches} micro-batches")
+            return ", ".join([*parts, *extras])
+        mpmd = self.stages[0].modules != ("decoder",)
+        stages = " | ".join(f"{s.name}: {s.describe()}" if mpmd else s.describe() for s in self.stages if s.chunks)
+        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        kind = "mpmd" if mpmd else "pipeline"
+        head = f"{kind} {stages}, {self.schedule}{v}, {self.microbatches} micro-batches"
+        return "; ".join([head, *extras])

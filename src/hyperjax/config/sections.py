@@ -1,0 +1,179 @@
+"""The sections of a run config (``configs/*.yaml``): frozen dataclasses with a comment per field.
+
+A config says what a person asks for; ``null`` means "infer", and :func:`hyperjax.resolve` decides every
+inferred value, once, into a :class:`hyperjax.Run`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from hyperjax.config.checks import positive, vocabularies
+from hyperjax.config.model import ModelConfig
+from hyperjax.config.types import DataSource, DType, OffloadOption, OffloadPolicy, Recompute, ScheduleName, choices
+from hyperjax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EmulateConfig:
+    """The emulated machine (``emulate:``)."""
+
+    devices: int | None = None  # devices of the run; null: the product of the degrees when all are given, else 8
+    processes: int | None = None  # processes to emulate them in; null: the fewest that work on this machine
+
+    def __post_init__(self) -> None:
+        positive(self, "emulate", ("devices", "processes"), optional=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The training run (``train:``)."""
+
+    global_batch: int = 32  # sequences per optimizer step
+    micro_batch: int | None = None  # sequences per micro-batch per data-parallel replica; null: see microbatches
+    microbatches: int | None = None  # micro-batches per step; null: from micro_batch, else 1 (2 x stages piped)
+    steps: int = 50  # optimizer steps
+    lr: float = 3e-4  # peak learning rate (AdamW)
+    warmup_steps: int | None = None  # linear warm-up steps; null: a tenth of the steps
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    weight_decay: float = 0.1  # AdamW decoupled weight decay, matrices only
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    grad_clip: float = 1.0  # global gradient-norm clip; 0 turns it off
+    dtype: DType = "float32"  # compute dtype: float32 or bfloat16 (parameters stay float32)
+    recompute: Recompute = "none"  # activation recomputation per block: none, selective or full
+    seed: int = 0  # parameter initialisation and data order
+    data: DataSource = "text"  # text: the shipped corpus, byte-level; synthetic: a learnable token sequence
+    checkpoint_every: int = 50  # steps between checkpoints (written only when --checkpoint-dir is given)
+    keep_checkpoints: int = 3  # the newest checkpoints kept; older ones are deleted
+
+    def __post_init__(self) -> None:
+        vocabularies(self, "train")
+        positive(self, "train", ("global_batch", "steps", "checkpoint_every", "keep_checkpoints"))
+        positive(self, "train", ("micro_batch", "microbatches"), optional=True)
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr={self.lr} must be > 0")
+        if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
+            raise ConfigError(f"train.warmup_steps={self.warmup_steps} must be in [0, train.steps={self.steps}]")
+        for key in ("min_lr_ratio", "beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1 + (key == "min_lr_ratio"):
+                raise ConfigError(f"train.{key}={getattr(self, key)} is out of range [0, 1]")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ConfigError("train.weight_decay and train.grad_clip must be >= 0")
+
+    @property
+    def warmup(self) -> int:
+        """Warm-up steps actually used."""
+        return self.steps // 10 if self.warmup_steps is None else self.warmup_steps
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Parallel degrees (``parallel:``); their product is the device count."""
+
+    data: int | None = None  # data-parallel replicas; null: the devices the other degrees leave
+    fsdp: int = 1  # ZeRO-3 degree: parameters, gradients and optimizer state sharded, batch split too
+    tensor: int = 1  # Megatron tensor parallelism (attention heads and MLP columns)
+    sequence_parallel: bool = False  # shard the residual stream's sequence over the tensor axis
+    context: int = 1  # context parallelism: the sequence sharded over an axis for attention
+    pipeline: int = 1  # pipeline stages
+    virtual_stages: int = 1  # model chunks per pipeline stage (interleaved schedule when > 1)
+    schedule: ScheduleName = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved or zero-bubble
+    stage_devices: tuple[int, ...] | None = None  # devices per pipeline stage; null: equal stages
+    stage_layers: tuple[int, ...] | None = None  # layers per chunk (model order); null: balanced by predicted time
+    zero_stage: int = 0  # 1: optimizer state sharded over data; 2: gradients too
+
+    def __post_init__(self) -> None:
+        vocabularies(self, "parallel")
+        positive(self, "parallel", ("fsdp", "tensor", "context", "pipeline", "virtual_stages"))
+        for key in ("stage_devices", "stage_layers"):
+            value = getattr(self, key)
+            if value is not None and any(n < 1 for n in value):
+                raise ConfigError(f"parallel.{key}={list(value)} must be positive integers")
+        if self.stage_devices is not None and len(self.stage_devices) != self.pipeline:
+            raise ConfigError(
+                f"parallel.stage_devices={list(self.stage_devices)} names {len(self.stage_devices)} stages, but "
+                f"parallel.pipeline={self.pipeline}; give one device count per stage"
+            )
+        if (self.schedule == "interleaved") != (self.virtual_stages > 1):
+            raise ConfigError(
+                f"parallel.schedule={self.schedule!r} with parallel.virtual_stages={self.virtual_stages}: the "
+                "interleaved schedule needs virtual_stages > 1, and virtual_stages > 1 needs schedule: interleaved"
+            )
+        positive(self, "parallel", ("data",), optional=True)
+        if self.zero_stage not in (0, 1, 2):
+            raise ConfigError(
+                f"parallel.zero_stage={self.zero_stage} must be 0, 1 or 2; for stage 3 set parallel.fsdp instead"
+            )
+        if self.sequence_parallel and self.tensor == 1:
+            raise ConfigError(
+                "parallel.sequence_parallel=true needs parallel.tensor > 1 (it splits over the tensor axis)"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SubmeshConfig:
+    """One submesh of an MPMD run (an item of ``mpmd.submeshes``)."""
+
+    name: str = ""  # a label for logs and traces
+    modules: tuple[str, ...] = ()  # the model's modules that run here (vision models: encoder, language_model)
+    devices: int | None = None  # devices of this submesh; null: sized by the cost model
+    data: int | None = None  # data-parallel degree inside it; null: what fsdp and tensor leave
+    fsdp: int = 1  # ZeRO-3 degree inside it
+    tensor: int = 1  # tensor-parallel degree inside it
+
+    def __post_init__(self) -> None:
+        positive(self, "mpmd.submeshes[]", ("fsdp", "tensor"))
+        positive(self, "mpmd.submeshes[]", ("devices", "data"), optional=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MPMDConfig:
+    """Separate programs on separate submeshes (``mpmd:``); empty: one SPMD program (or a pipeline)."""
+
+    submeshes: tuple[SubmeshConfig, ...] = ()  # in the order data flows through them
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """Where each tensor group lives during a step (``offload:``; see :mod:`hyperjax.offload`)."""
+
+    policy: OffloadPolicy = "none"  # none: train.recompute decides; auto: the exact pass; greedy; manual
+    device_memory_gib: float | None = None  # the device-memory budget; null: the preset's HBM
+    prefetch: int = 1  # layers of compute a host transfer may overlap (0: fetched when needed)
+    manual: Mapping[str, OffloadOption] = dataclasses.field(default_factory=dict)  # group pattern -> option
+
+    def __post_init__(self) -> None:
+        vocabularies(self, "offload")
+        if self.device_memory_gib is not None and not self.device_memory_gib > 0:
+            raise ConfigError(f"offload.device_memory_gib={self.device_memory_gib} must be > 0 (GiB per device)")
+        if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
+            raise ConfigError(f"offload.prefetch={self.prefetch!r} must be an integer >= 0 (layers)")
+        for pattern, option in self.manual.items():
+            if option not in choices(OffloadOption):
+                raise ConfigError(f"offload.manual[{pattern!r}]={option!r} is not one of {choices(OffloadOption)}")
+        if self.manual and self.policy != "manual":
+            raise ConfigError(f"offload.manual is given but offload.policy={self.policy!r}; set offload.policy: manual")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """A whole run, as asked for."""
+
+    hardware: str = "cloudmatrix384"  # hardware preset name or YAML path
+    emulate: EmulateConfig = dataclasses.field(default_factory=EmulateConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    shard: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # logical axis -> mesh axes overrides
+    mpmd: MPMDConfig = dataclasses.field(default_factory=MPMDConfig)
+    offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
+
+    def __post_init__(self) -> None:
+        if self.train.data == "text" and self.model.vocab < 256:
+            raise ConfigError(
+                f"train.data=text reads bytes (256 symbols) but model.vocab={self.model.vocab}; set model.vocab: 256 "
+                "or train.data: synthetic"
+            )

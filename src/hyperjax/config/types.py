@@ -1,0 +1,55 @@
+"""The closed vocabularies of a run, each defined once as a ``Literal`` and checked when a config is read.
+
+A word outside its vocabulary (``train.recompute: ful``) fails in the loader with the key, the word and
+the choices, not minutes into a run. Code that branches on one of these words takes the ``Literal``.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Literal
+
+DType = Literal["float32", "bfloat16"]
+"""Compute dtype; parameters stay float32."""
+
+Recompute = Literal["none", "selective", "full"]
+"""Activation recomputation per block: nothing, the attention core, or the whole block."""
+
+ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zero-bubble"]
+"""Pipeline schedules (:mod:`hyperjax.mpmd.schedules`)."""
+
+TaskKind = Literal["F", "B", "W"]
+"""Pipeline tasks: forward, backward (input gradient when split), weight gradient (split backward only)."""
+
+OffloadPolicy = Literal["none", "auto", "greedy", "manual"]
+"""How the placement of tensor groups is chosen (:mod:`hyperjax.offload`)."""
+
+OffloadOption = Literal["device", "host", "recompute"]
+"""Where one tensor group lives during a step."""
+
+Activation = Literal["norms", "qkv", "attn_core", "attn_out", "mlp_hidden"]
+"""The activations a block keeps for its backward, by the ``checkpoint_name`` the models tag them with.
+The block input (``block_in``) is the rematerialisation boundary and always stays on the device."""
+
+DataSource = Literal["text", "synthetic"]
+"""Training data: the shipped corpus as bytes, or a learnable synthetic token sequence."""
+
+Family = Literal["gpt", "llama"]
+"""Model presets: each fills the architecture fields it is known by (see :class:`hyperjax.config.ModelConfig`)."""
+
+Norm = Literal["layernorm", "rmsnorm"]
+MLPKind = Literal["gelu", "relu", "swiglu", "geglu"]
+"""``swiglu`` and ``geglu`` are gated: three matrices (input, gate, output) instead of two."""
+
+Positions = Literal["learned", "rope"]
+BlockLayout = Literal["sequential", "parallel"]
+"""``sequential``: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; ``parallel`` (GPT-J, PaLM): one norm,
+``x + attn(norm(x)) + mlp(norm(x))``."""
+
+ACTIVATIONS: tuple[Activation, ...] = typing.get_args(Activation)
+GATED: tuple[MLPKind, ...] = ("swiglu", "geglu")
+
+
+def choices(vocabulary: object) -> tuple[str, ...]:
+    """The words of a ``Literal`` vocabulary, in order."""
+    return typing.get_args(vocabulary)

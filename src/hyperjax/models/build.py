@@ -1,0 +1,37 @@
+"""Building a model from its config: a decoder, or a vision-language model when ``model.vision`` is set."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from hyperjax.config import DType, ModelConfig, Recompute, choices
+from hyperjax.errors import ConfigError
+from hyperjax.models.transformer import BlockPolicy, Transformer
+from hyperjax.models.vlm import VisionLanguageModel
+
+
+def build_model(
+    cfg: ModelConfig,
+    *,
+    dtype: DType = "float32",
+    recompute: Recompute = "none",
+    seed: int = 0,
+    policies: tuple[BlockPolicy, ...] | None = None,
+) -> Transformer | VisionLanguageModel:
+    """Initialise a model of ``cfg`` from ``seed`` (the same parameters on any mesh).
+
+    A :class:`Transformer`, or with ``cfg.vision`` a :class:`VisionLanguageModel`. ``policies`` (one per
+    block, e.g. from an offload placement) say what a decoder's blocks keep for backward; ``None``: what
+    ``recompute`` says.
+
+    Raises:
+      ConfigError: a ``recompute`` or ``dtype`` outside its vocabulary.
+    """
+    if recompute not in choices(Recompute):
+        raise ConfigError(f"train.recompute={recompute!r} is not one of {choices(Recompute)}")
+    if dtype not in choices(DType):
+        raise ConfigError(f"train.dtype={dtype!r} is not one of {choices(DType)}")
+    rngs = nnx.Rngs(params=seed)
+    if cfg.vision is not None:
+        return VisionLanguageModel(cfg, dtype=dtype, recompute=recompute, rngs=rngs)
+    return Transformer(cfg, dtype=dtype, recompute=recompute, rngs=rngs, policies=policies)

@@ -1,0 +1,127 @@
+"""The jitted programs of one pipeline chunk: forward, backward, and a split backward's two halves."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from hyperjax.models.layers import Constrain
+from hyperjax.models.taps import output_shapes, split, weights_only
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Programs:
+    """A chunk's programs (see :func:`chunk_programs`).
+
+    Attributes:
+      forward: ``(params, x, feeds) -> (y, pullback)``; with ``taps`` the pullback also carries the
+        products' inputs.
+      backward: ``(pullback, dy, acc) -> (acc + dparams, dx)`` (plain backward only).
+      inputs: ``B``: the input gradient (with ``taps``: ``(acc, dx, product gradients)``).
+      weights: ``W``: the weight gradients added to the accumulator.
+      taps: whether the backward is split at the weight products (:mod:`hyperjax.models.taps`).
+    """
+
+    forward: Callable[..., Any]
+    inputs: Callable[..., Any]
+    weights: Callable[..., Any]
+    taps: bool
+    backward: Callable[..., Any] | None = None
+
+
+def chunk_programs(graphdef: Any, constrain: Constrain, *, first: bool, last: bool, m: int, taps: bool) -> Programs:
+    """The jitted programs of one chunk.
+
+    The forward returns the chunk's output and its pullback: a ``jax.tree_util.Partial`` whose leaves are
+    the residuals the backward needs, kept on the stage's devices between the two tasks (no recompute).
+    The last chunk's output is its micro-batch's loss divided by ``m`` (so the losses sum to the step's
+    mean), and its backward is seeded by that loss; other chunks take their output's gradient.
+
+    With ``taps`` (a split backward over blocks that are not rematerialised), the forward runs under
+    :func:`hyperjax.models.taps.split` and also returns every weight product's input (``W`` takes the
+    chunk's input from the runtime, which keeps it).
+    ``inputs`` (``B``) then returns the input gradient, each product's output gradient, and the gradients
+    of the parameters used outside products. ``weights`` (``W``) is the weight GEMMs alone
+    (:func:`hyperjax.models.taps.weights_only`). Without ``taps``, both halves read the plain pullback:
+    ``B`` drops the weight half and ``W`` the input half, so ``W`` re-runs the activation-gradient chain.
+    """
+
+    def apply(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> jax.Array:
+        feeds = {k: v for k, v in fed.items() if k != "targets"}
+        return nnx.merge(graphdef, params)(x, constrain, **feeds)
+
+    def loss(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> jax.Array:
+        return optax.softmax_cross_entropy_with_integer_labels(apply(params, x, fed), fed["targets"]).mean() / m
+
+    f = loss if last else apply
+
+    def forward(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
+        if first:  # the batch has no gradient
+            return jax.vjp(lambda p: f(p, x, fed), params)
+        return jax.vjp(lambda p, h: f(p, h, fed), params, x)
+
+    def seed(dy: jax.Array | None) -> jax.Array:
+        return jnp.ones((), jnp.float32) if dy is None else dy
+
+    def pull(pullback: Any, dy: jax.Array | None) -> tuple[Any, Any]:
+        grads = pullback(seed(dy))
+        return grads[0], (None if first else grads[1])
+
+    def backward(pullback: Any, dy: Any, acc: Any) -> tuple[Any, Any]:
+        dparams, dx = pull(pullback, dy)
+        return jax.tree.map(jnp.add, acc, dparams), dx
+
+    def weights(pullback: Any, dy: Any, acc: Any) -> Any:
+        return jax.tree.map(jnp.add, acc, pull(pullback, dy)[0])  # XLA drops the unused input half
+
+    def inputs(pullback: Any, dy: Any) -> Any:
+        return pull(pullback, dy)[1]  # and here the unused weight half
+
+    def forward_split(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
+        offsets = [jnp.zeros(a.shape, a.dtype) for a in output_shapes(lambda p, h: f(p, h, fed), params, x)]
+
+        def tapped(p: Any, h: jax.Array, o: list[jax.Array]) -> tuple[jax.Array, list[jax.Array]]:
+            with split(o) as state:
+                out = f(p, h, fed)
+            return out, state.inputs
+
+        if first:
+            y, pullback, kept = jax.vjp(lambda p, o: tapped(p, x, o), params, offsets, has_aux=True)
+        else:
+            y, pullback, kept = jax.vjp(tapped, params, x, offsets, has_aux=True)
+        return y, (pullback, kept)
+
+    def inputs_split(pullback: Any, dy: Any, acc: Any) -> tuple[Any, Any, Any]:
+        grads = pullback(seed(dy))
+        dparams, dx, douts = (grads[0], None, grads[1]) if first else grads
+        return jax.tree.map(jnp.add, acc, dparams), dx, douts
+
+    def weights_split(params: Any, kept: Any, x: jax.Array, douts: Any, fed: dict[str, jax.Array], acc: Any) -> Any:
+        def products(p: Any) -> list[jax.Array]:
+            with weights_only(kept) as state:
+                f(p, x, fed)  # only the products feed the outputs; XLA drops the rest
+            return state.outputs
+
+        (dparams,) = jax.vjp(products, params)[1](douts)
+        return jax.tree.map(jnp.add, acc, dparams)
+
+    if taps:
+        return Programs(
+            forward=jax.jit(forward_split),
+            inputs=jax.jit(inputs_split, donate_argnums=2),
+            weights=jax.jit(weights_split, donate_argnums=5),
+            taps=True,
+        )
+    return Programs(
+        forward=jax.jit(forward),
+        backward=jax.jit(backward, donate_argnums=2),
+        weights=jax.jit(weights, donate_argnums=2),
+        inputs=jax.jit(inputs),
+        taps=False,
+    )

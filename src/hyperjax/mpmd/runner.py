@@ -1,0 +1,380 @@
+"""Pipeline training: one jitted program per model chunk on its stage's submesh, run by a schedule grid.
+
+Each stage of a resolved run is a submesh (a consecutive slice of the devices in physical order) with
+its own SPMD strategy (data, fsdp, tensor, ... over the stage's devices), so stages may differ in size.
+Chunk ``c`` lives on stage ``c mod stages``. Per chunk there are these programs
+(:mod:`hyperjax.mpmd.programs`): the forward, which also returns the chunk's pullback (its residuals,
+kept on the stage until the backward task), and the backward; for a split-backward schedule, the
+input-gradient (``B``) and weight-gradient (``W``) halves instead. The runtime walks the schedule's grid
+in time order and dispatches each task; dispatch is asynchronous, so stages run concurrently, waiting
+only on the arrays they consume. Activations and their gradients move between submeshes as
+:mod:`hyperjax.mpmd.transfer` says. Every process walks the whole grid and runs the tasks of the
+submeshes that hold its devices.
+
+A tied embedding is held on the first and the last chunk: the two gradients are summed on the first
+stage, the optimizer updates the one table there, and the copy is refreshed, as Megatron-LM does.
+Gradient clipping uses the global norm over every stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from hyperjax.config import Recompute, Run
+from hyperjax.mpmd.chunks import Chunk
+from hyperjax.mpmd.programs import Programs, chunk_programs
+from hyperjax.mpmd.schedules import Task, make_schedule
+from hyperjax.mpmd.transfer import forget, scalar, split_devices, sum_over_processes, transfer
+from hyperjax.shard import Strategy, place
+from hyperjax.topology import make_mesh
+
+
+@dataclasses.dataclass(kw_only=True)
+class ChunkRuntime:
+    """One chunk on its submesh: its structure, where its arrays live, and its programs.
+
+    Attributes:
+      graphdef: the chunk's NNX structure.
+      recompute: whether its blocks are rematerialised (a split backward cannot tap them); ``None``
+        where the chunk does not say.
+      mesh: its stage's submesh.
+      mine: this process holds some of the submesh's devices.
+      lead: ... and is the one that reports the chunk's values.
+      local: ... all of them.
+      strategy: the SPMD rules on the submesh, with a pattern per parameter path.
+      constrain: the activation constraint the chunk is called with.
+      param_sh, opt_sh: where its parameters and optimizer state live.
+      host_params: its initial parameters on the host.
+      act_sh: where its output (and its output's gradient) lives.
+      scalar_sh: a replicated scalar on the submesh.
+      programs: its jitted programs (built once the runner knows the schedule).
+      zeros, sumsq, update: a zero gradient accumulator, the squared gradient norm, the optimizer update.
+    """
+
+    graphdef: Any
+    recompute: Recompute | None
+    mesh: jax.sharding.Mesh
+    mine: bool
+    lead: bool
+    local: bool
+    strategy: Strategy
+    constrain: Any
+    param_sh: Any
+    host_params: Any
+    act_sh: NamedSharding
+    scalar_sh: NamedSharding
+    opt_sh: Any
+    programs: Programs | None = None
+    zeros: Any = None
+    sumsq: Any = None
+    update: Any = None
+
+
+class PipelineRunner:
+    """Runs training steps of a model cut into chunks, each on its stage's submesh (one process).
+
+    Args:
+      chunks: the model's pieces in order, sharing its variables (so they start from its parameters).
+        Chunk ``c`` is called as ``chunk(x, constrain, **feeds)``: ``x`` is the previous chunk's output
+        (for the first, the batch entry ``entry``); ``feeds`` are the batch entries named by its
+        ``feeds`` attribute. The last returns logits for ``targets``.
+      run: the resolved run: its stages (devices and mesh axes), micro-batches and schedule.
+      strategy: the SPMD rules each stage applies on its own submesh.
+      devices: every device of the pipeline, in physical order.
+      optimizer: the optimizer without clipping (applied per chunk; the global norm is combined here).
+      grad_clip: global-norm clip (0: none).
+      entry: the batch entry the first chunk reads.
+    """
+
+    def __init__(
+        self,
+        *,
+        chunks: Sequence[nnx.Module],
+        run: Run,
+        strategy: Strategy,
+        devices: Sequence[Any],
+        optimizer: optax.GradientTransformation,
+        grad_clip: float,
+        entry: str = "inputs",
+    ) -> None:
+        self.optimizer, self.grad_clip, self.entry = optimizer, grad_clip, entry
+        sched = make_schedule(run.schedule or "1f1b", len(run.stages), run.microbatches, run.virtual_stages)
+        self.sched = sched
+        groups = split_devices(list(devices), [s.devices for s in run.stages])
+        self.meshes = [
+            make_mesh(run.hardware, dict(s.axes), devices=g) for s, g in zip(run.stages, groups, strict=True)
+        ]
+        n = len(chunks)
+        # a tied head: the last chunk's `head` is a copy of the first chunk's `embed`
+        self.tied = isinstance(chunks[-1], Chunk) and chunks[-1].tied
+        self.n_chunks = n
+        self.feeds = [tuple(getattr(ch, "feeds", ())) for ch in chunks]
+        self.chunks: list[ChunkRuntime] = []
+        for c, part in enumerate(chunks):
+            mesh = self.meshes[sched.stage_of(c)]
+            graphdef, state = nnx.split(part)
+            strat = strategy.with_param_axes(state)
+            params = nnx.to_pure_dict(state)
+            owners = {d.process_index for d in mesh.devices.flat}
+            self.chunks.append(
+                ChunkRuntime(
+                    graphdef=graphdef,
+                    recompute=getattr(part, "recompute", None),
+                    mesh=mesh,
+                    mine=jax.process_index() in owners,
+                    lead=jax.process_index() == min(owners),
+                    local=owners == {jax.process_index()},
+                    strategy=strat,
+                    constrain=strat.constrainer(mesh),
+                    param_sh=strat.shardings(params, mesh),
+                    host_params=jax.tree.map(np.asarray, params),
+                    act_sh=NamedSharding(mesh, strat.spec(("batch", "res_seq", "act_embed"))),
+                    scalar_sh=NamedSharding(mesh, PartitionSpec()),
+                    opt_sh=strat.shardings(jax.eval_shape(optimizer.init, self._trained(params, c)), mesh),
+                )
+            )
+        self.shapes: list[Any] | None = None  # each chunk's output, found at the first step
+        self.steps_done = 0
+        self.handovers = 0  # hand-overs so far in this step
+        self.published: list[str] = []  # keys this process wrote to the key-value store this step
+        self._build_programs()
+
+    def _batch_sharding(self, c: int, rank: int) -> NamedSharding:
+        """Where chunk ``c`` takes a batch entry of ``rank`` dimensions: split over its batch axes."""
+        ch = self.chunks[c]
+        logical = ("batch", "seq") if rank == 2 else ("batch",) + (None,) * (rank - 1)
+        return NamedSharding(ch.mesh, ch.strategy.spec(logical))
+
+    # ---- parameters ------------------------------------------------------------------------------------
+
+    def _trained(self, params: dict[str, Any], c: int) -> dict[str, Any]:
+        """The parameters chunk ``c``'s optimizer updates (not the last chunk's tied copy of the table)."""
+        if self.tied and c == self.n_chunks - 1:
+            return {k: v for k, v in params.items() if k != "head"}
+        return params
+
+    def memory_per_device(self, state: dict[str, Any]) -> int:
+        """Bytes per device of parameters, gradients and optimizer state on the fullest stage."""
+        per_stage = [0] * self.sched.stages
+        for c, (p, o) in enumerate(zip(state["params"], state["opt_state"], strict=True)):
+            if not self.chunks[c].mine:
+                continue
+            shard = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(p))
+            opt = sum(
+                x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(o) if hasattr(x, "addressable_shards")
+            )
+            per_stage[self.sched.stage_of(c)] += 2 * shard + opt
+        return max(per_stage)
+
+    def init_state(self) -> dict[str, Any]:
+        """Parameters and optimizer state per chunk, on the chunks' submeshes."""
+        params, opt = [], []
+        for c, ch in enumerate(self.chunks):
+            if not ch.mine:  # another process's submesh
+                params.append(None)
+                opt.append(None)
+                continue
+            p = jax.tree.map(place, ch.host_params, ch.param_sh)
+            params.append(p)
+            opt.append(jax.jit(self.optimizer.init, out_shardings=ch.opt_sh)(self._trained(p, c)))
+        return {"params": params, "opt_state": opt, "step": 0}
+
+    # ---- programs ---------------------------------------------------------------------------------------
+
+    def _build_programs(self) -> None:
+        m = self.sched.microbatches
+        for c, ch in enumerate(self.chunks):
+            taps = self.sched.split_backward and ch.recompute == "none"  # unknown (None): the plain split
+            last = c == len(self.chunks) - 1
+            ch.programs = chunk_programs(ch.graphdef, ch.constrain, first=c == 0, last=last, m=m, taps=taps)
+            ch.zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=ch.param_sh)
+            ch.sumsq = jax.jit(lambda g: optax.tree.norm(g, squared=True))
+
+            def update(params: Any, opt_state: Any, grads: Any, scale: jax.Array) -> tuple[Any, Any]:
+                grads = jax.tree.map(lambda g: g * scale, grads)
+                updates, opt_state = self.optimizer.update(grads, opt_state, params)
+                return optax.apply_updates(params, updates), opt_state
+
+            ch.update = jax.jit(update, donate_argnums=(0, 1))
+
+    # ---- one step ---------------------------------------------------------------------------------------
+
+    def step(
+        self, state: dict[str, Any], batch: dict[str, np.ndarray], *, timeline: list | None = None
+    ) -> tuple[dict[str, Any], dict[str, float]]:
+        """One optimizer step over the global ``batch`` (host arrays by entry, ``targets`` among them).
+
+        Every process walks the whole grid and runs the tasks of the chunks whose submesh holds some of
+        its devices; hand-overs between processes are ``jax.device_put`` calls both sides make.
+        ``timeline``, when given, receives ``(stage, task, start_s, end_s)`` per task this process runs;
+        each task is then waited for, so the times are each task's own (the stages no longer overlap).
+        """
+        sched, chunks, m = self.sched, self.chunks, self.sched.microbatches
+        last = len(chunks) - 1
+        rows = batch["targets"].shape[0] // m
+        params = state["params"]
+        if self.shapes is None:
+            self.shapes = self._activation_shapes(batch, rows)
+        grads = [ch.zeros(p) if ch.mine else None for ch, p in zip(chunks, params, strict=True)]
+        # ("in", microbatch, chunk) -> the chunk's input; (microbatch, chunk) -> its pullback (with taps, also
+        # the products' inputs and the chunk's input); ("douts", microbatch, chunk) -> B's product gradients
+        xs: dict[tuple, Any] = {}
+        dys: dict[tuple[int, int], Any] = {}  # (microbatch, chunk) -> gradient of the chunk's output
+        feeds: dict[tuple[int, int], dict[str, jax.Array]] = {}  # (microbatch, chunk) -> its batch entries
+        losses: list[jax.Array] = []
+
+        def put(key: str, j: int, c: int) -> jax.Array:
+            part = batch[key][j * rows : (j + 1) * rows]
+            return place(part, self._batch_sharding(c, part.ndim))
+
+        for j in range(m):
+            xs[("in", j, 0)] = put(self.entry, j, 0)
+            for c in range(len(chunks)):
+                feeds[(j, c)] = {key: put(key, j, c) for key in self.feeds[c]}
+            feeds[(j, last)]["targets"] = put("targets", j, last)
+        origin = time.perf_counter()
+        for _, s, task in sched.starts():
+            start = time.perf_counter()
+            out = self._run(task, params, grads, xs, dys, feeds, losses)
+            if timeline is not None and chunks[task.chunk].mine:
+                jax.block_until_ready(out)
+                timeline.append((s, task, start - origin, time.perf_counter() - origin))
+        if self.tied:  # the head's gradient joins the embedding's, on the first stage
+            table = jax.ShapeDtypeStruct(chunks[0].host_params["embed"].shape, np.float32)
+            g_head = grads[last]["head"] if chunks[last].mine else None
+            head = self._hand_over(g_head, last, 0, chunks[0].param_sh["embed"], table)
+            if chunks[0].mine:
+                grads[0] = {**grads[0], "embed": grads[0]["embed"] + head}
+        trained = [self._trained(g, c) if g is not None else None for c, g in enumerate(grads)]
+        # every process of a submesh runs its programs; one of them reports each value
+        sums = [scalar(ch.sumsq(g)) if ch.mine else 0.0 for ch, g in zip(chunks, trained, strict=True)]
+        local = sum(x for x, ch in zip(sums, chunks, strict=True) if ch.lead)
+        norm = math.sqrt(sum_over_processes(local))
+        scale = 1.0 if not self.grad_clip or norm < self.grad_clip else self.grad_clip / norm
+        new_params, new_opt = [], []
+        for c, ch in enumerate(chunks):
+            if not ch.mine:
+                new_params.append(None)
+                new_opt.append(None)
+                continue
+            factor = place(np.float32(scale), ch.scalar_sh)
+            p, o = ch.update(self._trained(params[c], c), state["opt_state"][c], trained[c], factor)
+            new_params.append(p)
+            new_opt.append(o)
+        if self.tied:  # refresh the last chunk's copy of the table
+            table = jax.ShapeDtypeStruct(chunks[0].host_params["embed"].shape, np.float32)
+            embed = new_params[0]["embed"] if chunks[0].mine else None
+            head = self._hand_over(embed, 0, last, chunks[last].param_sh["head"], table)
+            if chunks[last].mine:
+                new_params[last] = {**new_params[last], "head": head}
+        loss = sum_over_processes(sum(scalar(x) for x in losses) if chunks[last].lead else 0.0)
+        # every process has passed the gather above, so every hand-over of this step has been read
+        forget(self.published)
+        self.published, self.handovers, self.steps_done = [], 0, self.steps_done + 1
+        new_state = {"params": new_params, "opt_state": new_opt, "step": state["step"] + 1}
+        return new_state, {"loss": loss, "grad_norm": norm}
+
+    def _activation_shapes(self, batch: dict[str, np.ndarray], rows: int) -> list[Any]:
+        """The shape and dtype of every chunk's output for one micro-batch.
+
+        A process that receives an array from another process's submesh reads it as bytes and needs
+        its shape and dtype to rebuild it.
+        """
+        out = []
+        x = jax.ShapeDtypeStruct((rows, *batch[self.entry].shape[1:]), batch[self.entry].dtype)
+        for c, ch in enumerate(self.chunks):
+            fed = {k: jax.ShapeDtypeStruct((rows, *batch[k].shape[1:]), batch[k].dtype) for k in self.feeds[c]}
+            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), ch.host_params)
+            graphdef, constrain = ch.graphdef, ch.constrain
+
+            def apply(p: Any, h: Any, f: Any, graphdef: Any = graphdef, constrain: Any = constrain) -> Any:
+                return nnx.merge(graphdef, p)(h, constrain, **f)
+
+            x = jax.eval_shape(apply, abstract, x, fed)
+            out.append(x)
+        return out
+
+    def _hand_over(self, value: Any, src: int, dst: int, sharding: NamedSharding, shape: Any) -> Any:
+        """Move ``value`` from chunk ``src``'s submesh to ``sharding`` on chunk ``dst``'s.
+
+        The processes of both sides take part (see :func:`_transfer`); ``shape`` is the array's shape and
+        dtype. ``None`` where this process holds neither side.
+        """
+        sender, receiver = self.chunks[src], self.chunks[dst]
+        key = f"hyperjax/mpmd/{self.steps_done}/{self.handovers}"  # the same in every process
+        self.handovers += 1
+        if not (sender.mine or receiver.mine):
+            return None
+        if jax.process_count() == 1 or (sender.local and receiver.local):
+            return jax.device_put(value, sharding)
+        if sender.lead:
+            self.published.append(key)
+        return transfer(value, sender.mesh, sharding, shape, sender.mine, key)
+
+    def _run(self, task: Task, params, grads, xs, dys, feeds, losses) -> Any:
+        c, j, ch = task.chunk, task.microbatch, self.chunks[task.chunk]
+        last = c == len(self.chunks) - 1
+        if task.kind == "F":
+            y = None
+            if ch.mine:
+                x = xs.pop(("in", j, c))
+                y, xs[(j, c)] = ch.programs.forward(params[c], x, feeds[(j, c)])  # keep the pullback
+                if ch.programs.taps:  # and, for W, the products' inputs and the chunk's
+                    xs[(j, c)] = (*xs[(j, c)], x)
+            if last:
+                if y is not None:
+                    losses.append(y)
+                return y
+            xs[("in", j, c + 1)] = self._hand_over(y, c, c + 1, self.chunks[c + 1].act_sh, self.shapes[c])
+            return xs[("in", j, c + 1)]
+        if not ch.mine:
+            if task.kind == "B" and c > 0:  # take part in handing the input gradient back
+                self._send_back(j, c, None, dys)
+            return None
+        pullback = xs[(j, c)]
+        if task.kind == "W" and ch.programs.taps:  # the weight GEMMs, from what F recorded and B computed
+            _, kept, x = pullback
+            grads[c] = ch.programs.weights(params[c], kept, x, xs.pop(("douts", j, c)), feeds[(j, c)], grads[c])
+            self._forget(j, c, xs, dys)
+            return grads[c]
+        dy = None if last else dys[(j, c)]  # the last chunk's backward is seeded by its loss
+        if task.kind == "B" and not self.sched.split_backward:  # both gradients at once
+            grads[c], dx = ch.programs.backward(pullback, dy, grads[c])
+            self._send_back(j, c, dx, dys)
+            self._forget(j, c, xs, dys)
+            return grads[c]
+        if task.kind == "B" and ch.programs.taps:  # the input and product-output gradients; W reads the latter
+            pullback, kept, x = pullback
+            grads[c], dx, xs[("douts", j, c)] = ch.programs.inputs(pullback, dy, grads[c])
+            xs[(j, c)] = (None, kept, x)  # the pullback's residuals are spent
+            dys.pop((j, c), None)
+            self._send_back(j, c, dx, dys)
+            return xs[("douts", j, c)]
+        if task.kind == "B":  # the input gradient only; the weight gradient waits for W
+            if c == 0:
+                return pullback  # nothing flows into the batch
+            return self._send_back(j, c, ch.programs.inputs(pullback, dy), dys)
+        grads[c] = ch.programs.weights(pullback, dy, grads[c])
+        self._forget(j, c, xs, dys)
+        return grads[c]
+
+    def _send_back(self, j: int, c: int, dx: Any, dys: dict) -> Any:
+        if c == 0:
+            return None
+        dys[(j, c - 1)] = self._hand_over(dx, c, c - 1, self.chunks[c - 1].act_sh, self.shapes[c - 1])
+        return dys[(j, c - 1)]
+
+    def _forget(self, j: int, c: int, xs: dict, dys: dict) -> None:
+        del xs[(j, c)]
+        dys.pop((j, c), None)

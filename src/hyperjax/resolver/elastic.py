@@ -1,0 +1,42 @@
+"""Elastic re-resolution: the same run (model, optimizer, global batch) on another device count."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from hyperjax.config import Config, Run
+from hyperjax.errors import ConfigError, HyperjaxError
+from hyperjax.resolver.resolve import resolve
+
+# what an elastic restart may change, tried in order until a run resolves on the new device count; the
+# global batch, the model and the optimizer stay as configured, so the run continues the same training
+_ELASTIC_STEPS: tuple[tuple[str, ...], ...] = (
+    ("parallel.data=null", "emulate.processes=null"),
+    ("parallel.stage_devices=null",),
+    ("train.micro_batch=null",),
+    ("parallel.fsdp=1", "parallel.tensor=1", "parallel.sequence_parallel=false", "parallel.context=1"),
+)
+
+
+def elastic_overrides(load: Callable[[Sequence[str]], Config], devices: int) -> tuple[list[str], Run]:
+    """The ``--set`` items that re-derive a run's strategy for ``devices`` devices, and the run they give.
+
+    Args:
+      load: ``overrides -> Config`` (the run's config file with its own ``--set`` items, then these).
+      devices: the new device count.
+
+    Raises:
+      ConfigError: no strategy the steps above reach fits ``devices`` (the last reason is quoted).
+    """
+    sets = [f"emulate.devices={devices}"]
+    reason = ""
+    for step in _ELASTIC_STEPS:
+        sets = [*sets, *step]
+        try:
+            return sets, resolve(load(sets))
+        except HyperjaxError as e:
+            reason = str(e)
+    raise ConfigError(
+        f"--elastic: no strategy fits {devices} devices while keeping the model and the global batch "
+        f"(last reason: {reason}); give --devices a count the global batch and model divide"
+    )

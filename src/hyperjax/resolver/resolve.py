@@ -1,0 +1,169 @@
+"""``resolve(config)``: the one place every value a config leaves open is decided.
+
+Devices, processes, every parallel degree, the stages with their devices and layers, the micro-batches
+and the schedule are worked out here and nowhere else, and the whole run is checked on abstract shapes:
+a run that resolves can be priced (``predict``, ``plan``), placed (the offload pass) and trained
+(``train``), and each of them reads the same :class:`hyperjax.Run`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from hyperjax.config import Config, ModelConfig, Run, Stage
+from hyperjax.emulate import plan_processes
+from hyperjax.errors import ConfigError, EmulationError
+from hyperjax.mpmd.schedules import check_sizes
+from hyperjax.resolver.checks import check_stage
+from hyperjax.resolver.stages import mpmd_stages, pipeline_axes, pipeline_sizes, pipeline_stages, spmd_stage
+from hyperjax.shard import strategy_for
+from hyperjax.topology import Hardware, load_hardware
+from hyperjax.topology.mesh import check_capacity
+
+DEFAULT_DEVICES = 8
+"""Devices of a run that names neither ``emulate.devices`` nor every degree: the emulated default machine."""
+
+
+def device_count(cfg: Config, devices: int | None = None) -> int:
+    """The devices of a run: ``devices``, else ``emulate.devices``, else what the degrees or the stages
+    multiply to when they say it, else :data:`DEFAULT_DEVICES`.
+
+    Raises:
+      ConfigError: ``devices`` is not a positive integer.
+    """
+    if devices is not None:
+        if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+            raise ConfigError(f"devices={devices!r} must be a positive integer (--devices / emulate.devices)")
+        return devices
+    if cfg.emulate.devices is not None:
+        return cfg.emulate.devices
+    p, subs = cfg.parallel, cfg.mpmd.submeshes
+    if subs and all(sub.devices is not None for sub in subs):
+        return sum(sub.devices for sub in subs)
+    if not subs and p.stage_devices is not None:
+        return sum(p.stage_devices)
+    if not subs and p.data is not None:
+        return p.data * p.fsdp * p.context * p.tensor * p.pipeline
+    return DEFAULT_DEVICES
+
+
+def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | None = None) -> Run:
+    """Resolve ``config`` into the run it describes.
+
+    Args:
+      config: the config as read.
+      devices: the device count (``--devices``); default :func:`device_count`.
+      hardware: the machine, if already loaded (default: ``config.hardware``'s preset).
+
+    Raises:
+      HyperjaxError: any inconsistency, naming the key or tensor, the sizes and the fix.
+    """
+    hw = load_hardware(config.hardware) if hardware is None else hardware
+    t, p = config.train, config.parallel
+    n = device_count(config, devices)
+    check_capacity(hw, n)
+    if config.mpmd.submeshes:
+        if t.micro_batch is not None:
+            raise ConfigError(
+                "train.micro_batch: mpmd submeshes have data-parallel degrees of their own; set "
+                "train.microbatches (micro-batches per step) instead"
+            )
+        microbatches = t.microbatches or 2 * len(config.mpmd.submeshes)
+        _check_rows(config, microbatches)
+        stages = mpmd_stages(config, n, t.global_batch // microbatches)
+    elif p.pipeline > 1:
+        sizes = pipeline_sizes(config, n)
+        axes = pipeline_axes(config, sizes)
+        microbatches = _microbatches(config, axes[0]["data"] * axes[0]["fsdp"], default=2 * p.pipeline)
+        check_sizes(p.schedule, p.pipeline, microbatches, p.virtual_stages)
+        stages = pipeline_stages(config, sizes, axes)
+    else:
+        stages = (spmd_stage(config, n),)
+        microbatches = _microbatches(config, stages[0].data_parallel, default=1)
+    rows = t.global_batch // microbatches
+    dps = [s.data_parallel for s in stages]
+    if rows % math.lcm(*dps):
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} in {microbatches} micro-batches gives {rows} sequences each, "
+            f"which the data-parallel degrees (data x fsdp) {dps} must divide; use a global batch that is a "
+            f"multiple of {microbatches * math.lcm(*dps)}"
+        )
+    shard = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.shard.items()))
+    for s in stages:
+        label = f"{s.name}: " if len(stages) > 1 else ""
+        _check(config.model, p.sequence_parallel, p.zero_stage, shard, tuple(s.axes.items()), s.modules, rows, label)
+    try:
+        processes, limit = plan_processes(n, config.emulate.processes), None
+    except EmulationError as e:
+        if config.emulate.processes is not None:
+            raise
+        processes, limit = None, str(e)
+    first = stages[0].axes
+    pipelined = len(stages) > 1
+    return Run(
+        config=config,
+        hardware=hw,
+        devices=n,
+        processes=processes,
+        emulation_limit=limit,
+        parallel={**first, "pipeline": len(stages), "virtual_stages": p.virtual_stages},
+        sequence_parallel=p.sequence_parallel,
+        zero_stage=p.zero_stage,
+        micro_batch=rows // stages[0].data_parallel,
+        microbatches=microbatches,
+        schedule=p.schedule if pipelined else None,
+        stages=stages,
+        recompute=t.recompute,
+        dtype=t.dtype,
+        offload=config.offload.policy,
+    )
+
+
+@functools.lru_cache(maxsize=65536)
+def _check(
+    m: ModelConfig,
+    sequence_parallel: bool,
+    zero_stage: int,
+    shard: tuple,
+    axes: tuple[tuple[str, int], ...],
+    modules: tuple[str, ...],
+    rows: int,
+    label: str,
+) -> None:
+    """:func:`check_stage` for one stage, remembered: a search checks the same few stages thousands of times."""
+    strategy = strategy_for(sequence_parallel=sequence_parallel, zero_stage=zero_stage, overrides=dict(shard))
+    stage = Stage(name="", devices=0, first_device=0, axes=dict(axes), chunks=(), layers=(), modules=modules)
+    check_stage(m, strategy, stage, rows, label)
+
+
+def _microbatches(cfg: Config, dp: int, *, default: int) -> int:
+    """Micro-batches per step from ``train.microbatches`` or ``train.micro_batch`` (per replica of ``dp``)."""
+    t = cfg.train
+    if t.microbatches is not None:
+        if t.micro_batch is not None and t.micro_batch * dp * t.microbatches != t.global_batch:
+            raise ConfigError(
+                f"train.micro_batch={t.micro_batch} x {dp} data-parallel replicas x train.microbatches="
+                f"{t.microbatches} is not train.global_batch={t.global_batch}; give one of the two"
+            )
+        _check_rows(cfg, t.microbatches)
+        return t.microbatches
+    if t.micro_batch is not None:
+        if t.global_batch % (t.micro_batch * dp):
+            raise ConfigError(
+                f"train.global_batch={t.global_batch} is not a multiple of train.micro_batch={t.micro_batch} x "
+                f"{dp} data-parallel replicas (data x fsdp); choose a global batch divisible by "
+                f"{t.micro_batch * dp}"
+            )
+        return t.global_batch // (t.micro_batch * dp)
+    _check_rows(cfg, default)
+    return default
+
+
+def _check_rows(cfg: Config, microbatches: int) -> None:
+    t = cfg.train
+    if t.global_batch % microbatches:
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} does not split into {microbatches} micro-batches "
+            f"(train.microbatches, or its default); use a multiple of {microbatches} or set train.microbatches"
+        )

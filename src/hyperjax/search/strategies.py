@@ -1,0 +1,117 @@
+"""The strategies a search considers: every valid combination of degrees and options, as config overrides.
+
+A candidate is its overrides applied over the config (:func:`candidate`), with the layout keys a search
+decides afresh cleared: pipeline stage sizes and layers, micro-batch count and, for a vision-language
+model searched as one SPMD program, the MPMD submeshes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+from hyperjax.config import Config, SubmeshConfig
+from hyperjax.topology import Hardware
+
+CLEARED: dict[str, Any] = {
+    "parallel.stage_devices": None,
+    "parallel.stage_layers": None,
+    "train.microbatches": None,
+    "emulate.devices": None,
+    "emulate.processes": None,
+}
+"""What every candidate resets before its own overrides: the search decides these."""
+
+RECOMPUTE = ("none", "selective", "full")
+"""Tried in this order: each adds time and saves memory, so the first that fits is the fastest."""
+
+
+def divisors(n: int) -> list[int]:
+    """Divisors of ``n``, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def apply(cfg: Config, overrides: dict[str, Any]) -> Config:
+    """``cfg`` with dotted-key ``overrides`` applied (validated by the dataclasses)."""
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in overrides.items():
+        section, field = key.split(".")
+        sections.setdefault(section, {})[field] = value
+    return dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **f) for s, f in sections.items()})
+
+
+def candidate(cfg: Config, overrides: dict[str, Any]) -> Config:
+    """The config a candidate's ``overrides`` select: :data:`CLEARED`, then the overrides, over ``cfg``."""
+    return apply(cfg, {**CLEARED, **overrides})
+
+
+def strategies(cfg: Config, devices: int) -> Iterator[dict[str, Any]]:
+    """Every valid combination of degrees and options for ``cfg``'s model on ``devices`` devices.
+
+    Recomputation is not part of the combination: the search tries :data:`RECOMPUTE` in order and keeps
+    the first that fits. A vision-language model is searched as one SPMD program (no pipeline stages,
+    which would cut through both modules); :func:`submesh_strategies` gives its MPMD splits.
+    """
+    m, t = cfg.model, cfg.train
+    heads = math.gcd(m.heads, m.kv_heads)
+    vision = m.vision is not None
+    for tensor in (d for d in divisors(devices) if heads % d == 0 and m.d_ff % d == 0):
+        for context in (d for d in divisors(devices // tensor) if m.seq_len % d == 0 and d <= 16):
+            pipelines = [1] if vision else [d for d in divisors(devices // (tensor * context)) if m.layers % d == 0]
+            for pipeline in pipelines:
+                rest = devices // (tensor * context * pipeline)
+                for fsdp in divisors(rest):
+                    data = rest // fsdp
+                    dp = data * fsdp
+                    if t.global_batch % dp:
+                        continue
+                    per_replica = t.global_batch // dp
+                    micro_options = [mb for mb in divisors(per_replica) if mb <= 16] if pipeline > 1 else [None]
+                    schedules = [("1f1b", 1)]
+                    if pipeline > 1:
+                        schedules += [("interleaved", v) for v in (2, 3, 4) if m.layers % (pipeline * v) == 0]
+                        schedules.append(("zero-bubble", 1))
+                    for micro in micro_options:
+                        for schedule, virtual in schedules:
+                            # sequence parallelism moves the same bytes as plain tensor parallelism and
+                            # stores less, so it is never worse: only the sequence-parallel variant is priced
+                            for zero in (0, 1, 2) if data > 1 else (0,):
+                                yield {
+                                    "parallel.data": data,
+                                    "parallel.fsdp": fsdp,
+                                    "parallel.tensor": tensor,
+                                    "parallel.sequence_parallel": tensor > 1,
+                                    "parallel.context": context,
+                                    "parallel.pipeline": pipeline,
+                                    "parallel.virtual_stages": virtual,
+                                    "parallel.schedule": schedule,
+                                    "parallel.zero_stage": zero,
+                                    "train.micro_batch": micro,
+                                    **({"mpmd.submeshes": ()} if vision else {}),
+                                }
+
+
+def submesh_strategies(cfg: Config, hardware: Hardware, devices: int) -> Iterator[dict[str, Any]]:
+    """The MPMD splits of a vision-language model: the encoder on ``n`` devices (whole groups of the
+    machine's first tier when there are several), the language model on the rest, each with a tensor
+    degree that divides its heads and stays inside the first tier."""
+    m = cfg.model
+    node = hardware.tiers[0].group_size or devices
+    step = node if node < devices else 1
+    names = [sub.name for sub in cfg.mpmd.submeshes] or ["encoder", "language_model"]
+    for n in range(step, devices, step):
+        for t_enc in (d for d in divisors(n) if d <= node and m.vision.heads % d == 0):
+            for t_lm in (d for d in divisors(devices - n) if d <= node and math.gcd(m.heads, m.kv_heads) % d == 0):
+                yield {
+                    "mpmd.submeshes": (
+                        SubmeshConfig(name=names[0], modules=("encoder",), devices=n, tensor=t_enc),
+                        SubmeshConfig(name=names[1], modules=("language_model",), devices=devices - n, tensor=t_lm),
+                    ),
+                    "parallel.pipeline": 1,
+                    "parallel.virtual_stages": 1,
+                    "parallel.schedule": cfg.parallel.schedule if cfg.parallel.schedule != "interleaved" else "1f1b",
+                    "train.micro_batch": None,
+                    "train.microbatches": cfg.train.microbatches,
+                }

@@ -1,0 +1,54 @@
+"""What ``train`` needs beyond the resolved run, decided before any device starts.
+
+The run's strategy places every tensor (checked when it was resolved), and under an ``offload`` policy
+the placement pass must find a placement that fits a step the train step can apply it to. A run that
+passes trains as printed; one that does not fails here, in milliseconds, naming the key and the fix.
+Whether this machine can emulate the run's devices is the launcher's question (``Run.processes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hyperjax.config import Run
+from hyperjax.errors import ConfigError
+from hyperjax.offload import OffloadResult, offload_pass
+from hyperjax.shard import Strategy, strategy_for
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Prepared:
+    """A run ready to train.
+
+    Attributes:
+      run: the resolved run.
+      strategy: the sharding strategy every stage applies on its own submesh.
+      offload: the placement the offload pass chose (``None`` under ``offload.policy: none``).
+    """
+
+    run: Run
+    strategy: Strategy
+    offload: OffloadResult | None
+
+
+def prepare(run: Run) -> Prepared:
+    """Check that ``run`` can train, and run the offload pass it asks for.
+
+    Raises:
+      ConfigError: an offload policy on a run the step cannot apply it to, or a budget no placement fits.
+    """
+    if run.offload != "none" and (run.pipelined or run.config.model.vision is not None):
+        raise ConfigError(
+            f"offload.policy={run.offload!r}: training applies a placement to one SPMD program of a "
+            "decoder-only model, not to a pipeline, MPMD submeshes or a vision model; set offload.policy: none "
+            "(hyperjax predict prices offload for pipelines too)"
+        )
+    offload = None
+    if run.offload != "none":
+        offload = offload_pass(run)
+        if not offload.fits:
+            raise offload.error()
+    strategy = strategy_for(
+        sequence_parallel=run.sequence_parallel, zero_stage=run.zero_stage, overrides=run.config.shard
+    )
+    return Prepared(run=run, strategy=strategy, offload=offload)
