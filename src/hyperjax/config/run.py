@@ -14,7 +14,7 @@ from types import MappingProxyType
 from typing import Any
 
 from hyperjax.config.sections import Config
-from hyperjax.config.types import DType, OffloadPolicy, Recompute, ScheduleName
+from hyperjax.config.types import DType, ModuleName, OffloadPolicy, Recompute, ScheduleName
 from hyperjax.topology.hardware import Hardware
 
 
@@ -39,7 +39,7 @@ class Stage:
     axes: Mapping[str, int]
     chunks: tuple[int, ...]
     layers: tuple[int, ...]
-    modules: tuple[str, ...]
+    modules: tuple[ModuleName, ...]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "axes", MappingProxyType(dict(self.axes)))

@@ -31,6 +31,9 @@ Activation = Literal["norms", "qkv", "attn_core", "attn_out", "mlp_hidden"]
 """The activations a block keeps for its backward, by the ``checkpoint_name`` the models tag them with.
 The block input (``block_in``) is the rematerialisation boundary and always stays on the device."""
 
+ModuleName = Literal["decoder", "encoder", "language_model"]
+"""The modules a stage runs: a language model alone, or a vision-language model's encoder and language model."""
+
 DataSource = Literal["text", "synthetic"]
 """Training data: the shipped corpus as bytes, or a learnable synthetic token sequence."""
 

@@ -139,11 +139,6 @@ def count_params(m: ModelConfig) -> int:
     return sum(t.size for t in model_tensors(m))
 
 
-def block_params(m: ModelConfig) -> int:
-    """Parameters of one block."""
-    return sum(t.size for t in block_tensors(m))
-
-
 def block_products(m: ModelConfig) -> tuple[Product, ...]:
     """The weight products of one block, per token. Query, key and value are one product (one GEMM on
     the concatenated weights), as are a gated MLP's input and gate."""
@@ -220,18 +215,6 @@ def activation_units(m: ModelConfig) -> dict[str, float]:
         "mlp_hidden": (6.0 if m.gated else 4.0) * f,
         "attn_core": 5.0 * m.heads * m.seq_len,
     }
-
-
-def replicated_units(m: ModelConfig) -> float:
-    """The activation bytes per token tensor parallelism leaves whole (split only by sequence parallelism)."""
-    u = activation_units(m)
-    return u["block_in"] + u["norms"]
-
-
-def split_units(m: ModelConfig) -> float:
-    """The activation bytes per token tensor parallelism splits (attention and MLP inner widths)."""
-    u = activation_units(m)
-    return u["qkv"] + u["attn_out"] + u["mlp_hidden"]
 
 
 def tensors_by_axes(tensors: list[Tensor]) -> Iterator[tuple[tuple[str | None, ...], tuple[int, ...], str]]:

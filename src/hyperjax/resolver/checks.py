@@ -46,20 +46,17 @@ def activations(m: ModelConfig, stage: Stage, rows: int) -> dict[str, tuple[tupl
     return acts
 
 
-def check_stage(m: ModelConfig, strategy: Strategy, stage: Stage, rows: int, label: str) -> None:
+def check_stage(m: ModelConfig, strategy: Strategy, stage: Stage, rows: int) -> None:
     """``strategy`` places every parameter of ``stage`` and every activation of a micro-batch on its mesh.
 
     Raises:
-      ShardingError: the first tensor it cannot place, prefixed by ``label`` (the stage, for a pipeline).
+      ShardingError: the first tensor it cannot place.
     """
     mesh = jax.sharding.AbstractMesh(tuple(stage.axes.values()), tuple(stage.axes))
-    try:
-        for axes, shape, path in tensors_by_axes(stage_tensors(m, stage)):
-            strategy.check(path, shape, axes, mesh)
-        for name, (shape, logical) in activations(m, stage, rows).items():
-            try:
-                strategy.check(f"activation {name}", shape, logical, mesh)
-            except ShardingError as e:
-                raise ShardingError(f"{e} (batch per micro-batch {rows}, model.seq_len={m.seq_len})") from None
-    except ShardingError as e:
-        raise ShardingError(f"{label}{e}") from None
+    for axes, shape, path in tensors_by_axes(stage_tensors(m, stage)):
+        strategy.check(path, shape, axes, mesh)
+    for name, (shape, logical) in activations(m, stage, rows).items():
+        try:
+            strategy.check(f"activation {name}", shape, logical, mesh)
+        except ShardingError as e:
+            raise ShardingError(f"{e} (batch per micro-batch {rows}, model.seq_len={m.seq_len})") from None

@@ -13,7 +13,7 @@ import math
 
 from hyperjax.config import Config, ModelConfig, Run, Stage
 from hyperjax.emulate import plan_processes
-from hyperjax.errors import ConfigError, EmulationError
+from hyperjax.errors import ConfigError, EmulationError, ShardingError
 from hyperjax.mpmd.schedules import check_sizes
 from hyperjax.resolver.checks import check_stage
 from hyperjax.resolver.stages import mpmd_stages, pipeline_axes, pipeline_sizes, pipeline_stages, spmd_stage
@@ -91,8 +91,10 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
         )
     shard = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.shard.items()))
     for s in stages:
-        label = f"{s.name}: " if len(stages) > 1 else ""
-        _check(config.model, p.sequence_parallel, p.zero_stage, shard, tuple(s.axes.items()), s.modules, rows, label)
+        try:
+            _check(config.model, p.sequence_parallel, p.zero_stage, shard, tuple(s.axes.items()), s.modules, rows)
+        except ShardingError as e:
+            raise ShardingError(f"{s.name}: {e}" if len(stages) > 1 else str(e)) from None
     try:
         processes, limit = plan_processes(n, config.emulate.processes), None
     except EmulationError as e:
@@ -129,12 +131,11 @@ def _check(
     axes: tuple[tuple[str, int], ...],
     modules: tuple[str, ...],
     rows: int,
-    label: str,
 ) -> None:
     """:func:`check_stage` for one stage, remembered: a search checks the same few stages thousands of times."""
     strategy = strategy_for(sequence_parallel=sequence_parallel, zero_stage=zero_stage, overrides=dict(shard))
     stage = Stage(name="", devices=0, first_device=0, axes=dict(axes), chunks=(), layers=(), modules=modules)
-    check_stage(m, strategy, stage, rows, label)
+    check_stage(m, strategy, stage, rows)
 
 
 def _microbatches(cfg: Config, dp: int, *, default: int) -> int:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from hyperjax.config import Config, ModelConfig, Stage
+from hyperjax.config import Config, ModelConfig, ModuleName, Stage
 from hyperjax.cost.counts import block_flops_per_token, embed_flops_per_token, head_flops_per_token, module_flops
 from hyperjax.errors import ConfigError, ShardingError
 from hyperjax.shard import mesh_axes_for
 
-MODULES = ("encoder", "language_model")
+MODULES: tuple[ModuleName, ...] = ("encoder", "language_model")
 """The modules of a vision-language model, in data-flow order."""
 
 

@@ -125,24 +125,28 @@ def axis_spans(hardware: Hardware, axes: Mapping[str, int]) -> dict[str, AxisSpa
     spans = {}
     for k, (name, size) in enumerate(axes.items()):
         groups = np.moveaxis(positions, k, -1).reshape(-1, size)
+        ranks = _group_levels(hardware, groups)  # (groups, tiers)
         # the group reaching the slowest tier decides; ties go to the first such group
-        levels = max(
-            (_group_levels(hardware, group) for group in groups),
-            key=lambda lv: max((i for i, (_, r) in enumerate(lv) if r > 1), default=-1),
-        )
-        kept = tuple((tier, ranks) for tier, ranks in levels if ranks > 1)
+        reach = np.where(ranks > 1, np.arange(len(hardware.tiers)), -1).max(axis=1)
+        row = ranks[int(np.argmax(reach))]
+        kept = tuple((t.name, int(r)) for t, r in zip(hardware.tiers, row, strict=True) if r > 1)
         spans[name] = AxisSpan(axis=name, size=size, tier=kept[-1][0] if kept else hardware.tiers[0].name, levels=kept)
     return spans
 
 
-def _group_levels(hardware: Hardware, group: np.ndarray) -> tuple[tuple[str, int], ...]:
-    below = len(group)
-    levels = []
+def _group_levels(hardware: Hardware, groups: np.ndarray) -> np.ndarray:
+    """Ranks per tier of every group (a row of device positions, ascending): on each tier, the devices (or
+    lower-tier blocks) of the group that one block of the tier joins, rounded up."""
+    below = np.full(len(groups), groups.shape[1])
+    out = []
     for tier in hardware.tiers:
-        blocks = 1 if tier.group_size is None else len(np.unique(group // tier.group_size))
-        levels.append((tier.name, -(-below // blocks)))
+        if tier.group_size is None:
+            blocks = np.ones(len(groups), dtype=int)
+        else:  # positions ascend along a row, so blocks are counted where the block index changes
+            blocks = np.count_nonzero(np.diff(groups // tier.group_size, axis=1), axis=1) + 1
+        out.append(-(-below // blocks))
         below = blocks
-    return tuple(levels)
+    return np.stack(out, axis=1)
 
 
 def check_capacity(hardware: Hardware, devices: int) -> None:
