@@ -216,7 +216,8 @@ def vlm() -> dict:
     """The vision-language model on all 384 devices: the best SPMD program, the usual tensor=8 one, and the
     best MPMD split (each submesh with its own tensor degree), all found and priced by the same search."""
     cfg = hyperjax.load_config(CONFIG.parent / "vlm-8b-cm384.yaml")
-    found, priced, _ = hyperjax.plan(cfg, 384, keep=100_000)
+    search = hyperjax.plan(cfg, 384, keep=100_000)
+    found, priced = search.best, search.priced
     spmd = next(c for c in found if not c.overrides.get("mpmd.submeshes"))
     mpmd = next(c for c in found if c.overrides.get("mpmd.submeshes"))
     conventional = {"parallel.data": 48, "parallel.tensor": 8, "parallel.sequence_parallel": True}

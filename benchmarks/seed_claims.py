@@ -46,7 +46,7 @@ CLAIMED = {"1B": 2.63, "10B": 3.60, "100B": 4.44}
 
 def best(sets: list[str], hardware: str, devices: int) -> tuple[hyperjax.Candidate, float, float]:
     cfg = hyperjax.load_config(None, [*sets, f"hardware={hardware}"])
-    top, _, _ = hyperjax.plan(cfg, devices, keep=1)
+    top = hyperjax.plan(cfg, devices, keep=1).best
     return top[0], top[0].estimate.step_time_s, top[0].estimate.mfu
 
 

@@ -55,8 +55,21 @@ def test_embedding_and_head_live_on_the_end_stages():
 
 
 def test_the_search_prices_submesh_splits_of_a_vision_language_model():
-    best, priced, fitting = plan(load_config(VLM), 8, keep=50)
+    found = plan(load_config(VLM), 8, keep=50)
+    best = found.best
     kinds = {bool(c.overrides.get("mpmd.submeshes")) for c in best}
-    assert kinds == {True, False} and priced >= fitting > 0  # MPMD splits and SPMD programs compete
+    assert kinds == {True, False} and found.priced >= found.fitting > 0  # MPMD splits and SPMD programs compete
     mpmd = next(c for c in best if c.overrides.get("mpmd.submeshes"))
     assert sum(s.devices for s in mpmd.run.stages) == 8 and mpmd.run.describe().startswith("mpmd")
+
+
+def test_unequal_layers_over_many_stages_are_replayed_chunk_by_chunk():
+    # six layers over four stages: 1 + 2 + 2 + 1, middle stages alike (their cost shared, their chunks their own)
+    sets = ["parallel.tensor=1", "parallel.pipeline=4", "model.layers=6", "train.microbatches=8"]
+    est = estimate(resolve(load_config(CONFIGS / "quickstart.yaml", sets)))
+    assert est.run.chunk_layers() == (1, 2, 2, 1) and not est.closed_form
+    assert [s.chunks[0].chunk for s in est.stages] == [0, 1, 2, 3]
+    sched, seconds = est.schedule()
+    end = max(e for _, _, e in replay(sched, seconds).values())
+    slowest = est.stages[est.critical]
+    assert est.step_time_s == pytest.approx(end + slowest.data_parallel_exposed_s + slowest.optimizer_s)

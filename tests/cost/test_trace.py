@@ -10,7 +10,7 @@ from hyperjax import estimate, resolve
 from hyperjax.cli.main import main
 from hyperjax.config import Config, build
 from hyperjax.cost.trace import simulate
-from hyperjax.mpmd.schedules import replay
+from hyperjax.mpmd.timing import replay
 
 ROOT = Path(__file__).parents[2]
 CFG = build(

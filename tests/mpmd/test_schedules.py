@@ -6,7 +6,8 @@ import pytest
 
 from hyperjax.errors import ConfigError
 from hyperjax.mpmd import SCHEDULES, Task, make_schedule, theory_bubble, validate
-from hyperjax.mpmd.schedules import ScheduleError, uniform_bubble
+from hyperjax.mpmd.schedules import ScheduleError
+from hyperjax.mpmd.timing import uniform_bubble
 
 SIZES = [(p, m) for p in range(1, 9) for m in range(1, 17)]
 
@@ -92,7 +93,7 @@ def test_bad_sizes_name_the_key(args, match):
 
 @pytest.mark.parametrize(("name", "v"), [("zero-bubble", 1), ("interleaved", 2), ("1f1b", 1), ("gpipe", 1)])
 def test_uniform_bubble_is_the_whole_grid_replayed(name, v):
-    from hyperjax.mpmd.schedules import replayed_bubble, task_seconds, uniform_bubble
+    from hyperjax.mpmd.timing import replayed_bubble, task_seconds, uniform_bubble
 
     for p in (2, 4):
         for m in (p, 3 * p, 8 * p):

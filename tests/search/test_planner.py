@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hyperjax import estimate, plan, resolve
+from hyperjax import estimate, load_hardware, plan, resolve
 from hyperjax.cli.main import main
 from hyperjax.config import Config, build
 from hyperjax.search import candidate, strategies
@@ -24,8 +24,9 @@ def calibration(name: str) -> Config:
 def test_plan_beats_or_matches_the_published_strategy(name):
     cfg = calibration(name)
     published = estimate(resolve(cfg))
-    best, priced, fitting = plan(cfg, published.devices, keep=3)
-    assert priced >= fitting > 0
+    found = plan(cfg, published.devices, keep=3)
+    best = found.best
+    assert found.priced >= found.fitting > 0
     assert best[0].estimate.step_time_s <= published.step_time_s * (1 + 1e-9)
     assert best[0].estimate.fits
     # the winner really is what its overrides say
@@ -79,3 +80,84 @@ def test_nothing_fits(capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert re.search(r"none of the \d+ strategies on 2 devices fits 119 GiB per device; the leanest needs", err), err
+
+
+GPT_22B = "korthikanti-22b-sp-selective.yaml"
+SMALL = [  # searches small enough to price exhaustively: (config, devices, overrides)
+    (GPT_22B, 16, []),
+    (GPT_22B, 8, ["train.global_batch=16"]),
+    (GPT_22B, 32, ["model.family=llama", "model.kv_heads=8", "train.global_batch=64"]),
+]
+
+
+def small_case(name: str, overrides: list[str]) -> Config:
+    from hyperjax.config import apply_override
+
+    raw = yaml.safe_load((ROOT / "benchmarks/validation" / name).read_text())["config"]
+    for item in overrides:
+        apply_override(raw, item)
+    return build(Config, raw, "")
+
+
+@pytest.mark.parametrize(("name", "devices", "overrides"), SMALL)
+def test_pruned_search_is_the_exhaustive_one(name, devices, overrides):
+    cfg = small_case(name, overrides)
+    fast = plan(cfg, devices, keep=5)
+    full = plan(cfg, devices, keep=5, prune=False)
+    assert fast.priced < full.priced and fast.searched == full.searched
+    assert [c.overrides for c in fast.best] == [c.overrides for c in full.best]
+    assert [c.estimate.step_time_s for c in fast.best] == [c.estimate.step_time_s for c in full.best]
+
+
+def test_the_search_prices_as_predict_does():
+    """Brute force: every strategy resolved and priced on the public path gives the search's answer."""
+    from hyperjax.errors import HyperjaxError
+    from hyperjax.search import price
+    from hyperjax.search.strategies import RECOMPUTE
+
+    cfg = small_case(GPT_22B, ["train.global_batch=16"])
+    hw = load_hardware(cfg.hardware)
+    brute = []
+    for i, combo in enumerate(strategies(cfg, 8)):
+        for recompute in RECOMPUTE:
+            try:
+                est = price(cfg, {**combo, "train.recompute": recompute}, 8, hw)
+            except HyperjaxError:
+                break
+            if est.memory_per_device_gib["peak"] * 2**30 <= hw.device.hbm_bytes:
+                brute.append((est.step_time_s, i, {**combo, "train.recompute": recompute}))
+                break
+    brute.sort(key=lambda x: (x[0], x[1]))
+    found = plan(cfg, 8, keep=3)
+    assert [c.overrides for c in found.best] == [o for _, _, o in brute[:3]]
+    assert [c.estimate.step_time_s for c in found.best] == pytest.approx([t for t, _, _ in brute[:3]], rel=1e-12)
+
+
+def test_the_bound_never_exceeds_the_estimate():
+    from hyperjax.errors import HyperjaxError
+    from hyperjax.search import candidate
+    from hyperjax.search.bounds import lower_bound
+    from hyperjax.search.strategies import RECOMPUTE
+
+    cfg = small_case(GPT_22B, ["train.global_batch=32"])
+    hw = load_hardware(cfg.hardware)
+    checked = 0
+    for combo in list(strategies(cfg, 16))[::7]:
+        bound = lower_bound(cfg, combo, hw, hw.device.hbm_bytes)
+        for recompute in RECOMPUTE:
+            try:
+                est = estimate(resolve(candidate(cfg, {**combo, "train.recompute": recompute}), 16))
+            except HyperjaxError:
+                break
+            if est.fits:  # the bound holds for the strategy as the search keeps it: the first that fits
+                assert bound <= est.step_time_s * (1 + 1e-12), (combo, recompute)
+                checked += 1
+                break
+    assert checked > 20
+
+
+def test_plan_json_reports_the_search(capsys):
+    args = ["plan", str(ROOT / "configs/quickstart.yaml"), "--devices", "8", "--json", "--top", "2"]
+    assert main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["searched"] >= data["priced"] >= data["fitting"] > 0 and data["seconds"] > 0

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
+from collections.abc import Callable
+from typing import Any
 
 from rich.table import Table
 
@@ -34,23 +36,28 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--devices {args.devices} and --top {args.top} must be positive integers")
     cfg = config_from_args(args)
     hw = load_hardware(cfg.hardware)
-    start = time.perf_counter()
+    bar = None if args.json or not sys.stderr.isatty() else _progress_bar()
     try:
-        best, priced, fitting = plan(cfg, args.devices, keep=args.top, hardware=hw)
+        found = plan(cfg, args.devices, keep=args.top, hardware=hw, progress=bar[1] if bar else None)
     except NothingFits as e:
         if args.json:  # the answer is "nothing fits": say so in the JSON too, then exit 2 with the message
             print(json.dumps(e.report | {"error": str(e)}, indent=2))
         raise
-    elapsed = time.perf_counter() - start
+    finally:
+        if bar is not None:
+            bar[0].stop()
+    best = found.best
     if args.json:
         print(
             json.dumps(
                 {
                     "best": best[0].to_dict(),
                     "candidates": [c.to_dict() for c in best],
-                    "priced": priced,
-                    "fitting": fitting,
-                    "search_s": elapsed,
+                    "searched": found.searched,
+                    "priced": found.priced,
+                    "fitting": found.fitting,
+                    "seconds": found.seconds,
+                    "search_s": found.seconds,
                 },
                 indent=2,
             )
@@ -59,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     out = console()
     out.print(
         f"planned {cfg.model.family} ({fmt_count(best[0].estimate.params)} parameters) on "
-        f"{args.devices} {hw.name} devices: {priced} strategies priced, {fitting} fit, {elapsed:.1f} s"
+        f"{args.devices} {hw.name} devices: {found.searched} strategies searched, {found.priced} priced, "
+        f"{found.fitting} of those fit, {found.seconds:.1f} s"
     )
     table = Table(title="fastest strategies that fit (predicted)")
     for col in ("#", "strategy", "recompute", "offload", "step s", "MFU", "peak GiB"):
@@ -77,3 +85,18 @@ def run(args: argparse.Namespace) -> int:
         )
     out.print(table)
     return 0
+
+
+def _progress_bar() -> tuple[Any, Callable[[int, int], None]]:
+    """A rich progress bar on stderr and the callback that advances it."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(TextColumn("searching"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True)
+    task = progress.add_task("plan", total=None)
+    progress.start()
+
+    def advance(done: int, total: int) -> None:
+        if done % 64 == 0 or done == total:
+            progress.update(task, completed=done, total=total)
+
+    return progress, advance

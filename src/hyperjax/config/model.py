@@ -128,6 +128,10 @@ class ModelConfig:
                 f"model.vision needs model.positions: rope (rotary positions cover the image tokens; "
                 f"model.family: llama sets it); got {self.positions!r}"
             )
+        object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
+
+    def __hash__(self) -> int:  # computed once: the cost model keys its caches by model
+        return self._hash
 
     @property
     def n_kv_heads(self) -> int:

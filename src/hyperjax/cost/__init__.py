@@ -3,17 +3,19 @@
 from hyperjax.cost.collectives import KINDS, collective_time
 from hyperjax.cost.compute import gemm_time, stream_time
 from hyperjax.cost.counts import count_params, model_flops_per_sequence, model_tensors
-from hyperjax.cost.estimate import Estimate, estimate
-from hyperjax.cost.layer import LayerCost
-from hyperjax.cost.stage import ChunkCost, PartCost, StageCost
+from hyperjax.cost.estimate import Estimate, estimate, stage_spans
+from hyperjax.cost.layer import LayerCost, price_layer
+from hyperjax.cost.stage import FRAGMENTATION, ChunkCost, PartCost, StageCore, StageCost
 from hyperjax.cost.trace import simulate, stage_metadata, task_events, write_trace
 
 __all__ = [
+    "FRAGMENTATION",
     "KINDS",
     "ChunkCost",
     "Estimate",
     "LayerCost",
     "PartCost",
+    "StageCore",
     "StageCost",
     "collective_time",
     "count_params",
@@ -21,8 +23,10 @@ __all__ = [
     "gemm_time",
     "model_flops_per_sequence",
     "model_tensors",
+    "price_layer",
     "simulate",
     "stage_metadata",
+    "stage_spans",
     "stream_time",
     "task_events",
     "write_trace",

@@ -12,13 +12,25 @@ the last micro-batch's backward; the optimizer step follows. It answers in milli
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+from collections.abc import Mapping
 from typing import Any
 
 from hyperjax.config import Run
 from hyperjax.cost.counts import count_params, model_flops_per_sequence
-from hyperjax.cost.stage import StageCost, boundary_span, price_stage
-from hyperjax.mpmd.schedules import Schedule, Task, grid_bubble, make_schedule, replay, task_seconds, uniform_bubble
+from hyperjax.cost.stage import (
+    StageCore,
+    StageCost,
+    boundary_span,
+    in_flight,
+    peak_with,
+    price_stage,
+    stage_core,
+    with_in_flight,
+)
+from hyperjax.mpmd.schedules import Schedule, Task, make_schedule
+from hyperjax.mpmd.timing import cached_schedule, closed_form_idle, replay_end, task_seconds, uniform_bubble
 from hyperjax.topology import AxisSpan, Hardware, axis_spans
 
 GIB = 2**30
@@ -43,7 +55,9 @@ class Estimate:
       breakdown_s: ``compute``, ``exposed_communication``, ``pipeline_bubble``, ``recompute``,
         ``optimizer`` of the slowest stage (they add up to ``step_time_s``).
       communication_s: every collective's total time per step on the slowest stage, by name, exposed or not.
-      stages: every stage's cost.
+      kinds: the distinct stage costs: stages alike but for the micro-batches they hold share one.
+      kind_of: each stage's kind (an index into ``kinds``).
+      in_flight: the micro-batches each stage holds at its peak.
       critical: the slowest stage (per micro-batch), whose terms make the breakdown.
       fullest: the stage with the largest peak memory.
       bubble_ratio: the pipeline's idle time over the slowest stage's busy time.
@@ -60,11 +74,21 @@ class Estimate:
     overflow: str | None
     breakdown_s: dict[str, float]
     communication_s: dict[str, float]
-    stages: tuple[StageCost, ...]
+    kinds: tuple[StageCost, ...]
+    kind_of: tuple[int, ...]
+    in_flight: tuple[int, ...]
     critical: int
     fullest: int
     bubble_ratio: float
     closed_form: bool
+
+    @functools.cached_property
+    def stages(self) -> tuple[StageCost, ...]:
+        """Every stage's cost, in stage order."""
+        return tuple(
+            with_in_flight(self.kinds[k], stage, held)
+            for k, stage, held in zip(self.kind_of, self.run.stages, self.in_flight, strict=True)
+        )
 
     @property
     def params(self) -> int:
@@ -132,28 +156,64 @@ def chunk_task_seconds(sched: Schedule, stages: tuple[StageCost, ...]) -> dict[T
     return {task: getattr(lengths[task.chunk], kind[task.kind]) for _, _, task in sched.starts()}
 
 
-def estimate(run: Run) -> Estimate:
-    """Predict one training step of ``run`` on its hardware."""
+def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estimate:
+    """Predict one training step of ``run`` on its hardware.
+
+    Args:
+      run: the resolved run.
+      cores: stage cores already priced for runs of the same model, hardware and dtype (a search shares
+        one between the strategies it prices); ``None``: priced afresh.
+    """
     hw = run.hardware
     spans = _stage_spans(hw, run)
     p2p = _hand_over_span(hw, run)
-    stages = tuple(price_stage(run, s, sp, p2p) for s, sp in zip(run.stages, spans, strict=True))
+    last = run.chunks - 1
+    cores = {} if cores is None else cores
+    kinds: list[StageCost] = []
+    kind_of: list[int] = []
+    held = [in_flight(run, i) for i in range(len(run.stages))]
+    seen: dict[int, int] = {}
+    for i, (stage, sp) in enumerate(zip(run.stages, spans, strict=True)):
+        # stages alike but for their micro-batches in flight share their cost (and runs in a search, its core)
+        key = (
+            stage.devices,
+            tuple(stage.axes.items()),
+            stage.modules,
+            stage.layers,
+            0 in stage.chunks,
+            last in stage.chunks,
+            id(sp),
+            run.recompute,
+            run.sequence_parallel,
+            run.rows,
+            p2p,
+        )
+        core = cores.get(key)
+        if core is None:
+            core = cores[key] = stage_core(run, stage, sp, p2p)
+        if id(core) not in seen:
+            seen[id(core)] = len(kinds)
+            kinds.append(price_stage(run, stage, core, in_flight=held[i]))
+        kind_of.append(seen[id(core)])
     m = run.microbatches
-    critical = max(range(len(stages)), key=lambda i: stages[i].per_microbatch_s)
-    c = stages[critical]
+    critical = max(range(len(kind_of)), key=lambda i: kinds[kind_of[i]].per_microbatch_s)
+    c = kinds[kind_of[critical]]
     busy = m * c.per_microbatch_s
     equal = len({(s.devices, tuple(s.axes.items()), s.layers, s.modules) for s in run.stages}) == 1
-    if len(stages) == 1:
+    if len(kind_of) == 1:
         idle = 0.0
     elif equal:
         idle = _closed_form_idle(run, c)
     else:
-        sched = make_schedule(run.schedule, len(stages), m, run.virtual_stages)
-        end = max(e for _, _, e in replay(sched, chunk_task_seconds(sched, stages)).values())
-        idle = max(0.0, end - busy)
+        sched = cached_schedule(run.schedule, len(kind_of), m, run.virtual_stages)
+        lengths = {}
+        for k, stage in zip(kind_of, run.stages, strict=True):
+            for n, t in zip(stage.chunks, kinds[k].chunks, strict=True):
+                lengths |= {(n, "F"): t.forward_s, (n, "B"): t.backward_s, (n, "W"): t.weight_s}
+        idle = max(0.0, replay_end(sched, lengths) - busy)
     step = busy + idle + c.data_parallel_exposed_s + c.optimizer_s
-    fullest = max(range(len(stages)), key=lambda i: stages[i].memory["peak"])
-    memory = dict(stages[fullest].memory)
+    fullest = max(range(len(kind_of)), key=lambda i: peak_with(kinds[kind_of[i]], held[i]))
+    memory = dict(with_in_flight(kinds[kind_of[fullest]], run.stages[fullest], held[fullest]).memory)
     fits = memory["peak"] <= hw.device.hbm_bytes
     flops = model_flops_per_sequence(run.config.model) * run.global_batch
     return Estimate(
@@ -179,7 +239,9 @@ def estimate(run: Run) -> Estimate:
             "pipeline_p2p": m * c.p2p_s,
             "data_parallel": c.data_parallel_s,
         },
-        stages=stages,
+        kinds=tuple(kinds),
+        kind_of=tuple(kind_of),
+        in_flight=tuple(held),
         critical=critical,
         fullest=fullest,
         bubble_ratio=idle / busy if busy else 0.0,
@@ -188,16 +250,16 @@ def estimate(run: Run) -> Estimate:
 
 
 def _closed_form_idle(run: Run, c: StageCost) -> float:
-    """The idle time of a pipeline of stages like ``c``: the grid's own fraction for GPipe and 1F1B (it does
-    not depend on the task lengths), the grid replayed at these lengths for interleaved and zero-bubble
-    (only their ratios matter, rounded to three figures so the replays are shared)."""
+    """The idle time of a pipeline of stages like ``c``: in closed form where one holds (every schedule but
+    zero-bubble with a long ``W`` or fewer micro-batches than stages), else the grid replayed at these task
+    lengths (only their ratios matter: rounded to three figures, the replays are shared)."""
     p, m, v = len(run.stages), run.microbatches, run.virtual_stages
-    if run.schedule in ("gpipe", "1f1b"):
-        frac = grid_bubble(run.schedule, p, m, v)
-    else:
-        f, b, w = (sum(getattr(t, k) for t in c.chunks) / v for k in ("forward_s", "backward_s", "weight_s"))
-        ratio = lambda x: float(f"{x / f:.3g}")
-        frac = uniform_bubble(run.schedule, p, m, v, 1.0, ratio(b), ratio(w))
+    f, b, w = (sum(getattr(t, k) for t in c.chunks) / v for k in ("forward_s", "backward_s", "weight_s"))
+    idle = closed_form_idle(run.schedule, p, m, f, b, w)
+    if idle is not None:
+        return idle
+    ratio = lambda x: float(f"{x / f:.3g}")
+    frac = uniform_bubble(run.schedule, p, m, v, 1.0, ratio(b), ratio(w))
     return m * c.per_microbatch_s * frac / (1 - frac)
 
 
@@ -212,14 +274,22 @@ def _spans(hardware: Hardware, axes: tuple[tuple[str, int], ...]) -> dict[str, A
     return _SPANS[key]
 
 
+def stage_spans(hardware: Hardware, stages: int, axes: Mapping[str, int]) -> dict[str, AxisSpan]:
+    """The tiers a stage's mesh axes span when ``stages`` equal stages are consecutive blocks of devices
+    (one mesh with the pipeline axis outermost)."""
+    whole = _spans(hardware, (("pipeline", stages), *axes.items()))
+    key = (id(whole), "inner")
+    if key not in _SPANS:
+        _SPANS[key] = {k: v for k, v in whole.items() if k != "pipeline"}
+    return _SPANS[key]
+
+
 def _stage_spans(hw: Hardware, run: Run) -> list[dict[str, AxisSpan]]:
     """The tiers each stage's axes span: equal stages as one mesh with the pipeline axis outermost (so each
     stage is a consecutive block), unequal ones each on its own."""
     sizes = {s.devices for s in run.stages}
     if len(sizes) == 1 and len({tuple(s.axes.items()) for s in run.stages}) == 1:
-        whole = _spans(hw, (("pipeline", len(run.stages)), *run.stages[0].axes.items()))
-        inner = {k: v for k, v in whole.items() if k != "pipeline"}
-        return [inner] * len(run.stages)
+        return [stage_spans(hw, len(run.stages), run.stages[0].axes)] * len(run.stages)
     return [_spans(hw, tuple(s.axes.items())) for s in run.stages]
 
 
@@ -227,6 +297,11 @@ def _hand_over_span(hw: Hardware, run: Run) -> AxisSpan | None:
     """The slowest tier a hand-over between neighbouring stages crosses (``None`` for one stage)."""
     if len(run.stages) == 1:
         return None
+    return _slowest_boundary(hw, tuple(s.first_device for s in run.stages))
+
+
+@functools.lru_cache(maxsize=4096)
+def _slowest_boundary(hw: Hardware, firsts: tuple[int, ...]) -> AxisSpan:
     order = [t.name for t in hw.tiers]
-    spans = [boundary_span(hw, a.first_device, b.first_device) for a, b in itertools.pairwise(run.stages)]
+    spans = [boundary_span(hw, a, b) for a, b in itertools.pairwise(firsts)]
     return max(spans, key=lambda sp: order.index(sp.tier))

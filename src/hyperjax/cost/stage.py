@@ -9,6 +9,7 @@ the model runs as one SPMD program).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 
@@ -134,12 +135,49 @@ def part_models(m: ModelConfig, stage: Stage, chunk_index: int) -> list[tuple[st
     return out
 
 
-def _outside(tensors: list[Tensor]) -> list[Tensor]:
-    return [t for t in tensors if "/blocks/" not in f"/{t.path}"]
+@functools.lru_cache(maxsize=1024)
+def _outside(module: str, block: ModelConfig, model: ModelConfig) -> tuple[Tensor, ...]:
+    """A module's parameters outside its blocks (embeddings, final norm, head; an encoder's patch embedding
+    and projection)."""
+    if module == "encoder":
+        tensors = encoder_tensors(model.vision, model.d_model, "")
+    else:
+        tensors = decoder_tensors(block, "", range(0))
+    return tuple(t for t in tensors if "/blocks/" not in f"/{t.path}")
 
 
-def price_stage(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: AxisSpan | None) -> StageCost:
-    """Price ``stage`` of ``run`` for one micro-batch (and its share of the step's data-parallel work).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageCore:
+    """What a stage costs whatever its ZeRO stage and however its backward is split: the part of
+    :class:`StageCost` a search shares between strategies that differ only in those.
+
+    Attributes:
+      parts: the stage's parts, chunk by chunk.
+      tasks: per chunk ``(chunk, forward, whole backward, weight-gradient GEMMs, exposed communication)``.
+      compute_s, recompute_s, comm_s, p2p_s: as in :class:`StageCost`.
+      held_params, trained_params: parameters one device holds, and those its optimizer updates.
+      kept_bytes: activations one micro-batch leaves on the device for the backward (blocks only).
+      head_bytes: the output layers' activations.
+      last_backward_s: the backward of one micro-batch, which the gradient reduction can hide behind.
+      spans: the tiers each mesh axis spans.
+    """
+
+    parts: tuple[PartCost, ...]
+    tasks: tuple[tuple[int, float, float, float, float], ...]
+    compute_s: float
+    recompute_s: float
+    comm_s: float
+    p2p_s: float
+    held_params: float
+    trained_params: float
+    kept_bytes: float
+    head_bytes: float
+    last_backward_s: float
+    spans: Mapping[str, AxisSpan]
+
+
+def stage_core(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: AxisSpan | None) -> StageCore:
+    """Price ``stage`` of ``run`` for one micro-batch, all but its ZeRO and backward-split terms.
 
     Args:
       run: the resolved run.
@@ -148,8 +186,6 @@ def price_stage(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: Axis
       p2p: the tier a hand-over to a neighbouring stage crosses (``None`` for a single stage).
     """
     hw, m, axes = run.hardware, run.config.model, stage.axes
-    data, fsdp = axes["data"], axes["fsdp"]
-    e = 2 if run.dtype == "bfloat16" else 4
     micro = run.rows / stage.data_parallel
     last = run.chunks - 1
     parts: list[PartCost] = []
@@ -172,63 +208,78 @@ def price_stage(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: Axis
             here.append(_part(module, block, layers, layer, m, micro, axes, run, starts=starts, ends=ends))
         chunk_parts.append(here)
         parts += here
-    compute = sum(p.layers * (p.layer.forward_s + p.layer.backward_s) + p.head_s for p in parts)
-    recompute = sum(p.layers * p.layer.recompute_s for p in parts)
-    first_gather = parts[0].layer.fsdp_gather_s if fsdp > 1 else 0.0
+    first_gather = parts[0].layer.fsdp_gather_s if axes["fsdp"] > 1 else 0.0
     layer_comm = [
         sum(p.layers * (p.layer.tensor_comm_s + p.layer.context_comm_s + p.layer.fsdp_exposed_s) for p in ps)
         for ps in chunk_parts
     ]
-    comm = sum(layer_comm) + first_gather
     hand_over = [
         2 * collective_time("send", ps[-1].boundary_bytes, p2p, hw) if p2p is not None else 0.0 for ps in chunk_parts
     ]
-    p2p_s = sum(hand_over)
-
-    split = run.schedule == "zero-bubble"
-    chunks = []
+    tasks = []
     for i, (c, ps) in enumerate(zip(stage.chunks, chunk_parts, strict=True)):
         half = (layer_comm[i] + first_gather / len(stage.chunks) + hand_over[i]) / 2
         fwd = sum(p.layers * p.layer.forward_s + p.head_s / 3 for p in ps) + half
         bwd = sum(p.layers * (p.layer.backward_s + p.layer.recompute_s) + 2 * p.head_s / 3 for p in ps) + half
-        weight = sum(p.layers * p.layer.weight_s + p.head_s / 3 for p in ps) if split else 0.0
-        chunks.append(ChunkCost(chunk=c, forward_s=fwd, backward_s=bwd - weight, weight_s=weight, comm_s=2 * half))
+        weight = sum(p.layers * p.layer.weight_s + p.head_s / 3 for p in ps)
+        tasks.append((c, fwd, bwd, weight, 2 * half))
+    return StageCore(
+        parts=tuple(parts),
+        tasks=tuple(tasks),
+        compute_s=sum(p.layers * (p.layer.forward_s + p.layer.backward_s) + p.head_s for p in parts),
+        recompute_s=sum(p.layers * p.layer.recompute_s for p in parts),
+        comm_s=sum(layer_comm) + first_gather,
+        p2p_s=sum(hand_over),
+        held_params=sum(p.layers * p.layer.params + p.held_params for p in parts),
+        trained_params=sum(p.layers * p.layer.params + p.trained_params for p in parts),
+        kept_bytes=sum(p.layers * p.layer.stored_bytes for p in parts),
+        head_bytes=sum(p.head_bytes for p in parts),
+        last_backward_s=sum(p.layers * (p.layer.backward_s + p.layer.recompute_s) for p in parts),
+        spans=spans,
+    )
 
-    held = sum(p.layers * p.layer.params + p.held_params for p in parts)
-    trained = sum(p.layers * p.layer.params + p.trained_params for p in parts)
+
+def price_stage(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> StageCost:
+    """The cost of ``stage`` of ``run`` from its :class:`StageCore`: the backward split as the schedule
+    says, the gradient reduction and optimizer step of its ZeRO stage, and its memory with ``in_flight``
+    micro-batches held (:func:`in_flight`)."""
+    hw, axes = run.hardware, stage.axes
+    data = axes["data"]
+    e = 2 if run.dtype == "bfloat16" else 4
+    split = run.schedule == "zero-bubble"
+    chunks = tuple(
+        ChunkCost(chunk=c, forward_s=f, backward_s=b - (w if split else 0.0), weight_s=w if split else 0.0, comm_s=x)
+        for c, f, b, w, x in core.tasks
+    )
+    trained, held = core.trained_params, core.held_params
     kind = "all_reduce" if run.zero_stage == 0 else "reduce_scatter"
-    dp_time = collective_time(kind, trained * 4, spans["data"], hw)
+    dp_time = collective_time(kind, trained * 4, core.spans["data"], hw)
     if run.zero_stage >= 1:
-        dp_time += collective_time("all_gather", trained * e, spans["data"], hw)
-    last_backward = sum(p.layers * (p.layer.backward_s + p.layer.recompute_s) for p in parts)
-    layers = sum(p.layers for p in parts)
-    dp_exposed = max(0.0, dp_time - last_backward) + dp_time / max(layers, 1) if stage.data_parallel > 1 else 0.0
+        dp_time += collective_time("all_gather", trained * e, core.spans["data"], hw)
+    layers = sum(p.layers for p in core.parts)
+    dp_exposed = max(0.0, dp_time - core.last_backward_s) + dp_time / max(layers, 1) if stage.data_parallel > 1 else 0.0
     opt_params = trained / (data if run.zero_stage >= 1 else 1)
-    optimizer = stream_time(opt_params * (30 if e == 2 else 28), ops=8, hardware=hw)
-
-    in_flight = _in_flight(run, stage)
     memory = {
         "params": held * (4 + (2 if e == 2 else 0)),
         "optimizer": opt_params * 8,
         "gradients": held / (data if run.zero_stage >= 2 else 1) * 4,
-        "activations": in_flight * sum(p.layers * p.layer.stored_bytes for p in parts)
-        + sum(p.head_bytes for p in parts),
+        "activations": in_flight * core.kept_bytes + core.head_bytes,
     }
     memory["peak"] = sum(memory.values()) * FRAGMENTATION
     return StageCost(
         stage=stage,
-        parts=tuple(parts),
-        chunks=tuple(chunks),
-        compute_s=compute,
-        recompute_s=recompute,
-        comm_s=comm,
-        p2p_s=p2p_s,
+        parts=core.parts,
+        chunks=chunks,
+        compute_s=core.compute_s,
+        recompute_s=core.recompute_s,
+        comm_s=core.comm_s,
+        p2p_s=core.p2p_s,
         data_parallel_s=dp_time,
         data_parallel_exposed_s=dp_exposed,
-        optimizer_s=optimizer,
+        optimizer_s=stream_time(opt_params * (30 if e == 2 else 28), ops=8, hardware=hw),
         in_flight=in_flight,
         memory=memory,
-        spans=spans,
+        spans=core.spans,
     )
 
 
@@ -257,10 +308,7 @@ def _part(
             tokens, vocab / tp, block.d_model, bytes_per_element=e, dtype=run.dtype, hardware=hw
         ) + stream_time(tokens * vocab / tp * 4 * 3, ops=6, hardware=hw)
         head_bytes = tokens * vocab / tp * 4 * 2
-    if module == "encoder":
-        outside = _outside(encoder_tensors(m.vision, m.d_model, ""))
-    else:
-        outside = _outside(decoder_tensors(block, "", range(0)))
+    outside = _outside(module, block, m)
     held = trained = 0.0
     for t in outside:
         local = t.size / ((tp if t.tensor_split else 1) * (fsdp if "embed" in t.axes else 1))
@@ -287,8 +335,26 @@ def _part(
     )
 
 
-def _in_flight(run: Run, stage: Stage) -> int:
-    """Micro-batches whose activations a stage holds at its peak: all of them under GPipe; under 1F1B the
+def with_in_flight(cost: StageCost, stage: Stage, held: int) -> StageCost:
+    """``cost`` (of a stage alike in all but the micro-batches it holds) for ``stage`` holding ``held``."""
+    if stage is cost.stage and held == cost.in_flight:
+        return cost
+    kept = sum(p.layers * p.layer.stored_bytes for p in cost.parts)
+    memory = dict(cost.memory)
+    memory["activations"] += (held - cost.in_flight) * kept
+    memory["peak"] = peak_with(cost, held)
+    chunks = tuple(dataclasses.replace(c, chunk=n) for c, n in zip(cost.chunks, stage.chunks, strict=True))
+    return dataclasses.replace(cost, stage=stage, in_flight=held, memory=memory, chunks=chunks)
+
+
+def peak_with(cost: StageCost, held: int) -> float:
+    """The peak memory of ``cost`` had its stage held ``held`` micro-batches."""
+    kept = sum(p.layers * p.layer.stored_bytes for p in cost.parts)
+    return cost.memory["peak"] + (held - cost.in_flight) * kept * FRAGMENTATION
+
+
+def in_flight(run: Run, s: int) -> int:
+    """Micro-batches whose activations stage ``s`` holds at its peak: all of them under GPipe; under 1F1B the
     first stage holds ``p`` and each later one one fewer; interleaving adds ``(p - 1) / (p v)`` (Korthikanti
     et al., 4.2.3)."""
     p, m, v = len(run.stages), run.microbatches, run.virtual_stages
@@ -296,7 +362,6 @@ def _in_flight(run: Run, stage: Stage) -> int:
         return 1
     if run.schedule == "gpipe":
         return m
-    s = run.stages.index(stage)
     interleave = 1 + (p - 1) / (p * v) if v > 1 else 1.0
     return min(m, math.ceil((p - s) * interleave))
 

@@ -16,7 +16,8 @@ from typing import Any
 
 from hyperjax.cost.estimate import Estimate
 from hyperjax.files import write_json
-from hyperjax.mpmd.schedules import Task, replay
+from hyperjax.mpmd.schedules import Task
+from hyperjax.mpmd.timing import replay
 
 COMPUTE, COMMUNICATION = 0, 1
 

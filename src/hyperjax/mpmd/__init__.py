@@ -2,18 +2,14 @@
 
 from hyperjax.mpmd.chunks import Chunk, model_chunks
 from hyperjax.mpmd.runner import PipelineRunner
-from hyperjax.mpmd.schedules import (
-    SCHEDULES,
-    Schedule,
-    ScheduleError,
-    Task,
-    make_schedule,
+from hyperjax.mpmd.schedules import SCHEDULES, Schedule, ScheduleError, Task, make_schedule, validate
+from hyperjax.mpmd.timing import (
+    closed_form_idle,
     replay,
     replayed_bubble,
     task_seconds,
     theory_bubble,
     uniform_bubble,
-    validate,
 )
 
 __all__ = [
@@ -23,6 +19,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "Task",
+    "closed_form_idle",
     "make_schedule",
     "model_chunks",
     "replay",

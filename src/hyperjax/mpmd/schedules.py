@@ -100,12 +100,28 @@ class Schedule:
 
     def starts(self) -> list[tuple[int, int, Task]]:
         """``(slot, stage, task)`` for each task where it starts, in time order then stage order."""
+        return list(self._starts)
+
+    @functools.cached_property
+    def _starts(self) -> tuple[tuple[int, int, Task], ...]:
         out = []
         for s, row in enumerate(self.grid):
             for t, cell in enumerate(row):
                 if cell is not None and (t == 0 or row[t - 1] != cell):
                     out.append((t, s, cell))
-        return sorted(out)
+        return tuple(sorted(out))
+
+    @functools.cached_property
+    def order(self) -> tuple[tuple[int, Task, tuple[int, ...]], ...]:
+        """``(stage, task, positions of its dependencies in this order)`` for every task, in start order:
+        what a replay walks."""
+        position: dict[Task, int] = {}
+        out = []
+        for i, (_, s, task) in enumerate(self._starts):
+            position[task] = i
+            deps = tuple(position[d] for d in dependencies(task, self.chunks, self.split_backward))
+            out.append((s, task, deps))
+        return tuple(out)
 
     def render(self) -> str:
         """The grid as text, one line per stage (``.`` for a bubble)."""
@@ -114,28 +130,6 @@ class Schedule:
             f"stage {s}: " + " ".join(("." if c is None else str(c)).ljust(width) for c in row)
             for s, row in enumerate(self.grid)
         )
-
-
-def theory_bubble(
-    name: str, stages: int, microbatches: int, virtual_stages: int = 1, costs: tuple[float, float, float] | None = None
-) -> float:
-    """The textbook bubble fraction of a uniform pipeline under ``name``.
-
-    GPipe and 1F1B: ``(p-1)/(m+p-1)``; interleaved 1F1B: ``(p-1)/(v*m+p-1)`` (the bubble shrinks by v);
-    these do not depend on the forward/backward ratio. Zero-bubble ZB-H1 idles ``(p-1)(F + B - W)`` per
-    stage (Qi et al., 2024) against ``m (F + B + W)`` of work, for the forward, input-gradient and
-    weight-gradient costs ``costs = (F, B, W)``; with the three equal (the default) that is
-    ``(p-1)/(3m+p-1)``, a third of 1F1B's bubble. The ZB-H1 figure holds while ``W <= min(F, B)``;
-    a longer W no longer fits the gaps it fills, and the grid idles more than this.
-    """
-    p, m, v = stages, microbatches, virtual_stages
-    if name == "interleaved":
-        return (p - 1) / (v * m + p - 1)
-    if name == "zero-bubble":
-        f, b, w = costs or (1.0, 1.0, 1.0)
-        idle = (p - 1) * max(f + b - w, 0.0)
-        return idle / (m * (f + b + w) + idle)
-    return (p - 1) / (m + p - 1)
 
 
 def check_sizes(name: str, stages: int, microbatches: int, virtual_stages: int) -> None:
@@ -235,7 +229,7 @@ def make_schedule(name: str, stages: int, microbatches: int, virtual_stages: int
     pending_w: list[list[Task]] = [[] for _ in range(stages)]
 
     def ready_at(task: Task) -> int | None:
-        deps = _dependencies(task, chunks, split)
+        deps = dependencies(task, chunks, split)
         if any(d not in done for d in deps):
             return None
         return max((done[d] for d in deps), default=0)
@@ -278,7 +272,7 @@ def make_schedule(name: str, stages: int, microbatches: int, virtual_stages: int
     return sched
 
 
-def _dependencies(task: Task, chunks: int, split: bool) -> list[Task]:
+def dependencies(task: Task, chunks: int, split: bool) -> list[Task]:
     j, c = task.microbatch, task.chunk
     if task.kind == "F":
         return [Task("F", j, c - 1)] if c > 0 else []
@@ -328,72 +322,8 @@ def validate(sched: Schedule) -> None:
         raise ScheduleError(f"schedule {sched.name!r}: {min(missing)} never runs ({len(missing)} tasks missing)")
     chunks = p * v
     for task, (start, _) in span.items():
-        for dep in _dependencies(task, chunks, split):
+        for dep in dependencies(task, chunks, split):
             if span[dep][1] > start:
                 raise ScheduleError(
                     f"schedule {sched.name!r}: {task} starts at slot {start} before {dep} ends at slot {span[dep][1]}"
                 )
-
-
-def replay(sched: Schedule, seconds: dict[Task, float]) -> dict[Task, tuple[int, float, float]]:
-    """Times of every task when each lasts ``seconds[task]``: ``{task: (stage, start, end)}``.
-
-    Each stage runs its tasks in the grid's order, each as soon as the stage is free and its
-    dependencies have ended. With every task at its nominal slots this reproduces the grid.
-    """
-    clock = [0.0] * sched.stages
-    out: dict[Task, tuple[int, float, float]] = {}
-    for _, s, task in sched.starts():
-        deps = _dependencies(task, sched.chunks, sched.split_backward)
-        start = max([clock[s], *(out[d][2] for d in deps)])
-        out[task] = (s, start, start + seconds[task])
-        clock[s] = start + seconds[task]
-    return out
-
-
-def replayed_bubble(sched: Schedule, seconds: dict[Task, float]) -> float:
-    """Idle time over stage time of :func:`replay` (from the first start to the last end)."""
-    times = replay(sched, seconds)
-    end = max(e for _, _, e in times.values())
-    return 1 - sum(seconds.values()) / (sched.stages * end) if end else 0.0
-
-
-def task_seconds(sched: Schedule, forward: float, backward: float, weight: float = 0.0) -> dict[Task, float]:
-    """Every task of a pipeline of equal stages: ``F`` lasts ``forward``, ``B`` ``backward`` and ``W`` ``weight``.
-
-    For a split backward, ``backward`` is the input-gradient part only.
-    """
-    length = {"F": forward, "B": backward, "W": weight}
-    return {task: length[task.kind] for _, _, task in sched.starts()}
-
-
-@functools.lru_cache(maxsize=8192)
-def grid_bubble(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """The bubble fraction of a schedule's grid (every task at its nominal slots), cached."""
-    return _schedule(name, stages, microbatches, virtual_stages).bubble_fraction()
-
-
-@functools.lru_cache(maxsize=256)
-def _schedule(name: str, stages: int, microbatches: int, virtual_stages: int) -> Schedule:
-    return make_schedule(name, stages, microbatches, virtual_stages)
-
-
-@functools.lru_cache(maxsize=8192)
-def uniform_bubble(
-    name: str, stages: int, microbatches: int, virtual_stages: int, forward: float, backward: float, weight: float
-) -> float:
-    """The bubble fraction of the grid replayed with equal stages and the given task lengths.
-
-    Only the ratios of the lengths matter; callers round them so that the cache is shared. With a
-    backward twice the forward (or ``F = B = W`` when split) this is the grid's own bubble. Over equal
-    stages the idle time of these grids does not depend on the micro-batch count once it reaches the
-    stage count (the steady state has no gaps), so the grid is replayed for at most ``2 * stages``
-    micro-batches and the idle time set against the full count's work.
-    """
-    m = min(microbatches, 2 * stages)
-    sched = _schedule(name, stages, m, virtual_stages)
-    seconds = task_seconds(sched, forward, backward, weight)
-    end = max(e for _, _, e in replay(sched, seconds).values())
-    idle = end - sum(seconds.values()) / stages
-    work = microbatches * virtual_stages * (forward + backward + weight)
-    return idle / (idle + work) if idle + work > 0 else 0.0

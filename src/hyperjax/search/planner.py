@@ -2,25 +2,42 @@
 
 The search space: data, fsdp, tensor (with sequence parallelism), context, pipeline (with schedule and
 virtual stages), ZeRO stage, micro-batch size and recomputation; for a vision-language model under
-``mpmd:`` also the split of the devices between its submeshes. Each candidate is resolved
-(:func:`hyperjax.resolve`) and priced (:func:`hyperjax.estimate`); those that do not fit the
-device-memory budget (``offload.device_memory_gib``, default the preset's HBM) are dropped. Under
-``offload.policy: auto`` or ``greedy`` the fastest strategies that do not fit are also given to the
-placement pass (:mod:`hyperjax.offload`), and those it makes fit compete with the rest.
+``mpmd:`` also the split of the devices between its submeshes. Every answer is a resolved run
+(:func:`hyperjax.resolve`) priced by :func:`hyperjax.estimate`; those that do not fit the device-memory
+budget (``offload.device_memory_gib``, default the preset's HBM) are dropped. Under ``offload.policy:
+auto`` or ``greedy`` the fastest strategies that do not fit are also given to the placement pass
+(:mod:`hyperjax.offload`), and those it makes fit compete with the rest.
+
+It answers in seconds at the scale of the machines people size:
+
+- Candidates that differ only in ZeRO stage, recomputation, or 1F1B against zero-bubble resolve to the
+  same stages, so each such *base* is resolved once and its variants priced from it, sharing the cost of
+  their stages (:class:`hyperjax.cost.StageCore`); pipeline idle time is in closed form.
+- Bases are priced in order of a lower bound on their step (:func:`hyperjax.search.bounds.lower_bound`);
+  once a base's bound exceeds the ``keep``-th fastest fitting step found, no base after it can enter the
+  answer, and the search stops. The answer is the exhaustive search's: a test compares the two.
+- The strategies returned are resolved and priced again on the public path, exactly as ``predict`` would.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import time
+from collections.abc import Callable
 from typing import Any
 
 from hyperjax.config import Config, Run
-from hyperjax.cost import Estimate, estimate
+from hyperjax.cost import Estimate, StageCore, estimate
 from hyperjax.errors import ConfigError, HyperjaxError
 from hyperjax.offload import budget_bytes, offload_pass, with_offload
 from hyperjax.resolver import resolve
+from hyperjax.search.bounds import lower_bound
 from hyperjax.search.strategies import RECOMPUTE, candidate, strategies, submesh_strategies
 from hyperjax.topology import Hardware, load_hardware
+
+VARIES = ("parallel.zero_stage", "train.recompute")
+"""What a base's variants change (and, between 1F1B and zero-bubble, ``parallel.schedule``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,6 +75,25 @@ class Candidate:
         return out | ({"offload": self.offload} if self.offload is not None else {})
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Search:
+    """What a search found.
+
+    Attributes:
+      best: the fastest strategies that fit, fastest first.
+      searched: strategies considered (every valid combination of degrees and options).
+      priced: estimates computed (a strategy is priced once per recomputation setting tried).
+      fitting: strategies priced that fit.
+      seconds: wall time of the search.
+    """
+
+    best: list[Candidate]
+    searched: int
+    priced: int
+    fitting: int
+    seconds: float
+
+
 class NothingFits(ConfigError):
     """No strategy fits the device-memory budget; ``report`` is the ``fits: false`` answer of ``plan --json``."""
 
@@ -67,7 +103,7 @@ class NothingFits(ConfigError):
 
 
 def price(cfg: Config, overrides: dict[str, Any], devices: int, hardware: Hardware) -> Estimate:
-    """The estimate of the candidate ``overrides`` select (:func:`hyperjax.search.strategies.candidate`).
+    """The estimate of the candidate ``overrides`` select, on the public path (resolve, then estimate).
 
     Raises:
       HyperjaxError: the candidate does not resolve.
@@ -75,9 +111,28 @@ def price(cfg: Config, overrides: dict[str, Any], devices: int, hardware: Hardwa
     return estimate(resolve(candidate(cfg, overrides), devices, hardware=hardware))
 
 
+def bases(combinations: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    """Combinations grouped by what resolves alike: all but the ZeRO stage, and 1F1B with zero-bubble."""
+    out: dict[tuple, list[dict[str, Any]]] = {}
+    for combo in combinations:
+        key = tuple(
+            (k, "1f1b" if k == "parallel.schedule" and v == "zero-bubble" else v)
+            for k, v in combo.items()
+            if k not in VARIES
+        )
+        out.setdefault(key, []).append(combo)
+    return out
+
+
 def plan(
-    cfg: Config, devices: int, *, keep: int = 10, hardware: Hardware | None = None
-) -> tuple[list[Candidate], int, int]:
+    cfg: Config,
+    devices: int,
+    *,
+    keep: int = 10,
+    hardware: Hardware | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    prune: bool = True,
+) -> Search:
     """Rank every valid strategy for ``cfg``'s model on ``devices`` devices that fits.
 
     Args:
@@ -85,55 +140,97 @@ def plan(
       devices: devices to plan for.
       keep: how many of the fastest to return.
       hardware: the machine (default: ``cfg.hardware``'s preset).
-
-    Returns:
-      The best ``keep`` candidates (fastest first), how many strategies were priced, and how many fit.
+      progress: called with ``(bases done, bases in all)`` as the search goes.
+      prune: stop at the first base whose lower bound cannot beat the answer (``False``: price every one).
 
     Raises:
       ConfigError: no strategy is valid, or none fits (:class:`NothingFits`: the message names the memory
         term that overflows in the leanest candidate).
     """
+    start = time.perf_counter()
     hw = load_hardware(cfg.hardware) if hardware is None else hardware
     budget_gib = budget_bytes(cfg, hw) / 2**30
-    ranked: list[Candidate] = []
-    priced = fitting = 0
-    leanest: tuple[dict[str, Any], Estimate] | None = None
-    too_big: list[tuple[dict[str, Any], Estimate]] = []  # fast strategies that do not fit: offload candidates
     combinations = list(strategies(cfg, devices))
     if cfg.mpmd.submeshes:
         combinations += list(submesh_strategies(cfg, hw, devices))
-    for combination in combinations:
+    index = {id(c): i for i, c in enumerate(combinations)}  # ties are ranked as the enumeration orders them
+    groups = list(bases(combinations).values())
+    bound = [
+        lower_bound(cfg, g[0], hw, budget_gib * 2**30) if cfg.model.vision is None and prune else 0.0 for g in groups
+    ]  # fmt: skip
+    order = sorted(range(len(groups)), key=bound.__getitem__)
+    found: list[tuple[float, int, dict[str, Any]]] = []  # (step, enumeration order, overrides) that fit
+    fastest: list[float] = []  # the negated steps of the ``keep`` fastest found so far (a heap)
+    priced = 0
+    leanest: tuple[dict[str, Any], Estimate] | None = None
+    too_big: list[tuple[dict[str, Any], Estimate]] = []  # fast strategies that do not fit: offload candidates
+    cores: dict[tuple, StageCore] = {}
+    for done, g in enumerate(order):
+        if progress is not None:
+            progress(done, len(order))
+        if prune and len(fastest) == keep and bound[g] > -fastest[0]:
+            break  # bases come in bound order: none after this one can enter the answer
+        try:
+            base = resolve(candidate(cfg, {**groups[g][0], "train.recompute": "none"}), devices, hardware=hw)
+        except HyperjaxError:
+            continue
+        pending = list(groups[g])
         for recompute in RECOMPUTE:
-            overrides = {**combination, "train.recompute": recompute}
-            try:
-                est = price(cfg, overrides, devices, hw)
-            except HyperjaxError:
+            left = []
+            for combo in pending:
+                run = dataclasses.replace(
+                    base,
+                    recompute=recompute,
+                    zero_stage=combo.get("parallel.zero_stage", base.zero_stage),
+                    schedule=combo["parallel.schedule"] if base.pipelined else None,
+                )
+                est = estimate(run, cores=cores)
+                priced += 1
+                overrides = {**combo, "train.recompute": recompute}
+                if est.memory_per_device_gib["peak"] <= budget_gib:
+                    found.append((est.step_time_s, index[id(combo)], overrides))
+                    heapq.heappush(fastest, -est.step_time_s)
+                    if len(fastest) > keep:
+                        heapq.heappop(fastest)
+                    continue
+                left.append(combo)
+                if recompute == "none":
+                    too_big.append((overrides, est))
+                if leanest is None or est.memory_per_device_gib["peak"] < leanest[1].memory_per_device_gib["peak"]:
+                    leanest = (overrides, est)
+            pending = left
+            if not pending:
                 break
-            priced += 1
-            if est.memory_per_device_gib["peak"] <= budget_gib:
-                fitting += 1
-                ranked.append(Candidate(overrides=overrides, estimate=dataclasses.replace(est, fits=True)))
-                break
-            if recompute == "none":
-                too_big.append((overrides, est))
-            if leanest is None or est.memory_per_device_gib["peak"] < leanest[1].memory_per_device_gib["peak"]:
-                leanest = (overrides, est)
+        if len(cores) > 100_000:  # bounded memory on the largest searches
+            cores.clear()
+    if progress is not None:
+        progress(len(order), len(order))
+    best = [
+        Candidate(overrides=o, estimate=dataclasses.replace(price(cfg, o, devices, hw), fits=True))
+        for _, _, o in sorted(found)[:keep]
+    ]
+    fitting = len(found)
     if cfg.offload.policy in ("auto", "greedy"):
-        fitting += _with_offload(cfg, too_big, ranked)
+        fitting += _with_offload(cfg, devices, hw, too_big, best)
+        best = sorted(best, key=lambda c: c.estimate.step_time_s)[:keep]
     if not priced:
         raise ConfigError(
             f"no valid strategy for this model on {devices} devices: check that heads, layers, "
             "sequence length and global batch have divisors that multiply to the device count"
         )
-    if not ranked and leanest is not None:
-        raise _nothing_fits(cfg, devices, budget_gib, priced, leanest, too_big)
-    ranked.sort(key=lambda c: c.estimate.step_time_s)
-    return ranked[:keep], priced, fitting
+    if not best and leanest is not None:
+        error = _nothing_fits(cfg, devices, hw, budget_gib, priced, leanest, too_big)
+        error.report |= {"searched": len(combinations), "seconds": time.perf_counter() - start}
+        raise error
+    return Search(
+        best=best, searched=len(combinations), priced=priced, fitting=fitting, seconds=time.perf_counter() - start
+    )
 
 
 def _nothing_fits(
     cfg: Config,
     devices: int,
+    hw: Hardware,
     budget_gib: float,
     priced: int,
     leanest: tuple[dict[str, Any], Estimate],
@@ -147,7 +244,7 @@ def _nothing_fits(
     hint = "Use more devices, a smaller model or offload.policy: auto."
     if cfg.offload.policy in ("auto", "greedy") and too_big:
         lean = min(too_big, key=lambda oe: oe[1].memory_per_device_gib["peak"])
-        offload = offload_pass(lean[1].run)
+        offload = offload_pass(resolve(candidate(cfg, lean[0]), devices, hardware=hw))
         report |= {"leanest": lean[0], "cannot_fit": offload.cannot_fit}
         report |= {"smallest_budget_gib": offload.smallest_budget_gib}
         term = f"{offload.cannot_fit} (which cannot leave the device)"
@@ -164,7 +261,13 @@ def _nothing_fits(
 OFFLOAD_TRIES = 8  # strategies handed to the placement pass (each an integer program)
 
 
-def _with_offload(cfg: Config, too_big: list[tuple[dict[str, Any], Estimate]], ranked: list[Candidate]) -> int:
+def _with_offload(
+    cfg: Config,
+    devices: int,
+    hw: Hardware,
+    too_big: list[tuple[dict[str, Any], Estimate]],
+    ranked: list[Candidate],
+) -> int:
     """Give the fastest strategies that do not fit to the placement pass; add those it fits to ``ranked``."""
     best = min((c.estimate.step_time_s for c in ranked), default=float("inf"))
     added = 0
@@ -172,7 +275,7 @@ def _with_offload(cfg: Config, too_big: list[tuple[dict[str, Any], Estimate]], r
         if est.step_time_s >= best:
             break  # offloading only adds time: it cannot beat a strategy that fits as it is
         try:
-            offload = offload_pass(est.run)
+            offload = offload_pass(resolve(candidate(cfg, overrides), devices, hardware=hw))
         except HyperjaxError:
             continue  # nothing the pass can place (a vision-language model)
         if offload.fits:

@@ -1,0 +1,78 @@
+"""A lower bound on a strategy's predicted step, cheap enough to order and prune a search.
+
+For a decoder-only model whose stages are equal in devices and mesh (every candidate of a search), the
+slowest stage does at least the work of the stage with the most layers, ``n``: each micro-batch costs
+it at least ``n`` blocks' forward, backward and on-path communication. Over equal stages every schedule
+idles at least a third of ``p - 1`` such micro-batches per chunk (GPipe, 1F1B and interleaved idle
+``(p - 1)(F + B)``; ZB-H1's ``(p - 1)(F + B) - min(m - 1, p - 1) W`` is at least a third of that, since
+``W <= min(F, B)`` in this model). Data-parallel exposure, the optimizer and the head only add.
+
+Recomputation is bounded too: the first stage keeps at least its blocks' parameters (under ZeRO-2, the
+leanest), their gradients and optimizer state, and the activations of the micro-batches it holds; where
+that cannot fit the budget without recomputing, no variant of the strategy runs without it, and the bound
+prices the lightest recomputation that could fit. So the bound never exceeds the estimate, and a candidate
+whose bound exceeds the time to beat cannot win.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from hyperjax.config import Config
+from hyperjax.cost import FRAGMENTATION, price_layer, stage_spans
+from hyperjax.resolver import balance_layers
+from hyperjax.search.strategies import RECOMPUTE
+from hyperjax.topology import Hardware
+
+
+def lower_bound(cfg: Config, overrides: dict[str, Any], hardware: Hardware, budget_bytes: float) -> float:
+    """A lower bound on the step time of the decoder-only candidate ``overrides`` selects (seconds);
+    infinite where no recomputation setting can fit ``budget_bytes`` per device."""
+    m = cfg.model
+    data, fsdp = overrides["parallel.data"], overrides["parallel.fsdp"]
+    axes = {
+        "data": data,
+        "fsdp": fsdp,
+        "context": overrides["parallel.context"],
+        "tensor": overrides["parallel.tensor"],
+    }
+    p, v = overrides["parallel.pipeline"], overrides["parallel.virtual_stages"]
+    dp = data * fsdp
+    micro = overrides["train.micro_batch"] or cfg.train.global_batch // dp
+    microbatches = cfg.train.global_batch // (micro * dp)
+    spans = stage_spans(hardware, p, axes)
+    chunks = balance_layers(m, [1] * (p * v)) if p > 1 else [m.layers]  # equal stages: devices cancel
+    stage_layers = [sum(chunks[c] for c in range(s, p * v, p)) for s in range(p)]
+    held = 1 if p == 1 else min(microbatches, math.ceil(p * (1 + (p - 1) / (p * v) if v > 1 else 1)))
+    if overrides["parallel.schedule"] == "gpipe":
+        held = microbatches
+    e = 2 if cfg.train.dtype == "bfloat16" else 4
+    for recompute in RECOMPUTE:
+        layer = price_layer(
+            m,
+            micro=micro,
+            axes=axes,
+            spans=spans,
+            dtype=cfg.train.dtype,
+            recompute=recompute,
+            sequence_parallel=overrides["parallel.sequence_parallel"],
+            hardware=hardware,
+        )
+        state = layer.params * ((4 + (2 if e == 2 else 0)) + 8 / data + 4 / data)  # ZeRO-2: the leanest
+        kept = stage_layers[0] * (state + held * layer.stored_bytes) * FRAGMENTATION
+        if kept <= budget_bytes:
+            break
+    else:
+        return math.inf
+    per_layer = (
+        layer.forward_s
+        + layer.backward_s
+        + layer.recompute_s
+        + layer.tensor_comm_s
+        + layer.context_comm_s
+        + layer.fsdp_exposed_s
+    )
+    busy = microbatches * max(stage_layers) * per_layer
+    idle = (p - 1) * max(stage_layers) * per_layer / (3 * v) if p > 1 and len(set(chunks)) == 1 else 0.0
+    return busy + idle
