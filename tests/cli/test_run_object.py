@@ -52,7 +52,16 @@ def test_the_run_object_has_every_field(capsys):
     } <= set(run)
     assert run["devices"] == 8 and run["parallel"]["data"] == 4 and run["parallel"]["tensor"] == 2
     assert None not in run["parallel"].values()
-    assert set(run["parallel"]) == {"data", "fsdp", "context", "tensor", "pipeline", "virtual_stages"}
+    assert set(run["parallel"]) == {
+        "data",
+        "fsdp",
+        "expert",
+        "context",
+        "tensor",
+        "pipeline",
+        "virtual_stages",
+        "expert_tensor",
+    }
 
 
 def test_plan_only_starts_no_device(tmp_path: Path):

@@ -135,7 +135,10 @@ def test_predict_cli_json(capsys):
         (["parallel.tensor=8", "model.heads=4"], r"dimension '(kv_)?heads' of size 4 is not divisible"),
         (["parallel.pipeline=3"], r"parallel.pipeline=3 does not divide the 8 devices"),
         (["parallel.schedule=interleaved"], r"the interleaved schedule needs virtual_stages > 1"),
-        (["parallel.data=5"], r"data=5 x fsdp=1 x context=1 x tensor=2 x pipeline=1 = 10, but there are 8 devices"),
+        (
+            ["parallel.data=5"],
+            r"data=5 x fsdp=1 x expert=1 x context=1 x tensor=2 x pipeline=1 = 10, but there are 8 devices",
+        ),
     ],
 )
 def test_predict_errors_exit_2(capsys, sets, pattern):

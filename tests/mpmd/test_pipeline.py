@@ -141,8 +141,8 @@ def test_split_backward_leaves_w_the_weight_gemms():
 
     split = chunk_programs(graphdef, no_constraint, first=False, last=True, m=4, taps=True)
     plain = chunk_programs(graphdef, no_constraint, first=False, last=True, m=4, taps=False)
-    _, res = split.forward(params, x, fed)
-    _, pullback = plain.forward(params, x, fed)
+    _, res, _ = split.forward(params, x, fed)
+    _, pullback, _ = plain.forward(params, x, fed)
     pull, kept = res
     b = flops(split.inputs, pull, None, acc)
     acc_b, _, douts = split.inputs(pull, None, zeros())

@@ -13,10 +13,12 @@ def test_shipped_configs_resolve():
     assert dict(quick.parallel) == {
         "data": 4,
         "fsdp": 1,
+        "expert": 1,
         "context": 1,
         "tensor": 2,
         "pipeline": 1,
         "virtual_stages": 1,
+        "expert_tensor": 2,
     }
     assert quick.micro_batch == 8 and quick.microbatches == 1 and quick.schedule is None
     run = resolve(load_config(CONFIGS / "gpt-tiny-cm384.yaml"))
@@ -53,7 +55,7 @@ def test_overrides_and_yaml_values():
         ["parallel.tensor=4", "train.lr=3e-4", "parallel.data=null", "parallel.sequence_parallel=true"],
     )
     assert cfg.parallel.tensor == 4 and cfg.train.lr == 3e-4 and cfg.parallel.sequence_parallel
-    assert resolve(cfg).axes == {"data": 2, "fsdp": 1, "context": 1, "tensor": 4}
+    assert resolve(cfg).axes == {"data": 2, "fsdp": 1, "expert": 1, "context": 1, "tensor": 4}
 
 
 @pytest.mark.parametrize(
@@ -76,7 +78,7 @@ def test_overrides_and_yaml_values():
         (
             ["parallel.data=3"],
             ShardingError,
-            r"data=3 x fsdp=1 x context=1 x tensor=2 x pipeline=1 = 6, but there are 8 devices",
+            r"data=3 x fsdp=1 x expert=1 x context=1 x tensor=2 x pipeline=1 = 6, but there are 8 devices",
         ),
         (["parallel.tensor=16"], ShardingError, r"do not divide the 8 devices"),
         (
@@ -98,7 +100,7 @@ def test_overrides_and_yaml_values():
         (
             ["parallel.pipeline=2", "parallel.tensor=1", "train.microbatches=16"],
             ConfigError,
-            r"2 sequences each, which the data-parallel degrees \(data x fsdp\) \[4, 4\] must divide",
+            r"2 sequences each, which the batch degrees \(data x fsdp x expert\) \[4, 4\] must divide",
         ),
         (["train.recompute=ful"], ConfigError, r"train.recompute='ful' is not one of .*; did you mean 'full'\?"),
         (["parallel.schedule=1f1"], ConfigError, r"parallel.schedule='1f1' is not one of"),

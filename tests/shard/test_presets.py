@@ -6,10 +6,11 @@ from hyperjax.shard import mesh_axes_for, strategy_for
 
 
 def test_data_takes_the_rest():
-    assert mesh_axes_for(devices=384, tensor=8) == {"data": 48, "fsdp": 1, "context": 1, "tensor": 8}
+    assert mesh_axes_for(devices=384, tensor=8) == {"data": 48, "fsdp": 1, "expert": 1, "context": 1, "tensor": 8}
     assert mesh_axes_for(devices=8, data=2, fsdp=2, context=1, tensor=2) == {
         "data": 2,
         "fsdp": 2,
+        "expert": 1,
         "context": 1,
         "tensor": 2,
     }
@@ -17,7 +18,8 @@ def test_data_takes_the_rest():
 
 def test_degrees_must_multiply_to_devices():
     with pytest.raises(
-        ShardingError, match=r"data=2 x fsdp=1 x context=1 x tensor=2 x pipeline=1 = 4, but there are 8 devices"
+        ShardingError,
+        match=r"data=2 x fsdp=1 x expert=1 x context=1 x tensor=2 x pipeline=1 = 4, but there are 8 devices",
     ):
         mesh_axes_for(devices=8, data=2, tensor=2)
     with pytest.raises(ShardingError, match=r"= 3 do not divide the 8 devices"):
@@ -28,11 +30,11 @@ def test_degrees_must_multiply_to_devices():
 
 def test_rules():
     s = strategy_for()
-    assert s.spec(("batch", "res_seq", "act_embed")) == P(("data", "fsdp"), "context", None)
+    assert s.spec(("batch", "res_seq", "act_embed")) == P(("data", "fsdp", "expert"), "context", None)
     assert s.spec(("embed", "mlp")) == P("fsdp", "tensor")
     sp = strategy_for(sequence_parallel=True)
-    assert sp.spec(("batch", "res_seq", "act_embed")) == P(("data", "fsdp"), ("context", "tensor"), None)
-    assert sp.spec(("batch", "seq", "act_mlp")) == P(("data", "fsdp"), "context", "tensor")
+    assert sp.spec(("batch", "res_seq", "act_embed")) == P(("data", "fsdp", "expert"), ("context", "tensor"), None)
+    assert sp.spec(("batch", "seq", "act_mlp")) == P(("data", "fsdp", "expert"), "context", "tensor")
 
 
 def test_overrides():
@@ -40,6 +42,6 @@ def test_overrides():
     assert s.spec(("vocab", "embed")) == P(None, ("fsdp", "data"))
     with pytest.raises(
         ShardingError,
-        match=r"shard.vocab: mesh axis 'tensr' does not exist; the mesh axes are data, fsdp, context, tensor",
+        match=r"shard.vocab: mesh axis 'tensr' does not exist; the mesh axes are data, fsdp, expert, context, tensor",
     ):
         strategy_for(overrides={"vocab": "tensr"})

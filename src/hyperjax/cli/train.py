@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from hyperjax.cli.display import check_folder, check_writable, console
 from hyperjax.cli.launching import add_join_arguments, run_on_devices
@@ -245,8 +246,31 @@ def _train(ready: Prepared, args: argparse.Namespace, out_dir: str) -> int:
         out.print(f"  per-device memory of the compiled step: {s['memory_per_device_bytes'] / 2**20:.1f} MiB")
         out.print(f"  emulated step time: {s['emulated_step_time_s'] * 1e3:.1f} ms (median after compilation)")
         out.print(f"  loss curve: {out_dir}/loss.png")
+        if result.expert_load is not None:
+            out.print(expert_load_table(run, result))
         _print_prediction(ready)
     return 0
+
+
+def expert_load_table(run: Run, result: Any) -> Any:
+    """The last step's routed copies per expert, per MoE layer: least and most loaded, max over mean."""
+    from rich.table import Table
+
+    m = run.config.model
+    layers = [i for i in range(m.layers) if m.is_moe(i)]
+    table = Table(title=f"expert load in the last step ({m.moe.experts} experts, top-{m.moe.top_k})")
+    for name in ("layer", "min", "mean", "max", "max / mean", "busiest expert"):
+        table.add_column(name, justify="right")
+    for layer, row in zip(layers, result.expert_load, strict=True):
+        mean = sum(row) / len(row)
+        busiest = max(range(len(row)), key=row.__getitem__)
+        table.add_row(
+            str(layer), f"{min(row):,.0f}", f"{mean:,.1f}", f"{max(row):,.0f}", f"{max(row) / mean:.2f}", str(busiest)
+        )
+    last = result.records[-1] if result.records else {}
+    if "dropped_fraction" in last:
+        table.caption = f"dropped for capacity: {last['dropped_fraction']:.2%} of routed copies"
+    return table
 
 
 def _print_prediction(ready: Prepared) -> None:

@@ -5,7 +5,7 @@ is read. :func:`hyperjax.resolve` turns a ``Config`` into a ``Run``.
 """
 
 from hyperjax.config.load import apply_override, build, load_config
-from hyperjax.config.model import FAMILY_PARTS, ModelConfig, VisionConfig
+from hyperjax.config.model import FAMILY_PARTS, ModelConfig, MoEConfig, VisionConfig
 from hyperjax.config.run import Run, Stage
 from hyperjax.config.sections import (
     Config,
@@ -20,6 +20,8 @@ from hyperjax.config.types import (
     ACTIVATIONS,
     GATED,
     Activation,
+    AttentionKind,
+    Balance,
     BlockLayout,
     DataSource,
     DType,
@@ -31,6 +33,7 @@ from hyperjax.config.types import (
     OffloadPolicy,
     Positions,
     Recompute,
+    Router,
     ScheduleName,
     TaskKind,
     choices,
@@ -41,6 +44,8 @@ __all__ = [
     "FAMILY_PARTS",
     "GATED",
     "Activation",
+    "AttentionKind",
+    "Balance",
     "BlockLayout",
     "Config",
     "DType",
@@ -49,6 +54,7 @@ __all__ = [
     "Family",
     "MLPKind",
     "MPMDConfig",
+    "MoEConfig",
     "ModelConfig",
     "ModuleName",
     "Norm",
@@ -58,6 +64,7 @@ __all__ = [
     "ParallelConfig",
     "Positions",
     "Recompute",
+    "Router",
     "Run",
     "ScheduleName",
     "Stage",

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hyperjax.config.checks import positive, vocabularies
-from hyperjax.config.types import GATED, BlockLayout, Family, MLPKind, Norm, Positions
+from hyperjax.config.types import GATED, AttentionKind, Balance, BlockLayout, Family, MLPKind, Norm, Positions, Router
 from hyperjax.errors import ConfigError
 
 FAMILY_PARTS: Mapping[str, Mapping[str, Any]] = {
@@ -70,6 +70,52 @@ class VisionConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Mixture-of-experts MLPs (``model.moe:``): each token goes to ``top_k`` of ``experts`` routed experts,
+    plus ``shared_experts`` every token uses, in the layers ``first_dense`` and ``every`` pick."""
+
+    experts: int = 8  # routed experts per MoE layer
+    top_k: int = 2  # routed experts per token
+    shared_experts: int = 0  # experts every token uses (DeepSeek); 0 for none
+    d_ff: int = 512  # hidden width of one expert (gated as model.mlp says)
+    capacity_factor: float | None = None  # null: dropless; c: an expert takes at most c*tokens*top_k/experts
+    router: Router = "softmax"  # softmax | sigmoid (DeepSeek-V3: sigmoid scores, normalised over the top-k)
+    balance: Balance = "aux_loss"  # aux_loss (weight aux_loss_weight) | bias (auxiliary-loss-free bias update)
+    aux_loss_weight: float = 0.01  # weight of the load-balancing loss (balance: aux_loss)
+    bias_update_rate: float = 0.001  # how far each expert's bias moves per step (balance: bias; DeepSeek-V3's)
+    normalize_top_k: bool = True  # the k routing weights are divided by their sum (Switch's top-1: false)
+    load_imbalance: float | None = None  # cost model: busiest device's routed tokens / the mean; null: from balance
+    first_dense: int = 0  # leading dense layers (DeepSeek-V3: 3)
+    every: int = 1  # an MoE layer every n-th layer after those (GShard/Switch style: 2)
+
+    def __post_init__(self) -> None:
+        vocabularies(self, "model.moe")
+        positive(self, "model.moe", ("experts", "top_k", "d_ff", "every"))
+        if self.top_k > self.experts:
+            raise ConfigError(
+                f"model.moe.top_k={self.top_k} exceeds model.moe.experts={self.experts}: a token cannot go to more "
+                f"experts than there are; choose top_k <= {self.experts}"
+            )
+        for key in ("shared_experts", "first_dense"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"model.moe.{key}={value!r} must be an integer >= 0")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ConfigError(
+                f"model.moe.capacity_factor={self.capacity_factor} must be > 0 (each expert's share of the tokens, "
+                "times this), or null for dropless routing"
+            )
+        for key in ("aux_loss_weight", "bias_update_rate"):
+            if not getattr(self, key) >= 0:
+                raise ConfigError(f"model.moe.{key}={getattr(self, key)} must be >= 0")
+        if self.load_imbalance is not None and not self.load_imbalance >= 1:
+            raise ConfigError(
+                f"model.moe.load_imbalance={self.load_imbalance} must be >= 1 (the busiest device's routed tokens "
+                "over the mean), or null for the balance method's default"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """A decoder-only transformer (the ``model:`` section of a config): its shape and its parts.
 
@@ -93,6 +139,11 @@ class ModelConfig:
     tie_embeddings: bool | None = None  # the output projection is the embedding table; null: the family's
     bias: bool | None = None  # biases on every projection and LayerNorm shifts; null: the family's
     block: BlockLayout = "sequential"  # sequential (pre-norm attention then MLP) or parallel (GPT-J / PaLM)
+    attention: AttentionKind = "mha"  # mha (multi-head / grouped-query) or mla (DeepSeek's latent attention)
+    kv_lora_rank: int | None = None  # mla: width of the compressed keys and values (DeepSeek-V3: 512)
+    q_lora_rank: int | None = None  # mla: width of the compressed queries; null: queries not compressed
+    rope_head_dim: int | None = None  # mla: rotary dimensions per head, apart from head_dim (DeepSeek-V3: 64)
+    moe: MoEConfig | None = None  # mixture-of-experts MLPs; null: dense
     vision: VisionConfig | None = None  # an image encoder in front of the language model (positions: rope)
 
     def __post_init__(self) -> None:
@@ -128,10 +179,52 @@ class ModelConfig:
                 f"model.vision needs model.positions: rope (rotary positions cover the image tokens; "
                 f"model.family: llama sets it); got {self.positions!r}"
             )
+        self._check_latent_attention()
+        if self.moe is not None and self.moe.first_dense >= self.layers:
+            raise ConfigError(
+                f"model.moe.first_dense={self.moe.first_dense} leaves no MoE layer among model.layers={self.layers}; "
+                "lower first_dense, or set model.moe: null for a dense model"
+            )
         object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
 
     def __hash__(self) -> int:  # computed once: the cost model keys its caches by model
         return self._hash
+
+    def _check_latent_attention(self) -> None:
+        mla = {"kv_lora_rank": self.kv_lora_rank, "q_lora_rank": self.q_lora_rank, "rope_head_dim": self.rope_head_dim}
+        positive(self, "model", tuple(mla), optional=True)
+        if self.attention == "mha":
+            given = [k for k, v in mla.items() if v is not None]
+            if given:
+                raise ConfigError(f"model.{given[0]} is given but model.attention=mha; set model.attention: mla")
+            return
+        for key in ("kv_lora_rank", "rope_head_dim"):
+            if mla[key] is None:
+                raise ConfigError(
+                    f"model.attention=mla needs model.{key} (DeepSeek-V3: kv_lora_rank 512, rope_head_dim 64)"
+                )
+        if self.rope_head_dim % 2 or self.positions != "rope":
+            raise ConfigError(
+                f"model.attention=mla rotates model.rope_head_dim={self.rope_head_dim} dimensions per head: it must be "
+                f"even and model.positions must be rope (got {self.positions!r})"
+            )
+        if self.bias:
+            raise ConfigError("model.attention=mla has no biases (as in DeepSeek-V2/V3); set model.bias: false")
+        if self.kv_heads != self.heads:
+            raise ConfigError(
+                f"model.attention=mla gives every query head its own keys and values from the latent; "
+                f"model.kv_heads={self.kv_heads} must be null or model.heads={self.heads}"
+            )
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block ``layer`` has a mixture-of-experts MLP."""
+        m = self.moe
+        return m is not None and layer >= m.first_dense and (layer - m.first_dense) % m.every == 0
+
+    @property
+    def moe_layers(self) -> int:
+        """Blocks with a mixture-of-experts MLP."""
+        return sum(self.is_moe(i) for i in range(self.layers))
 
     @property
     def n_kv_heads(self) -> int:

@@ -26,7 +26,7 @@ class Stage:
       name: a label (``stage 0``, or an MPMD submesh's name).
       devices: devices in the submesh.
       first_device: its first device in physical order (stages are consecutive slices of that order).
-      axes: its mesh axes (``data``, ``fsdp``, ``context``, ``tensor``), outermost first.
+      axes: its mesh axes (``data``, ``fsdp``, ``expert``, ``context``, ``tensor``), outermost first.
       chunks: the model chunks it holds, in model order (chunk ``c`` lives on stage ``c mod stages``).
       layers: the blocks of each of those chunks.
       modules: the model's modules it runs: ``("decoder",)`` for a language model alone, ``("encoder",)``,
@@ -46,8 +46,8 @@ class Stage:
 
     @property
     def data_parallel(self) -> int:
-        """Replicas of the batch: ``data x fsdp``."""
-        return self.axes["data"] * self.axes["fsdp"]
+        """Ways the batch is split: ``data x fsdp x expert`` (the expert axis carries batch outside the experts)."""
+        return self.axes["data"] * self.axes["fsdp"] * self.axes.get("expert", 1)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready data."""
@@ -78,8 +78,9 @@ class Run:
       processes: emulating processes on this machine; ``None`` when this machine cannot emulate the run
         (``emulation_limit`` says why; ``predict`` still answers, ``train`` refuses).
       emulation_limit: why this machine cannot emulate the run, or ``None``.
-      parallel: every degree by name: ``data``, ``fsdp``, ``context``, ``tensor`` (the first stage's),
-        ``pipeline`` (stages) and ``virtual_stages``.
+      parallel: every degree by name: ``data``, ``fsdp``, ``expert``, ``context``, ``tensor`` (the first stage's),
+        ``pipeline`` (stages), ``virtual_stages`` and ``expert_tensor`` (ways an expert's hidden width is split:
+        ``tensor``, or 1 when the tensor axis joins the expert axis inside MoE layers).
       sequence_parallel: the residual stream's sequence split over the tensor axis.
       zero_stage: ZeRO over the data axis (1: optimizer state, 2: also gradients).
       micro_batch: sequences per micro-batch on one data-parallel replica of the first stage.
@@ -129,6 +130,19 @@ class Run:
     def virtual_stages(self) -> int:
         """Model chunks per stage."""
         return self.parallel["virtual_stages"]
+
+    @property
+    def expert_tensor_split(self) -> bool:
+        """Whether experts' hidden widths are split over the tensor axis (else experts spread over it too)."""
+        return self.parallel["expert_tensor"] == self.parallel["tensor"]
+
+    @property
+    def experts_per_device(self) -> int:
+        """Routed experts of an MoE layer on one device (0 for a dense model)."""
+        m = self.config.model
+        if m.moe is None:
+            return 0
+        return m.moe.experts // (self.parallel["expert"] * (1 if self.expert_tensor_split else self.parallel["tensor"]))
 
     @property
     def chunks(self) -> int:

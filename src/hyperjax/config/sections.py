@@ -75,6 +75,9 @@ class ParallelConfig:
 
     data: int | None = None  # data-parallel replicas; null: the devices the other degrees leave
     fsdp: int = 1  # ZeRO-3 degree: parameters, gradients and optimizer state sharded, batch split too
+    expert: int = 1  # expert parallelism: MoE experts sharded over this axis, which carries batch elsewhere
+    expert_tensor: int | None = None  # experts' hidden split over: null = parallel.tensor; 1 = none (the tensor
+    # axis then joins the expert axis inside MoE layers, Megatron's ETP 1; needs sequence_parallel)
     tensor: int = 1  # Megatron tensor parallelism (attention heads and MLP columns)
     sequence_parallel: bool = False  # shard the residual stream's sequence over the tensor axis
     context: int = 1  # context parallelism: the sequence sharded over an axis for attention
@@ -87,7 +90,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         vocabularies(self, "parallel")
-        positive(self, "parallel", ("fsdp", "tensor", "context", "pipeline", "virtual_stages"))
+        positive(self, "parallel", ("fsdp", "expert", "tensor", "context", "pipeline", "virtual_stages"))
         for key in ("stage_devices", "stage_layers"):
             value = getattr(self, key)
             if value is not None and any(n < 1 for n in value):
@@ -172,6 +175,37 @@ class Config:
     offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
 
     def __post_init__(self) -> None:
+        moe, ep = self.model.moe, self.parallel.expert
+        if ep > 1 and moe is None:
+            raise ConfigError(
+                f"parallel.expert={ep} shards the experts of a mixture-of-experts model, but model.moe is null; "
+                "set model.moe, or parallel.expert: 1 (use parallel.data for more data parallelism)"
+            )
+        p = self.parallel
+        if p.expert_tensor is not None and p.expert_tensor not in (1, p.tensor):
+            raise ConfigError(
+                f"parallel.expert_tensor={p.expert_tensor} must be null (experts split over the tensor axis, "
+                f"{p.tensor} ways) or 1 (the tensor axis joins the expert axis inside MoE layers)"
+            )
+        if p.expert_tensor == 1 and p.tensor > 1:
+            if moe is None:
+                raise ConfigError("parallel.expert_tensor=1 applies to the experts of model.moe, which is null")
+            if not p.sequence_parallel:
+                raise ConfigError(
+                    f"parallel.expert_tensor=1 with parallel.tensor={p.tensor}: the tensor axis carries experts only "
+                    "if each of its devices holds its own tokens; set parallel.sequence_parallel: true"
+                )
+            if moe.experts % (ep * p.tensor):
+                raise ConfigError(
+                    f"model.moe.experts={moe.experts} is not divisible by parallel.expert x parallel.tensor = "
+                    f"{ep * p.tensor} (parallel.expert_tensor=1 spreads experts over both); choose degrees that "
+                    f"divide {moe.experts}"
+                )
+        if moe is not None and moe.experts % ep:
+            raise ConfigError(
+                f"model.moe.experts={moe.experts} is not divisible by parallel.expert={ep}; choose an expert "
+                f"degree that divides {moe.experts}"
+            )
         if self.train.data == "text" and self.model.vocab < 256:
             raise ConfigError(
                 f"train.data=text reads bytes (256 symbols) but model.vocab={self.model.vocab}; set model.vocab: 256 "

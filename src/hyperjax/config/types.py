@@ -45,6 +45,16 @@ MLPKind = Literal["gelu", "relu", "swiglu", "geglu"]
 """``swiglu`` and ``geglu`` are gated: three matrices (input, gate, output) instead of two."""
 
 Positions = Literal["learned", "rope"]
+AttentionKind = Literal["mha", "mla"]
+"""``mha``: multi-head (or grouped-query) attention; ``mla``: DeepSeek's multi-head latent attention."""
+
+Router = Literal["softmax", "sigmoid"]
+"""How an MoE router scores experts: softmax over all of them (Mixtral, Qwen3, Switch), or a sigmoid per
+expert (DeepSeek-V3); either way the top-k weights are normalised over the k chosen."""
+
+Balance = Literal["aux_loss", "bias"]
+"""How an MoE router is kept balanced: an auxiliary loss (Switch/GShard), or DeepSeek-V3's
+auxiliary-loss-free per-expert bias, nudged after every step towards the mean load."""
 BlockLayout = Literal["sequential", "parallel"]
 """``sequential``: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; ``parallel`` (GPT-J, PaLM): one norm,
 ``x + attn(norm(x)) + mlp(norm(x))``."""

@@ -5,7 +5,7 @@ from hyperjax.cost.compute import gemm_time, stream_time
 from hyperjax.cost.counts import count_params, model_flops_per_sequence, model_tensors
 from hyperjax.cost.estimate import Estimate, estimate, stage_spans
 from hyperjax.cost.layer import LayerCost, price_layer
-from hyperjax.cost.stage import FRAGMENTATION, ChunkCost, PartCost, StageCore, StageCost
+from hyperjax.cost.stage import FRAGMENTATION, ChunkCost, PartCost, StageCore, StageCost, chunk_starts
 from hyperjax.cost.trace import simulate, stage_metadata, task_events, write_trace
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "PartCost",
     "StageCore",
     "StageCost",
+    "chunk_starts",
     "collective_time",
     "count_params",
     "estimate",

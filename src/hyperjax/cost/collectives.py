@@ -4,6 +4,11 @@ A group spanning several tiers runs hierarchically: one phase per tier, innermos
 all-gather's fill and outermost first for its shards (NCCL and XLA both build such rings and trees). Each
 phase moves the data that must cross that tier at the tier's achievable bandwidth (``bandwidth x
 efficiency``) and pays the tier's latency once per ring step.
+
+An all-to-all has no phases: each rank sends its buffer's slices to every other rank at once, and the
+slices bound for ranks behind each tier cross that tier's links side by side with the rest. It lasts as
+long as the slowest tier's share of the traffic takes (DeepEP's dispatch over NVLink and RDMA together,
+for one), plus a latency per rank reached through each tier.
 """
 
 from __future__ import annotations
@@ -35,12 +40,13 @@ def collective_time(kind: str, nbytes: float, span: AxisSpan, hardware: Hardware
     if kind == "all_reduce":
         return 2 * collective_time("all_gather", nbytes, span, hardware)
     if kind == "all_to_all":
-        total, reached, time = math.prod(r for _, r in levels), 1, 0.0
+        total, reached, latency, slowest = math.prod(r for _, r in levels), 1, 0.0, 0.0
         for tier, ranks in levels:
             crossing = nbytes * (reached * ranks - reached) / total  # to ranks first reached through this tier
-            time += (ranks - 1) * tier.latency + crossing / tier.effective_bandwidth
+            latency += (ranks - 1) * tier.latency
+            slowest = max(slowest, crossing / tier.effective_bandwidth)
             reached *= ranks
-        return time
+        return latency + slowest
     # all-gather / reduce-scatter: the phase on tier i moves the data of the groups outside it
     time, outer = 0.0, math.prod(r for _, r in levels)
     for tier, ranks in levels:

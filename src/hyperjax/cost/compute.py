@@ -32,3 +32,17 @@ def stream_time(nbytes: float, *, ops: float, hardware: Hardware) -> float:
     """Seconds to stream ``nbytes`` through HBM in ``ops`` element-wise operators."""
     d = hardware.device
     return nbytes / (d.hbm_bandwidth * d.memory_efficiency) + ops * d.kernel_overhead
+
+
+def grouped_gemm_time(
+    rows: float, n: float, k: float, *, groups: int, bytes_per_element: int, dtype: str, hardware: Hardware
+) -> float:
+    """Seconds for one grouped product (a mixture of experts' experts, one kernel): ``groups`` products of
+    ``(rows / groups, k) x (k, n)``, each group's rows rounded up to the preset's tile height
+    (``device.grouped_gemm_rows``). Each group reads its own weight, so few rows per group leave the
+    product bound by reading weights: the roofline gives small groups their lower rate."""
+    if min(rows, n, k, groups) <= 0:
+        return 0.0
+    tile = hardware.device.grouped_gemm_rows
+    per_group = -(-rows / groups // tile) * tile if tile > 1 else rows / groups
+    return gemm_time(per_group, n, k, count=groups, bytes_per_element=bytes_per_element, dtype=dtype, hardware=hardware)

@@ -185,6 +185,7 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
             id(sp),
             run.recompute,
             run.sequence_parallel,
+            run.expert_tensor_split,
             run.rows,
             p2p,
         )
@@ -235,6 +236,7 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
         communication_s={
             "tensor_parallel": m * sum(p.layers * p.layer.tensor_comm_s for p in c.parts),
             "context_parallel": m * sum(p.layers * p.layer.context_comm_s for p in c.parts),
+            "expert_parallel": m * sum(p.layers * p.layer.expert_comm_s for p in c.parts),
             "fsdp": m * sum(p.layers * (2 * p.layer.fsdp_gather_s + p.layer.fsdp_scatter_s) for p in c.parts),
             "pipeline_p2p": m * c.p2p_s,
             "data_parallel": c.data_parallel_s,
@@ -265,12 +267,16 @@ def _closed_form_idle(run: Run, c: StageCost) -> float:
 
 _SPANS: dict[tuple, dict[str, AxisSpan]] = {}
 
+GROUPS = {"data+expert": ("data", "expert"), "expert+tensor": ("expert", "tensor")}
+"""Collectives over two mesh axes at once: the gradient reduction of everything but the routed experts
+(every device holding a batch shard), and the all-to-all of experts spread over the tensor axis too."""
+
 
 def _spans(hardware: Hardware, axes: tuple[tuple[str, int], ...]) -> dict[str, AxisSpan]:
     # axis_spans walks every device; the planner asks for the same few meshes thousands of times
     key = (hardware.name, hardware.tiers, axes)
     if key not in _SPANS:
-        _SPANS[key] = axis_spans(hardware, dict(axes))
+        _SPANS[key] = axis_spans(hardware, dict(axes), groups=GROUPS)
     return _SPANS[key]
 
 

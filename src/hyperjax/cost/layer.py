@@ -5,6 +5,12 @@ tensor-parallel shapes, the attention core as one batched product per micro-batc
 as the stored activations streamed through HBM. The backward costs twice the forward. Tensor- and
 context-parallel collectives sit on the critical path; FSDP's gathers and scatters overlap the layer's
 compute and only what exceeds it is exposed.
+
+A mixture-of-experts block (``moe=True``) prices its router, its shared experts as a dense MLP, and its
+routed experts as one grouped product over the device's experts at the busiest device's load
+(:mod:`hyperjax.cost.routing`); the dispatch and the combine are all-to-alls over the expert axis, each
+once in the forward and once in the backward (and again when the forward is recomputed), on the tiers
+that axis spans.
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ from collections.abc import Mapping
 
 from hyperjax.config import ModelConfig, Recompute
 from hyperjax.cost.collectives import collective_time
-from hyperjax.cost.compute import gemm_time, stream_time
-from hyperjax.cost.counts import activation_units, block_products, block_tensors
+from hyperjax.cost.compute import gemm_time, grouped_gemm_time, stream_time
+from hyperjax.cost.counts import Product, activation_units, block_products, block_tensors
+from hyperjax.cost.routing import exchange_time, routing
 from hyperjax.topology import AxisSpan, Hardware
 
 
@@ -25,14 +32,17 @@ class LayerCost:
     """One block, one micro-batch, one device.
 
     Attributes:
-      products_s: the weight products by name (``qkv``, ``attn_out``, ``mlp_hidden``: the MLP's two or
-        three matrices).
+      products_s: the weight products by the activation group they produce (``qkv``, ``attn_out``,
+        ``mlp_hidden``: the MLP's two or three matrices, or a mixture of experts' router, routed and shared
+        experts).
       core_s: the attention core's two batched products.
       forward_s: the forward pass (products, core, element-wise work).
       backward_s: the backward pass (twice the forward).
       recompute_s: what ``recompute`` adds to the backward.
       tensor_comm_s: tensor-parallel collectives of forward, backward and recomputation.
       context_comm_s: context-parallel key/value gathers.
+      expert_comm_s: a mixture of experts' dispatch and combine all-to-alls of forward, backward and
+        recomputation (0 for a dense block).
       fsdp_gather_s: one all-gather of the layer's parameters over the fsdp axis.
       fsdp_scatter_s: one reduce-scatter of its gradients.
       fsdp_exposed_s: what two gathers and a scatter add beyond the layer's compute.
@@ -40,6 +50,8 @@ class LayerCost:
       activation_bytes: the activations kept without recomputation, by name (``block_in`` included).
       recompute_by_name_s: recomputing each named activation: the forward ops that produce or read it.
       params: the layer's parameters held by one device.
+      expert_params: those of them that are routed experts' (their gradients are reduced over the data
+        axes but not the expert axis, which holds other experts).
       param_transfer_bytes: one copy of those parameters in the compute dtype (what a host fetch moves).
     """
 
@@ -58,11 +70,18 @@ class LayerCost:
     recompute_by_name_s: Mapping[str, float]
     params: float
     param_transfer_bytes: float
+    expert_comm_s: float = 0.0
+    expert_params: float = 0.0
 
     @property
     def weight_s(self) -> float:
         """The weight-gradient GEMMs alone (a split backward's ``W``): as many FLOPs as the products."""
         return sum(self.products_s.values())
+
+    @property
+    def on_path_comm_s(self) -> float:
+        """The communication the block's compute waits for: tensor, context, expert and exposed FSDP."""
+        return self.tensor_comm_s + self.context_comm_s + self.expert_comm_s + self.fsdp_exposed_s
 
 
 def price_layer(
@@ -75,6 +94,8 @@ def price_layer(
     recompute: Recompute,
     sequence_parallel: bool,
     hardware: Hardware,
+    moe: bool = False,
+    expert_tensor: bool = True,
 ) -> LayerCost:
     """Price one block of ``m`` for ``micro`` sequences on one device of a mesh with ``axes``.
 
@@ -83,15 +104,27 @@ def price_layer(
     Args:
       m: the block's model (its ``seq_len`` is the tokens per sequence the block sees).
       micro: sequences of one micro-batch on one data-parallel replica.
-      axes: the stage's mesh axes (``data``, ``fsdp``, ``context``, ``tensor``).
-      spans: the tiers each axis spans.
+      axes: the stage's mesh axes (``data``, ``fsdp``, ``expert``, ``context``, ``tensor``).
+      spans: the tiers each axis spans, and the composite group ``expert+tensor``.
       dtype: compute dtype.
       recompute: activation recomputation.
       sequence_parallel: the residual stream split over the tensor axis.
       hardware: the machine.
+      moe: the block's MLP is ``m.moe``'s mixture of experts.
+      expert_tensor: experts' hidden widths are split over the tensor axis (``parallel.expert_tensor``
+        null); otherwise the experts spread over it.
     """
     return _price_layer(
-        m, micro, tuple(axes.items()), tuple(spans.items()), dtype, recompute, sequence_parallel, hardware
+        m,
+        micro,
+        tuple(axes.items()),
+        tuple(spans.items()),
+        dtype,
+        recompute,
+        sequence_parallel,
+        hardware,
+        moe,
+        expert_tensor,
     )
 
 
@@ -105,28 +138,39 @@ def _price_layer(
     recompute: Recompute,
     sequence_parallel: bool,
     hardware: Hardware,
+    moe: bool,
+    expert_tensor: bool,
 ) -> LayerCost:
     axes, spans = dict(axes_items), dict(span_items)
-    tp, cp, fsdp = axes["tensor"], axes["context"], axes["fsdp"]
+    tp, cp, fsdp, ep = axes["tensor"], axes["context"], axes["fsdp"], axes.get("expert", 1)
     e = 2 if dtype == "bfloat16" else 4  # activation and matmul operand bytes
     s, a, hd = m.seq_len, m.heads, m.head_dim
     tokens = micro * s / cp  # tokens of one micro-batch on one device
+    routed = routing(m, tokens=tokens, axes=axes, expert_tensor=expert_tensor) if moe else None
 
     def gemm(mm: float, nn: float, kk: float, count: float = 1) -> float:
         return gemm_time(mm, nn, kk, count=count, bytes_per_element=e, dtype=dtype, hardware=hardware)
 
-    def product(p) -> float:
+    def product(p: Product) -> float:
+        if p.name.startswith("experts_"):  # the routed experts: one grouped product over the local experts
+            w = routed.width
+            n, k = (p.n / w, p.k) if p.split == "n" else (p.n, p.k / w)
+            return grouped_gemm_time(
+                routed.busiest, n, k, groups=routed.local_experts, bytes_per_element=e, dtype=dtype, hardware=hardware
+            )
+        if p.split == "none":
+            return gemm(tokens, p.n, p.k)
         return gemm(tokens, p.n / tp, p.k) if p.split == "n" else gemm(tokens, p.n, p.k / tp)
 
-    qkv, attn_out, mlp_in, mlp_out = block_products(m)
-    products = {
-        "qkv": product(qkv),
-        "attn_out": product(attn_out),
-        "mlp_hidden": product(mlp_in) + product(mlp_out),
-    }
+    products = {"qkv": 0.0, "attn_out": 0.0, "mlp_hidden": 0.0}
+    for p in block_products(m, moe=moe):
+        key = "mlp_hidden" if p.group == "router" else p.group
+        products[key] += product(p)
     proj = sum(products.values())
-    core = 2 * gemm(s / cp, s, hd, count=micro * a / tp)  # scores and attention-weighted values
-    units = activation_units(m)
+    rope = m.rope_head_dim if m.attention == "mla" else 0
+    # scores over the query-key width and attention-weighted values, one batched product each
+    core = gemm(s / cp, s, hd + rope, count=micro * a / tp) + gemm(s / cp, hd, s, count=micro * a / tp)
+    units = activation_units(m, moe=moe, imbalance=routed.imbalance if routed else 1.0)
     scale = e / 2  # the byte counts are for 16-bit activations
     per_token = micro * (s / cp) * scale
     rep = tp if sequence_parallel else 1
@@ -140,7 +184,7 @@ def _price_layer(
     }
     replicated = acts["block_in"] + acts["norms"]
     split = acts["qkv"] + acts["attn_out"] + acts["mlp_hidden"]
-    ew_fwd = stream_time(2 * (replicated + split), ops=12, hardware=hardware)
+    ew_fwd = stream_time(2 * (replicated + split), ops=12 + (8 if moe else 0), hardware=hardware)
     ew_core_fwd = stream_time(2 * acts["attn_core"], ops=4, hardware=hardware)
     fwd = proj + core + ew_fwd + ew_core_fwd
     bwd = 2 * (proj + core) + 2 * (ew_fwd + ew_core_fwd)
@@ -160,13 +204,20 @@ def _price_layer(
     extra = {"none": 0.0, "selective": core + ew_core_fwd, "full": fwd}[recompute]
 
     act_bytes = micro * (s / cp) * m.d_model * e
-    tp_calls = 4 + (2 if recompute == "full" else 0)  # fwd 2, bwd 2, re-forward 2 (all-reduce or AG+RS pairs)
-    tensor_comm = tp_calls * collective_time("all_reduce", act_bytes, spans["tensor"], hardware)
+    passes = 2 + (1 if recompute == "full" else 0)  # forward, backward, re-forward
+    tensor_comm = 2 * passes * collective_time("all_reduce", act_bytes, spans["tensor"], hardware)
     kv_bytes = 2 * micro * s * m.kv_heads * hd * e / tp
-    cp_calls = 2 + (1 if recompute == "full" else 0)
-    context_comm = cp_calls * collective_time("all_gather", kv_bytes, spans["context"], hardware)
+    context_comm = passes * collective_time("all_gather", kv_bytes, spans["context"], hardware)
+    expert_comm = 0.0
+    if routed is not None:  # dispatch and combine in each pass, the busiest device's receive deciding
+        exchange = spans["+".join(routed.exchange)]
+        one = exchange_time(m, routed, exchange, bytes_per_element=e, hardware=hardware)
+        expert_comm = 2 * passes * one
 
-    params = sum(t.size / (tp if t.tensor_split else 1) for t in block_tensors(m))
+    tensors = block_tensors(m, moe=moe)
+    local = [t.local_size(tensor=tp, expert=ep, expert_tensor=expert_tensor) for t in tensors]
+    params = sum(local)
+    experts = sum(n for t, n in zip(tensors, local, strict=True) if t.expert)
     gather = collective_time("all_gather", params * e, spans["fsdp"], hardware)
     scatter = collective_time("reduce_scatter", params * 4, spans["fsdp"], hardware)
     exposed = max(0.0, 2 * gather + scatter - (fwd + bwd + extra))
@@ -178,6 +229,7 @@ def _price_layer(
         recompute_s=extra,
         tensor_comm_s=tensor_comm,
         context_comm_s=context_comm,
+        expert_comm_s=expert_comm,
         fsdp_gather_s=gather,
         fsdp_scatter_s=scatter,
         fsdp_exposed_s=exposed,
@@ -185,5 +237,6 @@ def _price_layer(
         activation_bytes=acts,
         recompute_by_name_s=by_name,
         params=params / fsdp,
+        expert_params=experts / fsdp,
         param_transfer_bytes=params / fsdp * e,
     )

@@ -1,9 +1,10 @@
 """One stage of a run priced for one micro-batch: its chunks' tasks, its communication and its memory.
 
-A stage holds chunks; a chunk is one or two *parts*, each a stack of equal blocks of one module with, at
-the ends of the model, the embedding and the output layer: a decoder chunk is one part; a vision-language
-model's encoder and language model are a part each (one chunk on MPMD submeshes, both in one chunk when
-the model runs as one SPMD program).
+A stage holds chunks; a chunk is one or more *parts*, each a stack of equal blocks of one module with, at
+the ends of the model, the embedding and the output layer: a decoder chunk is one part, or two when it
+holds both dense blocks and mixture-of-experts blocks (equal within each kind); a vision-language model's
+encoder and language model are parts of their own (one chunk on MPMD submeshes, both in one chunk when the
+model runs as one SPMD program).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class PartCost:
       module: ``decoder``, ``encoder`` or ``language_model``.
       layers: blocks in the stack.
       layer: one block.
+      moe: whether its blocks' MLPs are mixtures of experts.
       head_s: the output layer's forward and backward (logits and loss, or the encoder's projection);
         0 where the part does not end the module.
       head_bytes: the output layer's activations kept for the backward.
@@ -46,6 +48,7 @@ class PartCost:
     held_params: float
     trained_params: float
     boundary_bytes: float
+    moe: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -121,18 +124,38 @@ FRAGMENTATION = 1.05
 """Allocator fragmentation and workspace over the counted memory terms."""
 
 
-def part_models(m: ModelConfig, stage: Stage, chunk_index: int) -> list[tuple[str, ModelConfig, int]]:
-    """``(module, block model, layers)`` of each part of chunk ``stage.chunks[chunk_index]``: the block
-    model's ``seq_len`` is the tokens a sequence has there (a language model also sees the image tokens)."""
+def part_models(
+    m: ModelConfig, stage: Stage, chunk_index: int, first: int = 0
+) -> list[tuple[str, ModelConfig, int, bool]]:
+    """``(module, block model, layers, moe)`` of each part of chunk ``stage.chunks[chunk_index]``, whose
+    first block is block ``first`` of the model: the block model's ``seq_len`` is the tokens a sequence
+    has there (a language model also sees the image tokens); a chunk holding dense and mixture-of-experts
+    blocks has a part of each kind, dense first."""
     out = []
     if "encoder" in stage.modules:
-        out.append(("encoder", m.vision.as_model(m.d_model), m.vision.layers))
+        out.append(("encoder", m.vision.as_model(m.d_model), m.vision.layers, False))
     if "language_model" in stage.modules:
         lm = dataclasses.replace(m, vision=None, seq_len=m.seq_len + m.vision.patches)
-        out.append(("language_model", lm, m.layers))
+        out += [("language_model", lm, n, moe) for n, moe in _kinds(m, 0, m.layers)]
     if "decoder" in stage.modules:
-        out.append(("decoder", m, stage.layers[chunk_index]))
+        out += [("decoder", m, n, moe) for n, moe in _kinds(m, first, stage.layers[chunk_index])]
     return out
+
+
+def _kinds(m: ModelConfig, first: int, layers: int) -> list[tuple[int, bool]]:
+    """``(blocks, moe)`` of blocks ``first .. first + layers - 1``: the dense ones, then the MoE ones."""
+    moe = sum(m.is_moe(i) for i in range(first, first + layers))
+    return [(n, kind) for n, kind in ((layers - moe, False), (moe, True)) if n]
+
+
+def chunk_starts(run: Run) -> dict[int, int]:
+    """The first block of every chunk, by chunk (chunk ``c`` lives on stage ``c mod stages``)."""
+    counts = {c: n for s in run.stages for c, n in zip(s.chunks, s.layers, strict=True)}
+    starts, at = {}, 0
+    for c in sorted(counts):
+        starts[c] = at
+        at += counts[c]
+    return starts
 
 
 @functools.lru_cache(maxsize=1024)
@@ -156,6 +179,7 @@ class StageCore:
       tasks: per chunk ``(chunk, forward, whole backward, weight-gradient GEMMs, exposed communication)``.
       compute_s, recompute_s, comm_s, p2p_s: as in :class:`StageCost`.
       held_params, trained_params: parameters one device holds, and those its optimizer updates.
+      expert_params: those of them that are routed experts' (reduced over the data axes only).
       kept_bytes: activations one micro-batch leaves on the device for the backward (blocks only).
       head_bytes: the output layers' activations.
       last_backward_s: the backward of one micro-batch, which the gradient reduction can hide behind.
@@ -174,6 +198,7 @@ class StageCore:
     head_bytes: float
     last_backward_s: float
     spans: Mapping[str, AxisSpan]
+    expert_params: float = 0.0
 
 
 def stage_core(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: AxisSpan | None) -> StageCore:
@@ -188,11 +213,13 @@ def stage_core(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: AxisS
     hw, m, axes = run.hardware, run.config.model, stage.axes
     micro = run.rows / stage.data_parallel
     last = run.chunks - 1
+    starts_at = chunk_starts(run)
     parts: list[PartCost] = []
     chunk_parts: list[list[PartCost]] = []
     for i, c in enumerate(stage.chunks):
         here = []
-        for module, block, layers in part_models(m, stage, i):
+        found = part_models(m, stage, i, starts_at[c])
+        for j, (module, block, layers, moe) in enumerate(found):
             layer = price_layer(
                 block,
                 micro=micro,
@@ -202,17 +229,19 @@ def stage_core(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: AxisS
                 recompute=run.recompute,
                 sequence_parallel=run.sequence_parallel,
                 hardware=hw,
+                moe=moe,
+                expert_tensor=run.expert_tensor_split,
             )
             ends = module != "decoder" or c == last
             starts = module != "decoder" or c == 0
-            here.append(_part(module, block, layers, layer, m, micro, axes, run, starts=starts, ends=ends))
+            # a module's blocks of two kinds are two parts; the last carries what lies outside the blocks
+            outside = j + 1 == len(found) or found[j + 1][0] != module
+            part = _part(module, block, layers, layer, m, micro, axes, run, starts=starts, ends=ends, outside=outside)
+            here.append(dataclasses.replace(part, moe=moe))
         chunk_parts.append(here)
         parts += here
     first_gather = parts[0].layer.fsdp_gather_s if axes["fsdp"] > 1 else 0.0
-    layer_comm = [
-        sum(p.layers * (p.layer.tensor_comm_s + p.layer.context_comm_s + p.layer.fsdp_exposed_s) for p in ps)
-        for ps in chunk_parts
-    ]
+    layer_comm = [sum(p.layers * p.layer.on_path_comm_s for p in ps) for ps in chunk_parts]
     hand_over = [
         2 * collective_time("send", ps[-1].boundary_bytes, p2p, hw) if p2p is not None else 0.0 for ps in chunk_parts
     ]
@@ -232,6 +261,7 @@ def stage_core(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: AxisS
         p2p_s=sum(hand_over),
         held_params=sum(p.layers * p.layer.params + p.held_params for p in parts),
         trained_params=sum(p.layers * p.layer.params + p.trained_params for p in parts),
+        expert_params=sum(p.layers * p.layer.expert_params for p in parts),
         kept_bytes=sum(p.layers * p.layer.stored_bytes for p in parts),
         head_bytes=sum(p.head_bytes for p in parts),
         last_backward_s=sum(p.layers * (p.layer.backward_s + p.layer.recompute_s) for p in parts),
@@ -253,14 +283,21 @@ def price_stage(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> S
     )
     trained, held = core.trained_params, core.held_params
     kind = "all_reduce" if run.zero_stage == 0 else "reduce_scatter"
-    dp_time = collective_time(kind, trained * 4, core.spans["data"], hw)
+    # gradients are reduced over every device holding a batch shard: routed experts' over the data axis,
+    # the rest also over the expert axis, which carries batch outside the experts
+    reduced = ((trained - core.expert_params, core.spans["data+expert"]), (core.expert_params, core.spans["data"]))
+    dp_time = sum(collective_time(kind, n * 4, span, hw) for n, span in reduced)
     if run.zero_stage >= 1:
-        dp_time += collective_time("all_gather", trained * e, core.spans["data"], hw)
+        dp_time += sum(collective_time("all_gather", n * e, span, hw) for n, span in reduced)
     layers = sum(p.layers for p in core.parts)
     dp_exposed = max(0.0, dp_time - core.last_backward_s) + dp_time / max(layers, 1) if stage.data_parallel > 1 else 0.0
     opt_params = trained / (data if run.zero_stage >= 1 else 1)
+    fsdp = axes["fsdp"]
+    # FSDP materialises a layer whole: its gathered parameters and the next layer's (prefetched) in the
+    # compute dtype, and its full gradient in float32 before the reduce-scatter
+    whole = max((p.layer.params * fsdp for p in core.parts), default=0.0) if fsdp > 1 else 0.0
     memory = {
-        "params": held * (4 + (2 if e == 2 else 0)),
+        "params": held * (4 + (2 if e == 2 else 0)) + whole * (2 * e + 4),
         "optimizer": opt_params * 8,
         "gradients": held / (data if run.zero_stage >= 2 else 1) * 4,
         "activations": in_flight * core.kept_bytes + core.head_bytes,
@@ -295,22 +332,23 @@ def _part(
     *,
     starts: bool,
     ends: bool,
+    outside: bool = True,
 ) -> PartCost:
-    """A part's output layer, the parameters it holds outside its blocks and what it hands on."""
+    """A part's output layer, the parameters it holds outside its blocks and what it hands on (with
+    ``outside=False``, the blocks alone: another part of the module carries the rest)."""
     tp, cp, fsdp = axes["tensor"], axes["context"], axes["fsdp"]
     e = 2 if run.dtype == "bfloat16" else 4
     hw = run.hardware
     tokens = micro * block.seq_len / cp
     head_s = head_bytes = 0.0
-    if ends:
+    if ends and outside:
         vocab = block.vocab
         head_s = 3 * gemm_time(
             tokens, vocab / tp, block.d_model, bytes_per_element=e, dtype=run.dtype, hardware=hw
         ) + stream_time(tokens * vocab / tp * 4 * 3, ops=6, hardware=hw)
         head_bytes = tokens * vocab / tp * 4 * 2
-    outside = _outside(module, block, m)
     held = trained = 0.0
-    for t in outside:
+    for t in _outside(module, block, m) if outside else ():
         local = t.size / ((tp if t.tensor_split else 1) * (fsdp if "embed" in t.axes else 1))
         embedding = t.path.endswith("embed") and not t.path.endswith("pos_embed")
         head_side = t.path.startswith("final_norm") or t.path == "lm_head"

@@ -65,12 +65,12 @@ def use(p: nnx.Param, constrain: Constrain) -> jax.Array:
 
 
 class LayerNorm(nnx.Module):
-    """LayerNorm with a scale and, with ``bias``, a shift."""
+    """LayerNorm with a scale and, with ``bias``, a shift (over a dimension of logical axis ``axis``)."""
 
-    def __init__(self, d: int, *, bias: bool = True, rngs: nnx.Rngs) -> None:
-        self.scale = param(rngs, (d,), ("embed",), init="ones")
+    def __init__(self, d: int, *, bias: bool = True, rngs: nnx.Rngs, axis: str | None = "embed") -> None:
+        self.scale = param(rngs, (d,), (axis,), init="ones")
         if bias:
-            self.bias = param(rngs, (d,), ("embed",), init="zeros")
+            self.bias = param(rngs, (d,), (axis,), init="zeros")
         self.use_bias = bias
 
     def __call__(self, x: jax.Array, constrain: Constrain = no_constraint) -> jax.Array:
@@ -86,8 +86,8 @@ class LayerNorm(nnx.Module):
 class RMSNorm(nnx.Module):
     """RMSNorm with a scale (Llama)."""
 
-    def __init__(self, d: int, *, rngs: nnx.Rngs) -> None:
-        self.scale = param(rngs, (d,), ("embed",), init="ones")
+    def __init__(self, d: int, *, rngs: nnx.Rngs, axis: str | None = "embed") -> None:
+        self.scale = param(rngs, (d,), (axis,), init="ones")
 
     def __call__(self, x: jax.Array, constrain: Constrain = no_constraint) -> jax.Array:
         x32 = x.astype(jnp.float32)
@@ -95,9 +95,9 @@ class RMSNorm(nnx.Module):
         return y.astype(x.dtype)
 
 
-def make_norm(kind: Norm, d: int, *, bias: bool, rngs: nnx.Rngs) -> LayerNorm | RMSNorm:
+def make_norm(kind: Norm, d: int, *, bias: bool, rngs: nnx.Rngs, axis: str | None = "embed") -> LayerNorm | RMSNorm:
     """The norm a model's ``norm`` part names."""
-    return LayerNorm(d, bias=bias, rngs=rngs) if kind == "layernorm" else RMSNorm(d, rngs=rngs)
+    return LayerNorm(d, bias=bias, rngs=rngs, axis=axis) if kind == "layernorm" else RMSNorm(d, rngs=rngs, axis=axis)
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> jax.Array:
@@ -180,6 +180,14 @@ class Attention(nnx.Module):
         return y
 
 
+def activate(kind: MLPKind, h: jax.Array, gate: jax.Array | None) -> jax.Array:
+    """The MLP's nonlinearity on the up-projection ``h``: ``act(gate) * h`` for the gated kinds."""
+    if kind in GATED:
+        act = jax.nn.silu if kind == "swiglu" else partial(jax.nn.gelu, approximate=True)
+        return act(checkpoint_name(gate, "mlp_hidden")) * h
+    return jax.nn.relu(h) if kind == "relu" else jax.nn.gelu(h, approximate=True)
+
+
 class MLP(nnx.Module):
     """The MLP of a block: ``gelu`` or ``relu`` (input and output matrices), or the gated ``swiglu`` and
     ``geglu`` (an input, a gate and an output matrix). The input projections are column-split, the output
@@ -203,17 +211,12 @@ class MLP(nnx.Module):
         if self.bias:
             h = h + use(self.b_in, constrain).astype(dt)
         h = checkpoint_name(h, "mlp_hidden")  # the up-projection's output and the activation's are both kept
+        gate = None
         if self.gated:
             gate = product("...d,df->...f", x, use(self.w_gate, constrain).astype(dt))
             if self.bias:
                 gate = gate + use(self.b_gate, constrain).astype(dt)
-            act = jax.nn.silu if self.kind == "swiglu" else partial(jax.nn.gelu, approximate=True)
-            h = act(checkpoint_name(gate, "mlp_hidden")) * h
-        elif self.kind == "relu":
-            h = jax.nn.relu(h)
-        else:
-            h = jax.nn.gelu(h, approximate=True)
-        h = constrain(checkpoint_name(h, "mlp_hidden"), ("batch", "seq", "act_mlp"))
+        h = constrain(checkpoint_name(activate(self.kind, h, gate), "mlp_hidden"), ("batch", "seq", "act_mlp"))
         y = product("...f,fd->...d", h, use(self.w_out, constrain).astype(dt))
         if self.bias:
             y = y + use(self.b_out, constrain).astype(dt)

@@ -16,6 +16,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from hyperjax.config import ACTIVATIONS, DType, ModelConfig, Recompute
 from hyperjax.models.layers import MLP, Attention, Constrain, make_norm, no_constraint, param, use
+from hyperjax.models.mla import LatentAttention
+from hyperjax.models.moe import MoE, RouterStats, merge_stats
 from hyperjax.models.taps import product
 
 BlockPolicy = tuple[tuple[str, ...], tuple[str, ...]] | None
@@ -40,48 +42,74 @@ def _remat(policy: tuple[tuple[str, ...], tuple[str, ...]]) -> jax.checkpoint_po
     )
 
 
-def run_block(block: Block, x: jax.Array, constrain: Constrain, policy: BlockPolicy) -> jax.Array:
-    """``block(x)``, keeping its activations where ``policy`` says."""
+def run_block(
+    block: Block, x: jax.Array, constrain: Constrain, policy: BlockPolicy
+) -> tuple[jax.Array, RouterStats | None]:
+    """``block(x)`` and its router stats, keeping its activations where ``policy`` says."""
     if policy is None:
         return block(x, constrain)
     return nnx.remat(lambda b, h: b(h, constrain), policy=_remat(policy))(block, x)
 
 
+def run_blocks(
+    blocks: list[Block], policies: tuple[BlockPolicy, ...], x: jax.Array, constrain: Constrain
+) -> tuple[jax.Array, RouterStats | None]:
+    """The blocks in order, and the router stats of their MoE layers (``None`` when all are dense)."""
+    stats = []
+    for block, policy in zip(blocks, policies, strict=True):
+        x, routed = run_block(block, x, constrain, policy)
+        stats.append(routed)
+    return x, merge_stats(stats)
+
+
 class Block(nnx.Module):
     """A pre-norm block: sequential ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``, or parallel
-    ``x + attn(norm(x)) + mlp(norm(x))``."""
+    ``x + attn(norm(x)) + mlp(norm(x))``. Block ``layer`` of a mixture-of-experts model has an MoE MLP
+    where ``cfg.is_moe(layer)``; attention is latent under ``attention: mla``."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, causal: bool = True) -> None:
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, causal: bool = True, layer: int = 0) -> None:
         self.parallel = cfg.block == "parallel"
         if self.parallel:
             self.norm = make_norm(cfg.norm, cfg.d_model, bias=cfg.bias, rngs=rngs)
         else:
             self.norm1 = make_norm(cfg.norm, cfg.d_model, bias=cfg.bias, rngs=rngs)
-        self.attn = Attention(
-            cfg.d_model,
-            cfg.heads,
-            cfg.kv_heads,
-            cfg.head_dim,
-            bias=cfg.bias,
-            rope_theta=cfg.rope_theta if cfg.positions == "rope" else None,
-            layers=cfg.layers,
-            rngs=rngs,
-            causal=causal,
-        )
+        if cfg.attention == "mla":
+            self.attn = LatentAttention(cfg, rngs=rngs)
+        else:
+            self.attn = Attention(
+                cfg.d_model,
+                cfg.heads,
+                cfg.kv_heads,
+                cfg.head_dim,
+                bias=cfg.bias,
+                rope_theta=cfg.rope_theta if cfg.positions == "rope" else None,
+                layers=cfg.layers,
+                rngs=rngs,
+                causal=causal,
+            )
         if not self.parallel:
             self.norm2 = make_norm(cfg.norm, cfg.d_model, bias=cfg.bias, rngs=rngs)
-        self.mlp = MLP(cfg.d_model, cfg.d_ff, kind=cfg.mlp, bias=cfg.bias, layers=cfg.layers, rngs=rngs)
+        self.sparse = cfg.is_moe(layer)
+        if self.sparse:
+            self.mlp = MoE(cfg, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg.d_model, cfg.d_ff, kind=cfg.mlp, bias=cfg.bias, layers=cfg.layers, rngs=rngs)
 
-    def __call__(self, x: jax.Array, constrain: Constrain) -> jax.Array:
+    def _mlp(self, h: jax.Array, constrain: Constrain) -> tuple[jax.Array, RouterStats | None]:
+        return self.mlp(h, constrain) if self.sparse else (self.mlp(h, constrain), None)
+
+    def __call__(self, x: jax.Array, constrain: Constrain) -> tuple[jax.Array, RouterStats | None]:
         if self.parallel:
             # one normalised input for both branches, gathered once over a sequence-parallel axis
             h = constrain(checkpoint_name(self.norm(x, constrain), "norms"), ("batch", "seq", "act_embed"))
-            x = x + self.attn(h, constrain) + self.mlp(h, constrain)
+            y, stats = self._mlp(h, constrain)
+            x = x + self.attn(h, constrain) + y
         else:
             x = x + self.attn(checkpoint_name(self.norm1(x, constrain), "norms"), constrain)
             x = checkpoint_name(constrain(x, ("batch", "res_seq", "act_embed")), "norms")
-            x = x + self.mlp(checkpoint_name(self.norm2(x, constrain), "norms"), constrain)
-        return constrain(checkpoint_name(x, "block_out"), ("batch", "res_seq", "act_embed"))
+            y, stats = self._mlp(checkpoint_name(self.norm2(x, constrain), "norms"), constrain)
+            x = x + y
+        return constrain(checkpoint_name(x, "block_out"), ("batch", "res_seq", "act_embed")), stats
 
 
 class Transformer(nnx.Module):
@@ -110,7 +138,7 @@ class Transformer(nnx.Module):
         self.embed = param(rngs, (cfg.vocab, cfg.d_model), ("vocab", "embed"))
         if cfg.positions == "learned":
             self.pos_embed = param(rngs, (cfg.seq_len, cfg.d_model), (None, "embed"), scale=0.01)
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.layers)])
+        self.blocks = nnx.List([Block(cfg, rngs=rngs, layer=i) for i in range(cfg.layers)])
         self.final_norm = make_norm(cfg.norm, cfg.d_model, bias=cfg.bias, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab), ("embed", "vocab"))
@@ -122,10 +150,12 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array, constrain: Constrain = no_constraint) -> jax.Array:
         """Logits of shape ``(batch, seq, vocab)`` for integer ``tokens`` of shape ``(batch, seq)``."""
-        x = embed_tokens(self, tokens, constrain)
-        for block, policy in zip(self.blocks, self.policies, strict=True):
-            x = run_block(block, x, constrain, policy)
-        return logits(self, self.head, x, constrain)
+        return self.forward(tokens, constrain)[0]
+
+    def forward(self, tokens: jax.Array, constrain: Constrain = no_constraint) -> tuple[jax.Array, RouterStats | None]:
+        """The logits and the router stats of the MoE layers (``None`` for a dense model)."""
+        x, stats = run_blocks(self.blocks, self.policies, embed_tokens(self, tokens, constrain), constrain)
+        return logits(self, self.head, x, constrain), stats
 
 
 def embed_tokens(m: nnx.Module, tokens: jax.Array, constrain: Constrain) -> jax.Array:

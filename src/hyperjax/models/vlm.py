@@ -14,8 +14,9 @@ from flax import nnx
 
 from hyperjax.config import DType, ModelConfig, Recompute, VisionConfig
 from hyperjax.models.layers import Constrain, LayerNorm, no_constraint, param, use
+from hyperjax.models.moe import RouterStats
 from hyperjax.models.taps import product
-from hyperjax.models.transformer import Block, Transformer, embed_tokens, logits, recompute_policy, run_block
+from hyperjax.models.transformer import Block, Transformer, embed_tokens, logits, recompute_policy, run_blocks
 
 
 def patchify(images: jax.Array, patch: int) -> jax.Array:
@@ -44,20 +45,25 @@ class VisionEncoder(nnx.Module):
         patches = patchify(images.astype(dt), self.vision.patch)
         x = product("...p,pd->...d", patches, use(self.patch_embed, constrain).astype(dt))
         x = constrain(x + use(self.pos_embed, constrain).astype(dt), ("batch", "res_seq", "act_embed"))
-        for block in self.blocks:
-            x = run_block(block, x, constrain, self.policy)
+        x, _ = run_blocks(self.blocks, (self.policy,) * len(self.blocks), x, constrain)
         x = product("...e,ed->...d", self.final_norm(x, constrain), use(self.project, constrain).astype(dt))
         return constrain(x, ("batch", "res_seq", "act_embed"))
 
+    def forward(self, images: jax.Array, constrain: Constrain = no_constraint) -> tuple[jax.Array, None]:
+        """The image tokens, and no router stats (the encoder is dense)."""
+        return self(images, constrain), None
 
-def decode(lm: Transformer, prefix: jax.Array, tokens: jax.Array, constrain: Constrain) -> jax.Array:
-    """Logits of the text positions when ``prefix`` (image tokens) comes before ``tokens``."""
+
+def decode(
+    lm: Transformer, prefix: jax.Array, tokens: jax.Array, constrain: Constrain
+) -> tuple[jax.Array, RouterStats | None]:
+    """Logits of the text positions when ``prefix`` (image tokens) comes before ``tokens``, and the router
+    stats of the language model's MoE layers."""
     x = embed_tokens(lm, tokens, constrain)
     x = jnp.concatenate([prefix.astype(x.dtype), x], axis=1)
     x = constrain(x, ("batch", "res_seq", "act_embed"))
-    for block, policy in zip(lm.blocks, lm.policies, strict=True):
-        x = run_block(block, x, constrain, policy)
-    return logits(lm, lm.head, x[:, prefix.shape[1] :], constrain)
+    x, stats = run_blocks(lm.blocks, lm.policies, x, constrain)
+    return logits(lm, lm.head, x[:, prefix.shape[1] :], constrain), stats
 
 
 class VisionLanguageModel(nnx.Module):
@@ -72,6 +78,12 @@ class VisionLanguageModel(nnx.Module):
 
     def __call__(self, tokens: jax.Array, constrain: Constrain = no_constraint, *, images: jax.Array) -> jax.Array:
         """Float32 logits ``(batch, seq, vocab)`` of the text ``tokens`` after the ``images``."""
+        return self.forward(tokens, constrain, images=images)[0]
+
+    def forward(
+        self, tokens: jax.Array, constrain: Constrain = no_constraint, *, images: jax.Array
+    ) -> tuple[jax.Array, RouterStats | None]:
+        """The logits and the language model's router stats."""
         return decode(self.language_model, self.encoder(images, constrain), tokens, constrain)
 
 
@@ -81,8 +93,14 @@ class LanguageChunk(nnx.Module):
     feeds = ("inputs",)
 
     def __init__(self, lm: Transformer) -> None:
-        self.lm = lm
+        self.lm, self.cfg = lm, lm.cfg
         self.recompute = lm.recompute  # whether its blocks are rematerialised (a split backward asks)
 
     def __call__(self, prefix: jax.Array, constrain: Constrain, *, inputs: jax.Array) -> jax.Array:
+        return self.forward(prefix, constrain, inputs=inputs)[0]
+
+    def forward(
+        self, prefix: jax.Array, constrain: Constrain, *, inputs: jax.Array
+    ) -> tuple[jax.Array, RouterStats | None]:
+        """The logits and the router stats."""
         return decode(self.lm, prefix, inputs, constrain)

@@ -15,7 +15,8 @@ from flax import nnx
 from hyperjax.config import Run
 from hyperjax.models import Transformer, VisionLanguageModel
 from hyperjax.models.layers import Constrain
-from hyperjax.models.transformer import embed_tokens, logits, run_block
+from hyperjax.models.moe import RouterStats
+from hyperjax.models.transformer import embed_tokens, logits, run_blocks
 from hyperjax.models.vlm import LanguageChunk
 
 
@@ -46,11 +47,14 @@ class Chunk(nnx.Module):
 
     def __call__(self, x: jax.Array, constrain: Constrain) -> jax.Array:
         """Hidden states (or, for the last chunk, logits); the first chunk's ``x`` is the tokens."""
+        return self.forward(x, constrain)[0]
+
+    def forward(self, x: jax.Array, constrain: Constrain) -> tuple[jax.Array, RouterStats | None]:
+        """:meth:`__call__` and the router stats of the chunk's MoE layers."""
         if self.first:
             x = embed_tokens(self, x, constrain)
-        for block, policy in zip(self.blocks, self.policies, strict=True):
-            x = run_block(block, x, constrain, policy)
-        return logits(self, self.head, x, constrain) if self.last else x
+        x, stats = run_blocks(self.blocks, self.policies, x, constrain)
+        return (logits(self, self.head, x, constrain) if self.last else x), stats
 
 
 def model_chunks(model: Transformer | VisionLanguageModel, run: Run) -> tuple[list[nnx.Module], str]:

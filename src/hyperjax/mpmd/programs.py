@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from hyperjax.config import MoEConfig
 from hyperjax.models.layers import Constrain
+from hyperjax.models.moe import aux_term
 from hyperjax.models.taps import output_shapes, split, weights_only
 
 
@@ -20,8 +22,10 @@ class Programs:
     """A chunk's programs (see :func:`chunk_programs`).
 
     Attributes:
-      forward: ``(params, x, feeds) -> (y, pullback)``; with ``taps`` the pullback also carries the
-        products' inputs.
+      forward: ``(params, x, feeds) -> (y, pullback, (loss, stats))``: ``y`` is the output (for the last
+        chunk its share of the training loss), ``loss`` the last chunk's share of the cross-entropy (zero
+        elsewhere) and ``stats`` the chunk's router stats (``None`` without MoE layers); with ``taps`` the
+        pullback also carries the products' inputs.
       backward: ``(pullback, dy, acc) -> (acc + dparams, dx)`` (plain backward only).
       inputs: ``B``: the input gradient (with ``taps``: ``(acc, dx, product gradients)``).
       weights: ``W``: the weight gradients added to the accumulator.
@@ -35,13 +39,24 @@ class Programs:
     backward: Callable[..., Any] | None = None
 
 
-def chunk_programs(graphdef: Any, constrain: Constrain, *, first: bool, last: bool, m: int, taps: bool) -> Programs:
+def chunk_programs(
+    graphdef: Any,
+    constrain: Constrain,
+    *,
+    first: bool,
+    last: bool,
+    m: int,
+    taps: bool,
+    moe: MoEConfig | None = None,
+) -> Programs:
     """The jitted programs of one chunk.
 
     The forward returns the chunk's output and its pullback: a ``jax.tree_util.Partial`` whose leaves are
     the residuals the backward needs, kept on the stage's devices between the two tasks (no recompute).
     The last chunk's output is its micro-batch's loss divided by ``m`` (so the losses sum to the step's
-    mean), and its backward is seeded by that loss; other chunks take their output's gradient.
+    mean), and its backward is seeded by that loss; other chunks take their output's gradient. A chunk
+    with MoE layers balanced by an auxiliary loss adds its layers' share of that loss: to the last
+    chunk's loss, or as a second output of another chunk whose backward seeds it with 1.
 
     With ``taps`` (a split backward over blocks that are not rematerialised), the forward runs under
     :func:`hyperjax.models.taps.split` and also returns every weight product's input (``W`` takes the
@@ -52,22 +67,31 @@ def chunk_programs(graphdef: Any, constrain: Constrain, *, first: bool, last: bo
     ``B`` drops the weight half and ``W`` the input half, so ``W`` re-runs the activation-gradient chain.
     """
 
-    def apply(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> jax.Array:
+    def apply(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
         feeds = {k: v for k, v in fed.items() if k != "targets"}
-        return nnx.merge(graphdef, params)(x, constrain, **feeds)
+        return nnx.merge(graphdef, params).forward(x, constrain, **feeds)
 
-    def loss(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> jax.Array:
-        return optax.softmax_cross_entropy_with_integer_labels(apply(params, x, fed), fed["targets"]).mean() / m
+    def loss(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
+        logits, stats = apply(params, x, fed)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, fed["targets"]).mean() / m
+        return ce + aux_term(moe, stats) / m, (ce, stats)
 
-    f = loss if last else apply
+    def hidden(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> tuple[Any, Any]:
+        y, stats = apply(params, x, fed)
+        return (y, aux_term(moe, stats) / m), (jnp.zeros((), jnp.float32), stats)
 
-    def forward(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
+    f = loss if last else hidden
+
+    def forward(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> tuple[Any, Any, Any]:
         if first:  # the batch has no gradient
-            return jax.vjp(lambda p: f(p, x, fed), params)
-        return jax.vjp(lambda p, h: f(p, h, fed), params, x)
+            out, pullback, extra = jax.vjp(lambda p: f(p, x, fed), params, has_aux=True)
+        else:
+            out, pullback, extra = jax.vjp(lambda p, h: f(p, h, fed), params, x, has_aux=True)
+        return out if last else out[0], pullback, extra
 
-    def seed(dy: jax.Array | None) -> jax.Array:
-        return jnp.ones((), jnp.float32) if dy is None else dy
+    def seed(dy: jax.Array | None) -> Any:
+        one = jnp.ones((), jnp.float32)
+        return one if last else (dy, one)  # a hidden chunk's auxiliary loss enters with gradient 1
 
     def pull(pullback: Any, dy: jax.Array | None) -> tuple[Any, Any]:
         grads = pullback(seed(dy))
@@ -83,19 +107,19 @@ def chunk_programs(graphdef: Any, constrain: Constrain, *, first: bool, last: bo
     def inputs(pullback: Any, dy: Any) -> Any:
         return pull(pullback, dy)[1]  # and here the unused weight half
 
-    def forward_split(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
+    def forward_split(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> tuple[Any, Any, Any]:
         offsets = [jnp.zeros(a.shape, a.dtype) for a in output_shapes(lambda p, h: f(p, h, fed), params, x)]
 
-        def tapped(p: Any, h: jax.Array, o: list[jax.Array]) -> tuple[jax.Array, list[jax.Array]]:
+        def tapped(p: Any, h: jax.Array, o: list[jax.Array]) -> tuple[Any, Any]:
             with split(o) as state:
-                out = f(p, h, fed)
-            return out, state.inputs
+                out, extra = f(p, h, fed)
+            return out, (state.inputs, extra)
 
         if first:
-            y, pullback, kept = jax.vjp(lambda p, o: tapped(p, x, o), params, offsets, has_aux=True)
+            y, pullback, (kept, extra) = jax.vjp(lambda p, o: tapped(p, x, o), params, offsets, has_aux=True)
         else:
-            y, pullback, kept = jax.vjp(tapped, params, x, offsets, has_aux=True)
-        return y, (pullback, kept)
+            y, pullback, (kept, extra) = jax.vjp(tapped, params, x, offsets, has_aux=True)
+        return y if last else y[0], (pullback, kept), extra
 
     def inputs_split(pullback: Any, dy: Any, acc: Any) -> tuple[Any, Any, Any]:
         grads = pullback(seed(dy))

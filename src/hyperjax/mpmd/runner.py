@@ -19,6 +19,7 @@ Gradient clipping uses the global norm over every stage.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -31,7 +32,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hyperjax.config import Recompute, Run
+from hyperjax.config import MoEConfig, Recompute, Run
+from hyperjax.models.moe import MoE, update_router_biases
 from hyperjax.mpmd.chunks import Chunk
 from hyperjax.mpmd.programs import Programs, chunk_programs
 from hyperjax.mpmd.schedules import Task, make_schedule
@@ -60,6 +62,9 @@ class ChunkRuntime:
       scalar_sh: a replicated scalar on the submesh.
       programs: its jitted programs (built once the runner knows the schedule).
       zeros, sumsq, update: a zero gradient accumulator, the squared gradient norm, the optimizer update.
+      moe: the model's mixture of experts (``None`` when dense).
+      moe_layers: the chunk's MoE layers.
+      rebias: moves the chunk's routing biases by its step's load (``balance: bias``).
     """
 
     graphdef: Any
@@ -79,6 +84,9 @@ class ChunkRuntime:
     zeros: Any = None
     sumsq: Any = None
     update: Any = None
+    moe: MoEConfig | None = None
+    moe_layers: int = 0
+    rebias: Any = None
 
 
 class PipelineRunner:
@@ -142,6 +150,8 @@ class PipelineRunner:
                     act_sh=NamedSharding(mesh, strat.spec(("batch", "res_seq", "act_embed"))),
                     scalar_sh=NamedSharding(mesh, PartitionSpec()),
                     opt_sh=strat.shardings(jax.eval_shape(optimizer.init, self._trained(params, c)), mesh),
+                    moe=getattr(getattr(part, "cfg", None), "moe", None),
+                    moe_layers=sum(isinstance(node, MoE) for _, node in nnx.iter_graph(part)),
                 )
             )
         self.shapes: list[Any] | None = None  # each chunk's output, found at the first step
@@ -197,7 +207,17 @@ class PipelineRunner:
         for c, ch in enumerate(self.chunks):
             taps = self.sched.split_backward and ch.recompute == "none"  # unknown (None): the plain split
             last = c == len(self.chunks) - 1
-            ch.programs = chunk_programs(ch.graphdef, ch.constrain, first=c == 0, last=last, m=m, taps=taps)
+            ch.programs = chunk_programs(
+                ch.graphdef,
+                ch.constrain,
+                first=c == 0,
+                last=last,
+                m=m,
+                taps=taps,
+                moe=ch.moe if ch.moe_layers else None,
+            )
+            if ch.moe_layers and ch.moe.balance == "bias":
+                ch.rebias = jax.jit(functools.partial(update_router_biases, rate=ch.moe.bias_update_rate))
             ch.zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=ch.param_sh)
             ch.sumsq = jax.jit(lambda g: optax.tree.norm(g, squared=True))
 
@@ -233,6 +253,7 @@ class PipelineRunner:
         dys: dict[tuple[int, int], Any] = {}  # (microbatch, chunk) -> gradient of the chunk's output
         feeds: dict[tuple[int, int], dict[str, jax.Array]] = {}  # (microbatch, chunk) -> its batch entries
         losses: list[jax.Array] = []
+        routers: list[Any] = [None] * len(chunks)  # each chunk's router stats, summed over micro-batches
 
         def put(key: str, j: int, c: int) -> jax.Array:
             part = batch[key][j * rows : (j + 1) * rows]
@@ -246,7 +267,7 @@ class PipelineRunner:
         origin = time.perf_counter()
         for _, s, task in sched.starts():
             start = time.perf_counter()
-            out = self._run(task, params, grads, xs, dys, feeds, losses)
+            out = self._run(task, params, grads, xs, dys, feeds, losses, routers)
             if timeline is not None and chunks[task.chunk].mine:
                 jax.block_until_ready(out)
                 timeline.append((s, task, start - origin, time.perf_counter() - origin))
@@ -270,6 +291,8 @@ class PipelineRunner:
                 continue
             factor = place(np.float32(scale), ch.scalar_sh)
             p, o = ch.update(self._trained(params[c], c), state["opt_state"][c], trained[c], factor)
+            if ch.rebias is not None:
+                p = ch.rebias(p, routers[c].load)
             new_params.append(p)
             new_opt.append(o)
         if self.tied:  # refresh the last chunk's copy of the table
@@ -283,7 +306,31 @@ class PipelineRunner:
         forget(self.published)
         self.published, self.handovers, self.steps_done = [], 0, self.steps_done + 1
         new_state = {"params": new_params, "opt_state": new_opt, "step": state["step"] + 1}
-        return new_state, {"loss": loss, "grad_norm": norm}
+        metrics = {"loss": loss, "grad_norm": norm}
+        if any(ch.moe_layers for ch in chunks):
+            metrics |= self._router_metrics(routers)
+        return new_state, metrics
+
+    def _router_metrics(self, routers: list[Any]) -> dict[str, Any]:
+        """The step's MoE metrics over every chunk (each chunk's lead process reports its layers)."""
+        experts = next(ch.moe.experts for ch in self.chunks if ch.moe_layers)
+        rows, totals = [], np.zeros(3)
+        for ch, stats in zip(self.chunks, routers, strict=True):
+            if not ch.moe_layers:
+                continue
+            if ch.lead:
+                rows.append(np.asarray(stats.load.addressable_data(0)))
+                totals += [scalar(stats.aux_loss), scalar(stats.dropped), scalar(stats.routed)]
+            else:
+                rows.append(np.zeros((ch.moe_layers, experts)))
+        load = sum_over_processes(np.concatenate(rows))
+        aux, dropped, routed = sum_over_processes(totals)
+        return {
+            "aux_loss": aux / (self.sched.microbatches * load.shape[0]),
+            "expert_load_max_over_mean": float(np.max(load.max(-1) / load.mean(-1))),
+            "dropped_fraction": dropped / routed,
+            "expert_load": load,
+        }
 
     def _activation_shapes(self, batch: dict[str, np.ndarray], rows: int) -> list[Any]:
         """The shape and dtype of every chunk's output for one micro-batch.
@@ -322,19 +369,21 @@ class PipelineRunner:
             self.published.append(key)
         return transfer(value, sender.mesh, sharding, shape, sender.mine, key)
 
-    def _run(self, task: Task, params, grads, xs, dys, feeds, losses) -> Any:
+    def _run(self, task: Task, params, grads, xs, dys, feeds, losses, routers) -> Any:
         c, j, ch = task.chunk, task.microbatch, self.chunks[task.chunk]
         last = c == len(self.chunks) - 1
         if task.kind == "F":
             y = None
             if ch.mine:
                 x = xs.pop(("in", j, c))
-                y, xs[(j, c)] = ch.programs.forward(params[c], x, feeds[(j, c)])  # keep the pullback
+                y, xs[(j, c)], (ce, stats) = ch.programs.forward(params[c], x, feeds[(j, c)])  # keep the pullback
                 if ch.programs.taps:  # and, for W, the products' inputs and the chunk's
                     xs[(j, c)] = (*xs[(j, c)], x)
+                if stats is not None:
+                    routers[c] = stats if routers[c] is None else jax.tree.map(jnp.add, routers[c], stats)
+                if last:
+                    losses.append(ce)
             if last:
-                if y is not None:
-                    losses.append(y)
                 return y
             xs[("in", j, c + 1)] = self._hand_over(y, c, c + 1, self.chunks[c + 1].act_sh, self.shapes[c])
             return xs[("in", j, c + 1)]

@@ -45,11 +45,13 @@ def split_devices(devices: Sequence[Any], sizes: Sequence[int]) -> list[list[Any
     return out
 
 
-def sum_over_processes(value: float) -> float:
-    """The sum of ``value`` over every process (each adds what its submeshes report)."""
+def sum_over_processes(value: Any) -> Any:
+    """The sum of ``value`` (a number or a host array) over every process (each adds what its submeshes
+    report)."""
     if jax.process_count() == 1:
         return value
-    return float(np.sum(multihost_utils.process_allgather(np.asarray(value, np.float64))))
+    total = np.sum(multihost_utils.process_allgather(np.asarray(value, np.float64)), axis=0)
+    return float(total) if np.ndim(value) == 0 else total
 
 
 @functools.cache

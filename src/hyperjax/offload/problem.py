@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from hyperjax.config import ACTIVATIONS
-from hyperjax.cost import Estimate
+from hyperjax.cost import Estimate, LayerCost, StageCost, chunk_starts
 from hyperjax.errors import ConfigError
 from hyperjax.offload.placement import Placement, parse_group
 from hyperjax.topology import Hardware
@@ -116,14 +116,14 @@ def build_problem(est: Estimate, *, hardware: Hardware, budget_bytes: float, pre
       ConfigError: the stage holds no decoder blocks (the pass places a decoder's tensor groups).
     """
     stage = est.stages[est.fullest]
-    part = next((p for p in stage.parts if p.module == "decoder"), None)
-    if part is None:
+    blocks = decoder_blocks(est, stage)
+    if not blocks:
         raise ConfigError(
             "offload.policy: the placement pass places the tensor groups of a decoder-only model's blocks; "
             "a vision-language model has none it can place. Set offload.policy: none"
         )
-    run, layer = est.run, part.layer
-    n, m, k = part.layers, est.run.microbatches, prefetch
+    run = est.run
+    n, m, k = len(blocks), est.run.microbatches, prefetch
     e = 2 if run.dtype == "bfloat16" else 4
     data = stage.stage.axes["data"]
     link = hardware.host.bandwidth
@@ -133,9 +133,9 @@ def build_problem(est: Estimate, *, hardware: Hardware, budget_bytes: float, pre
         return nbytes / link + lat
 
     windows: list[tuple[str, float]] = [("before the forward", 0.0)]
-    windows += [(f"forward of layer {i}", m * layer.forward_s) for i in range(n)]
+    windows += [(f"forward of layer {i}", m * layer.forward_s) for i, layer in enumerate(blocks)]
     windows += [("loss and head", m * stage.head_s)]
-    windows += [(f"backward of layer {i}", m * layer.backward_s) for i in range(n)]
+    windows += [(f"backward of layer {i}", m * layer.backward_s) for i, layer in enumerate(blocks)]
     windows += [("optimizer step", stage.optimizer_s)]
     start, turn, opt = 0, n + 1, 2 * n + 2
     fwd = lambda i: start if i < 0 else (turn if i >= n else 1 + i)
@@ -147,11 +147,16 @@ def build_problem(est: Estimate, *, hardware: Hardware, budget_bytes: float, pre
         return tuple((w, direction, seconds / len(where)) for w in where)
 
     acts_in_flight = stage.in_flight
-    p = layer.params * (4 + (2 if e == 2 else 0))
-    g = layer.params / (data if run.zero_stage >= 2 else 1) * 4
-    o = layer.params / (data if run.zero_stage >= 1 else 1) * 8
+    state = [  # each layer's parameters, gradients and optimizer state on the device
+        (
+            layer.params * (4 + (2 if e == 2 else 0)),
+            layer.params / (data if run.zero_stage >= 2 else 1) * 4,
+            layer.params / (data if run.zero_stage >= 1 else 1) * 8,
+        )
+        for layer in blocks
+    ]
     groups: dict[str, dict[str, Choice]] = {}
-    for i in range(n):
+    for i, (layer, (p, g, o)) in enumerate(zip(blocks, state, strict=True)):
         before_f = [fwd(i - j) for j in range(1, k + 1)]  # the layers computed before layer i's forward
         after_f = [fwd(i + j) for j in range(1, k + 1)]
         before_b = [bwd(i + j) for j in range(1, k + 1)]  # backward runs from the last layer down
@@ -200,22 +205,23 @@ def build_problem(est: Estimate, *, hardware: Hardware, budget_bytes: float, pre
                 ),
                 "recompute": Choice(memory=(0.0, 0.0), seconds=m * rec, capacity=((bwd(i), m * rec),)),
             }
-    acts_layer = sum(layer.activation_bytes[a] for a in ACTIVATIONS)
+    largest = lambda f: max(f(layer) for layer in blocks)  # staging buffers hold the largest layer's
     buffers = {
-        "params": (0, (k + 1) * layer.param_transfer_bytes),
-        "gradients": (0, 2 * g),
-        **{f"activations {a}": (0, (k + 1) * layer.activation_bytes[a]) for a in ACTIVATIONS},
-        "optimizer stream": (1, 2 * (p + g + o)),
+        "params": (0, (k + 1) * largest(lambda x: x.param_transfer_bytes)),
+        "gradients": (0, 2 * max(g for _, g, _ in state)),
+        **{f"activations {a}": (0, (k + 1) * largest(lambda x, a=a: x.activation_bytes[a])) for a in ACTIVATIONS},
+        "optimizer stream": (1, 2 * max(sum(s) for s in state)),
     }
     mem = stage.memory
-    block_in = n * acts_in_flight * layer.activation_bytes["block_in"]
+    block_in = acts_in_flight * sum(layer.activation_bytes["block_in"] for layer in blocks)
+    acts_layers = acts_in_flight * sum(layer.activation_bytes[a] for layer in blocks for a in ACTIVATIONS)
     outside = {  # what the layers' groups leave of the stage's memory terms
         "embeddings and head (parameters, gradients, optimizer state)": mem["params"]
         + mem["gradients"]
         + mem["optimizer"]
-        - n * (p + g + o),
+        - sum(sum(s) for s in state),
         f"block inputs (layers.*.act.block_in, {acts_in_flight} micro-batches in flight)": block_in,
-        "logits and loss": mem["activations"] - n * acts_in_flight * (acts_layer + layer.activation_bytes["block_in"]),
+        "logits and loss": mem["activations"] - acts_layers - block_in,
     }
     fixed_backward = sum(outside.values())
     fixed_optimizer = outside["embeddings and head (parameters, gradients, optimizer state)"]
@@ -231,6 +237,21 @@ def build_problem(est: Estimate, *, hardware: Hardware, budget_bytes: float, pre
         stretch=1.0 + est.bubble_ratio,
         layers=n,
     )
+
+
+def decoder_blocks(est: Estimate, stage: StageCost) -> list[LayerCost]:
+    """The cost of every decoder block ``stage`` holds, in model order (a mixture of experts' dense and MoE
+    blocks differ)."""
+    m = est.run.config.model
+    parts = {p.moe: p.layer for p in stage.parts if p.module == "decoder"}
+    if not parts:
+        return []
+    starts = chunk_starts(est.run)
+    return [
+        parts[m.is_moe(b)]
+        for c, n in zip(stage.stage.chunks, stage.stage.layers, strict=True)
+        for b in range(starts[c], starts[c] + n)
+    ]
 
 
 class Tally:

@@ -44,7 +44,7 @@ def device_count(cfg: Config, devices: int | None = None) -> int:
     if not subs and p.stage_devices is not None:
         return sum(p.stage_devices)
     if not subs and p.data is not None:
-        return p.data * p.fsdp * p.context * p.tensor * p.pipeline
+        return p.data * p.fsdp * p.expert * p.context * p.tensor * p.pipeline
     return DEFAULT_DEVICES
 
 
@@ -75,7 +75,9 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
     elif p.pipeline > 1:
         sizes = pipeline_sizes(config, n)
         axes = pipeline_axes(config, sizes)
-        microbatches = _microbatches(config, axes[0]["data"] * axes[0]["fsdp"], default=2 * p.pipeline)
+        microbatches = _microbatches(
+            config, axes[0]["data"] * axes[0]["fsdp"] * axes[0]["expert"], default=2 * p.pipeline
+        )
         check_sizes(p.schedule, p.pipeline, microbatches, p.virtual_stages)
         stages = pipeline_stages(config, sizes, axes)
     else:
@@ -86,13 +88,16 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
     if rows % math.lcm(*dps):
         raise ConfigError(
             f"train.global_batch={t.global_batch} in {microbatches} micro-batches gives {rows} sequences each, "
-            f"which the data-parallel degrees (data x fsdp) {dps} must divide; use a global batch that is a "
+            f"which the batch degrees (data x fsdp x expert) {dps} must divide; use a global batch that is a "
             f"multiple of {microbatches * math.lcm(*dps)}"
         )
     shard = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.shard.items()))
+    split = p.expert_tensor is None or p.tensor == 1  # experts' hidden split over the tensor axis
     for s in stages:
         try:
-            _check(config.model, p.sequence_parallel, p.zero_stage, shard, tuple(s.axes.items()), s.modules, rows)
+            _check(
+                config.model, p.sequence_parallel, p.zero_stage, split, shard, tuple(s.axes.items()), s.modules, rows
+            )
         except ShardingError as e:
             raise ShardingError(f"{s.name}: {e}" if len(stages) > 1 else str(e)) from None
     try:
@@ -109,7 +114,12 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
         devices=n,
         processes=processes,
         emulation_limit=limit,
-        parallel={**first, "pipeline": len(stages), "virtual_stages": p.virtual_stages},
+        parallel={
+            **first,
+            "pipeline": len(stages),
+            "virtual_stages": p.virtual_stages,
+            "expert_tensor": first["tensor"] if split else 1,
+        },
         sequence_parallel=p.sequence_parallel,
         zero_stage=p.zero_stage,
         micro_batch=rows // stages[0].data_parallel,
@@ -127,13 +137,16 @@ def _check(
     m: ModelConfig,
     sequence_parallel: bool,
     zero_stage: int,
+    expert_tensor: bool,
     shard: tuple,
     axes: tuple[tuple[str, int], ...],
     modules: tuple[str, ...],
     rows: int,
 ) -> None:
     """:func:`check_stage` for one stage, remembered: a search checks the same few stages thousands of times."""
-    strategy = strategy_for(sequence_parallel=sequence_parallel, zero_stage=zero_stage, overrides=dict(shard))
+    strategy = strategy_for(
+        sequence_parallel=sequence_parallel, zero_stage=zero_stage, expert_tensor=expert_tensor, overrides=dict(shard)
+    )
     stage = Stage(name="", devices=0, first_device=0, axes=dict(axes), chunks=(), layers=(), modules=modules)
     check_stage(m, strategy, stage, rows)
 
@@ -153,7 +166,7 @@ def _microbatches(cfg: Config, dp: int, *, default: int) -> int:
         if t.global_batch % (t.micro_batch * dp):
             raise ConfigError(
                 f"train.global_batch={t.global_batch} is not a multiple of train.micro_batch={t.micro_batch} x "
-                f"{dp} data-parallel replicas (data x fsdp); choose a global batch divisible by "
+                f"{dp} batch shards (data x fsdp x expert); choose a global batch divisible by "
                 f"{t.micro_batch * dp}"
             )
         return t.global_batch // (t.micro_batch * dp)

@@ -11,7 +11,7 @@ import functools
 from collections.abc import Sequence
 
 from hyperjax.config import Config, ModelConfig, ModuleName, Stage
-from hyperjax.cost.counts import block_flops_per_token, embed_flops_per_token, head_flops_per_token, module_flops
+from hyperjax.cost.counts import embed_flops_per_token, head_flops_per_token, layer_flops_per_token, module_flops
 from hyperjax.errors import ConfigError, ShardingError
 from hyperjax.shard import mesh_axes_for
 
@@ -22,7 +22,7 @@ MODULES: tuple[ModuleName, ...] = ("encoder", "language_model")
 def spmd_stage(cfg: Config, devices: int) -> Stage:
     """The whole mesh as one stage."""
     p, m = cfg.parallel, cfg.model
-    axes = mesh_axes_for(devices=devices, data=p.data, fsdp=p.fsdp, context=p.context, tensor=p.tensor)
+    axes = mesh_axes_for(devices=devices, data=p.data, fsdp=p.fsdp, expert=p.expert, context=p.context, tensor=p.tensor)
     modules = ("decoder",) if m.vision is None else MODULES
     return Stage(
         name="stage 0", devices=devices, first_device=0, axes=axes, chunks=(0,), layers=(m.layers,), modules=modules
@@ -58,7 +58,9 @@ def pipeline_axes(cfg: Config, sizes: Sequence[int]) -> list[dict[str, int]]:
     for s, n in enumerate(sizes):
         data = p.data if p.stage_devices is None else None
         try:
-            out.append(mesh_axes_for(devices=n, data=data, fsdp=p.fsdp, context=p.context, tensor=p.tensor))
+            out.append(
+                mesh_axes_for(devices=n, data=data, fsdp=p.fsdp, expert=p.expert, context=p.context, tensor=p.tensor)
+            )
         except ShardingError as e:
             raise ShardingError(f"pipeline stage {s} ({n} devices): {e}") from None
     return out
@@ -110,26 +112,31 @@ def balance_layers(
             f"every chunk needs a layer: use at most {m.layers} chunks or a deeper model"
         )
     return list(
-        _balance(
-            m.layers, block_flops_per_token(m), embed_flops_per_token(m), head_flops_per_token(m), tuple(chunk_devices)
-        )
+        _balance(layer_flops_per_token(m), embed_flops_per_token(m), head_flops_per_token(m), tuple(chunk_devices))
     )
 
 
 @functools.lru_cache(maxsize=4096)
-def _balance(layers: int, block: float, embed: float, head: float, chunk_devices: tuple[int, ...]) -> tuple[int, ...]:
-    """The balancing itself, cached (a search balances the same few shapes thousands of times).
+def _balance(blocks: tuple[float, ...], embed: float, head: float, chunk_devices: tuple[int, ...]) -> tuple[int, ...]:
+    """The balancing itself, cached (a search balances the same few shapes thousands of times); ``blocks``
+    holds each block's FLOPs in model order (a mixture of experts' dense and MoE blocks differ).
 
     A dynamic programme over chunks: ``best[c][k]`` is the smallest possible slowest chunk when chunks
     ``0..c`` hold the first ``k`` layers, and chunk ``c`` takes the fewest layers that reach it. Since the
     chunks before it only get slower with more layers and chunk ``c`` only slower with more, the best
     count is where the two cross, found by bisection rather than by trying every count.
     """
-    chunks = len(chunk_devices)
+    chunks, layers = len(chunk_devices), len(blocks)
+    prefix = [0.0]
+    for f in blocks:
+        prefix.append(prefix[-1] + f)
 
-    def cost(c: int, n: int) -> float:
+    uniform = len(set(blocks)) == 1  # n x block exactly, so equal chunks tie exactly
+
+    def cost(c: int, n: int, k: int) -> float:  # chunk c holding the n layers that end at layer k
         extra = (embed if c == 0 else 0.0) + (head if c == chunks - 1 else 0.0)
-        return (n * block + extra) / chunk_devices[c]
+        work = n * blocks[0] if uniform else prefix[k] - prefix[k - n]
+        return (work + extra) / chunk_devices[c]
 
     def first(lo: int, hi: int, pred) -> int:  # the smallest n in [lo, hi] with pred(n), else hi + 1
         while lo <= hi:
@@ -144,18 +151,18 @@ def _balance(layers: int, block: float, embed: float, head: float, chunk_devices
     best = [[inf] * (layers + 1) for _ in range(chunks)]
     cut = [[0] * (layers + 1) for _ in range(chunks)]
     for k in range(1, layers + 1):
-        best[0][k] = cost(0, k)
+        best[0][k] = cost(0, k, k)
     for c in range(1, chunks):
         before = best[c - 1]
         for k in range(c + 1, layers + 1):
             top = k - c  # chunk c takes n layers, 1 <= n <= top; the chunks before it take k - n
-            crossing = first(1, top, lambda n, c=c, k=k, before=before: cost(c, n) >= before[k - n])
+            crossing = first(1, top, lambda n, c=c, k=k, before=before: cost(c, n, k) >= before[k - n])
             value, n = inf, 0
             if crossing > 1:  # before the crossing the earlier chunks are the slower: their time decides
                 value = before[k - crossing + 1]
                 n = first(1, crossing - 1, lambda m, k=k, v=value, before=before: before[k - m] <= v)
-            if crossing <= top and cost(c, crossing) < value:
-                value, n = cost(c, crossing), crossing
+            if crossing <= top and cost(c, crossing, k) < value:
+                value, n = cost(c, crossing, k), crossing
             best[c][k], cut[c][k] = value, n
     counts, k = [], layers
     for c in range(chunks - 1, 0, -1):
@@ -177,6 +184,11 @@ def mpmd_stages(cfg: Config, devices: int, rows: int) -> tuple[Stage, ...]:
         raise ConfigError("mpmd.submeshes places the modules of a vision-language model; set model.vision")
     if p.pipeline > 1:
         raise ConfigError("mpmd.submeshes and parallel.pipeline > 1 both split the devices; use one of them")
+    if p.expert > 1:
+        raise ConfigError(
+            f"parallel.expert={p.expert}: mpmd submeshes take their own degrees (data, fsdp, tensor) and have "
+            "no expert axis; set parallel.expert: 1, or train the model as one program or a pipeline"
+        )
     placed = [name for sub in subs for name in sub.modules]
     for name in placed:
         if name not in MODULES:

@@ -30,49 +30,61 @@ def lower_bound(cfg: Config, overrides: dict[str, Any], hardware: Hardware, budg
     """A lower bound on the step time of the decoder-only candidate ``overrides`` selects (seconds);
     infinite where no recomputation setting can fit ``budget_bytes`` per device."""
     m = cfg.model
-    data, fsdp = overrides["parallel.data"], overrides["parallel.fsdp"]
+    data, fsdp, expert = overrides["parallel.data"], overrides["parallel.fsdp"], overrides.get("parallel.expert", 1)
     axes = {
         "data": data,
         "fsdp": fsdp,
+        "expert": expert,
         "context": overrides["parallel.context"],
         "tensor": overrides["parallel.tensor"],
     }
     p, v = overrides["parallel.pipeline"], overrides["parallel.virtual_stages"]
-    dp = data * fsdp
+    dp = data * fsdp * expert
     micro = overrides["train.micro_batch"] or cfg.train.global_batch // dp
     microbatches = cfg.train.global_batch // (micro * dp)
     spans = stage_spans(hardware, p, axes)
     chunks = balance_layers(m, [1] * (p * v)) if p > 1 else [m.layers]  # equal stages: devices cancel
-    stage_layers = [sum(chunks[c] for c in range(s, p * v, p)) for s in range(p)]
+    starts = [sum(chunks[:c]) for c in range(len(chunks))]
+    # each stage's blocks of each kind (a mixture of experts' dense and MoE blocks differ)
+    kinds = [False, True] if m.moe is not None and m.moe_layers < m.layers else [m.moe is not None]
+    count = [
+        [
+            sum(m.is_moe(i) == kind for c in range(s, p * v, p) for i in range(starts[c], starts[c] + chunks[c]))
+            for kind in kinds
+        ]
+        for s in range(p)
+    ]
     held = 1 if p == 1 else min(microbatches, math.ceil(p * (1 + (p - 1) / (p * v) if v > 1 else 1)))
     if overrides["parallel.schedule"] == "gpipe":
         held = microbatches
     e = 2 if cfg.train.dtype == "bfloat16" else 4
+    expert_tensor = overrides.get("parallel.expert_tensor") is None or axes["tensor"] == 1
     for recompute in RECOMPUTE:
-        layer = price_layer(
-            m,
-            micro=micro,
-            axes=axes,
-            spans=spans,
-            dtype=cfg.train.dtype,
-            recompute=recompute,
-            sequence_parallel=overrides["parallel.sequence_parallel"],
-            hardware=hardware,
-        )
-        state = layer.params * ((4 + (2 if e == 2 else 0)) + 8 / data + 4 / data)  # ZeRO-2: the leanest
-        kept = stage_layers[0] * (state + held * layer.stored_bytes) * FRAGMENTATION
-        if kept <= budget_bytes:
+        layers = [
+            price_layer(
+                m,
+                micro=micro,
+                axes=axes,
+                spans=spans,
+                dtype=cfg.train.dtype,
+                recompute=recompute,
+                sequence_parallel=overrides["parallel.sequence_parallel"],
+                hardware=hardware,
+                moe=moe,
+                expert_tensor=expert_tensor,
+            )
+            for moe in kinds
+        ]
+        # the first stage keeps its blocks' state (ZeRO-2: the leanest) and activations
+        state = [x.params * ((4 + (2 if e == 2 else 0)) + 8 / data + 4 / data) for x in layers]
+        kept = sum(n * (st + held * x.stored_bytes) for n, st, x in zip(count[0], state, layers, strict=True))
+        if kept * FRAGMENTATION <= budget_bytes:
             break
     else:
         return math.inf
-    per_layer = (
-        layer.forward_s
-        + layer.backward_s
-        + layer.recompute_s
-        + layer.tensor_comm_s
-        + layer.context_comm_s
-        + layer.fsdp_exposed_s
-    )
-    busy = microbatches * max(stage_layers) * per_layer
-    idle = (p - 1) * max(stage_layers) * per_layer / (3 * v) if p > 1 and len(set(chunks)) == 1 else 0.0
+    per_kind = [x.forward_s + x.backward_s + x.recompute_s + x.on_path_comm_s for x in layers]
+    work = [sum(n * t for n, t in zip(c, per_kind, strict=True)) for c in count]
+    busy = microbatches * max(work)
+    # every schedule idles at least a third of (p - 1) micro-batches of its chunks' work (equal chunks)
+    idle = (p - 1) * min(work) / (3 * v) if p > 1 and len(set(chunks)) == 1 else 0.0
     return busy + idle

@@ -271,9 +271,13 @@ def _with_offload(
     """Give the fastest strategies that do not fit to the placement pass; add those it fits to ``ranked``."""
     best = min((c.estimate.step_time_s for c in ranked), default=float("inf"))
     added = 0
-    for overrides, est in sorted(too_big, key=lambda oe: oe[1].step_time_s)[:OFFLOAD_TRIES]:
+    tries = sorted(too_big, key=lambda oe: oe[1].step_time_s)[:OFFLOAD_TRIES]
+    if too_big and not ranked:  # nothing fits as it is: the leanest is the likeliest to fit with offload
+        leanest = min(too_big, key=lambda oe: oe[1].memory_per_device_gib["peak"])
+        tries += [leanest] if all(leanest is not t for t in tries) else []
+    for overrides, est in tries:
         if est.step_time_s >= best:
-            break  # offloading only adds time: it cannot beat a strategy that fits as it is
+            continue  # offloading only adds time: it cannot beat a strategy that fits as it is
         try:
             offload = offload_pass(resolve(candidate(cfg, overrides), devices, hardware=hw))
         except HyperjaxError:

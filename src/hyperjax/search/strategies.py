@@ -8,6 +8,7 @@ model searched as one SPMD program, the MPMD submeshes.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -51,20 +52,37 @@ def strategies(cfg: Config, devices: int) -> Iterator[dict[str, Any]]:
     """Every valid combination of degrees and options for ``cfg``'s model on ``devices`` devices.
 
     Recomputation is not part of the combination: the search tries :data:`RECOMPUTE` in order and keeps
-    the first that fits. A vision-language model is searched as one SPMD program (no pipeline stages,
-    which would cut through both modules); :func:`submesh_strategies` gives its MPMD splits.
+    the first that fits. A mixture of experts adds the expert degree (carved, like data and fsdp, out of
+    the devices the other degrees leave: it carries batch outside the experts) and, with tensor
+    parallelism, whether the experts spread over the tensor axis too (``parallel.expert_tensor: 1``). A
+    vision-language model is searched as one SPMD program (no pipeline stages, which would cut through
+    both modules); :func:`submesh_strategies` gives its MPMD splits.
     """
     m, t = cfg.model, cfg.train
     heads = math.gcd(m.heads, m.kv_heads)
     vision = m.vision is not None
-    for tensor in (d for d in divisors(devices) if heads % d == 0 and m.d_ff % d == 0):
+    experts = m.moe.experts if m.moe is not None else 1
+    widths = [m.d_ff] if m.moe is None or m.moe_layers < m.layers else []  # the dense MLPs', and the experts'
+    widths += [m.moe.d_ff] if m.moe is not None else []
+    for tensor in (d for d in divisors(devices) if heads % d == 0 and all(w % d == 0 for w in widths)):
         for context in (d for d in divisors(devices // tensor) if m.seq_len % d == 0 and d <= 16):
-            pipelines = [1] if vision else [d for d in divisors(devices // (tensor * context)) if m.layers % d == 0]
+            # a mixture of experts' blocks differ in cost (dense first, then MoE), so its stages are balanced
+            # unequally anyway: any stage count up to the layers; a dense model's stages hold equal layers
+            uneven = m.moe is not None
+            pipelines = (
+                [1]
+                if vision
+                else [
+                    d
+                    for d in divisors(devices // (tensor * context))
+                    if (d <= m.layers if uneven else m.layers % d == 0)
+                ]
+            )
             for pipeline in pipelines:
                 rest = devices // (tensor * context * pipeline)
-                for fsdp in divisors(rest):
-                    data = rest // fsdp
-                    dp = data * fsdp
+                for fsdp, expert in ((f, e) for f in divisors(rest) for e in divisors(rest // f) if experts % e == 0):
+                    data = rest // (fsdp * expert)
+                    dp = data * fsdp * expert
                     if t.global_batch % dp:
                         continue
                     per_replica = t.global_batch // dp
@@ -73,24 +91,27 @@ def strategies(cfg: Config, devices: int) -> Iterator[dict[str, Any]]:
                     if pipeline > 1:
                         schedules += [("interleaved", v) for v in (2, 3, 4) if m.layers % (pipeline * v) == 0]
                         schedules.append(("zero-bubble", 1))
-                    for micro in micro_options:
-                        for schedule, virtual in schedules:
-                            # sequence parallelism moves the same bytes as plain tensor parallelism and
-                            # stores less, so it is never worse: only the sequence-parallel variant is priced
-                            for zero in (0, 1, 2) if data > 1 else (0,):
-                                yield {
-                                    "parallel.data": data,
-                                    "parallel.fsdp": fsdp,
-                                    "parallel.tensor": tensor,
-                                    "parallel.sequence_parallel": tensor > 1,
-                                    "parallel.context": context,
-                                    "parallel.pipeline": pipeline,
-                                    "parallel.virtual_stages": virtual,
-                                    "parallel.schedule": schedule,
-                                    "parallel.zero_stage": zero,
-                                    "train.micro_batch": micro,
-                                    **({"mpmd.submeshes": ()} if vision else {}),
-                                }
+                    # experts' hidden widths split over the tensor axis, or the experts spread over it too
+                    spread_ok = m.moe is not None and tensor > 1 and experts % (expert * tensor) == 0
+                    spreads = [None, 1] if spread_ok else [None]
+                    for micro, (schedule, virtual), spread in itertools.product(micro_options, schedules, spreads):
+                        # sequence parallelism moves the same bytes as plain tensor parallelism and
+                        # stores less, so it is never worse: only the sequence-parallel variant is priced
+                        for zero in (0, 1, 2) if data > 1 else (0,):
+                            yield {
+                                "parallel.data": data,
+                                "parallel.fsdp": fsdp,
+                                "parallel.tensor": tensor,
+                                "parallel.sequence_parallel": tensor > 1,
+                                "parallel.context": context,
+                                "parallel.pipeline": pipeline,
+                                "parallel.virtual_stages": virtual,
+                                "parallel.schedule": schedule,
+                                "parallel.zero_stage": zero,
+                                "train.micro_batch": micro,
+                                **({"parallel.expert": expert, "parallel.expert_tensor": spread} if m.moe else {}),
+                                **({"mpmd.submeshes": ()} if vision else {}),
+                            }
 
 
 def submesh_strategies(cfg: Config, hardware: Hardware, devices: int) -> Iterator[dict[str, Any]]:

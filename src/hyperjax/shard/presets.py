@@ -1,18 +1,21 @@
 """Strategies composed from parallel degrees (the ``parallel:`` section of a config).
 
-The mesh has one axis per degree, outermost first: ``data``, ``fsdp``, ``context``, ``tensor``; the
-tensor axis is innermost so it stays inside the fastest interconnect tier. The logical rules:
+The mesh has one axis per degree, outermost first: ``data``, ``fsdp``, ``expert``, ``context``,
+``tensor``; the tensor axis is innermost so it stays inside the fastest interconnect tier, and the expert
+axis next to it, so the MoE all-to-all crosses as few tiers as the degrees allow. The logical rules:
 
 | logical axis | used by | mesh axes |
 |---|---|---|
-| ``batch`` | activations | ``data`` and ``fsdp`` (both are data parallel) |
+| ``batch`` | activations | ``data``, ``fsdp`` and ``expert`` (all three carry batch outside the experts) |
 | ``seq`` | attention and MLP activations | ``context`` |
 | ``res_seq`` | residual-stream activations | ``context``, plus ``tensor`` with sequence parallelism |
 | ``act_heads``, ``act_kv_heads``, ``act_mlp``, ``act_vocab`` | activations | ``tensor`` |
 | ``act_embed`` | activations | replicated |
 | ``embed`` | parameters | ``fsdp`` (ZeRO-3: parameters, gradients and optimizer state sharded) |
 | ``heads``, ``kv_heads``, ``mlp``, ``vocab`` | parameters | ``tensor`` (Megatron column / row split) |
-| ``head_dim``, ``layers``, ``experts`` | parameters | replicated |
+| ``experts`` | MoE expert weights | ``expert`` (expert parallelism; tokens reach them by all-to-all) |
+| ``expert_mlp`` | an expert's hidden width | ``tensor`` (``expert_tensor: 1``: none; ``experts`` takes it) |
+| ``head_dim``, ``layers`` | parameters | replicated |
 
 ``zero_stage`` 1 shards optimizer state over ``data``, 2 also gradients. A ``shard:`` mapping overrides
 any rule.
@@ -26,18 +29,25 @@ from collections.abc import Mapping
 from hyperjax.errors import ShardingError
 from hyperjax.shard.strategy import MeshAxes, Strategy
 
-MESH_AXES = ("data", "fsdp", "context", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 
 
 def mesh_axes_for(
-    *, devices: int, data: int | None = None, fsdp: int = 1, context: int = 1, tensor: int = 1, pipeline: int = 1
+    *,
+    devices: int,
+    data: int | None = None,
+    fsdp: int = 1,
+    expert: int = 1,
+    context: int = 1,
+    tensor: int = 1,
+    pipeline: int = 1,
 ) -> dict[str, int]:
     """Mesh axis sizes for the degrees; ``data=None`` takes the devices left over.
 
     Raises:
       ShardingError: a degree is not a positive integer, or the degrees do not multiply to ``devices``.
     """
-    degrees = {"fsdp": fsdp, "context": context, "tensor": tensor, "pipeline": pipeline}
+    degrees = {"fsdp": fsdp, "expert": expert, "context": context, "tensor": tensor, "pipeline": pipeline}
     if data is not None:
         degrees["data"] = data
     for key, value in degrees.items():
@@ -47,30 +57,38 @@ def mesh_axes_for(
     if data is None:
         if devices % rest:
             raise ShardingError(
-                f"parallel degrees fsdp={fsdp} x context={context} x tensor={tensor} x pipeline={pipeline} = {rest} "
+                f"parallel degrees fsdp={fsdp} x expert={expert} x context={context} x tensor={tensor} x "
+                f"pipeline={pipeline} = {rest} "
                 f"do not divide the {devices} devices, so parallel.data cannot take the rest; choose degrees "
                 f"that divide {devices}"
             )
         data = devices // rest
     elif rest != devices:
         raise ShardingError(
-            f"parallel degrees data={data} x fsdp={fsdp} x context={context} x tensor={tensor} x "
+            f"parallel degrees data={data} x fsdp={fsdp} x expert={expert} x context={context} x tensor={tensor} x "
             f"pipeline={pipeline} = {rest}, but there are {devices} devices; make the product {devices} "
             "(or set parallel.data: null to infer it)"
         )
-    return {"data": data, "fsdp": fsdp, "context": context, "tensor": tensor}
+    return {"data": data, "fsdp": fsdp, "expert": expert, "context": context, "tensor": tensor}
 
 
 def strategy_for(
-    *, sequence_parallel: bool = False, zero_stage: int = 0, overrides: Mapping[str, MeshAxes] | None = None
+    *,
+    sequence_parallel: bool = False,
+    zero_stage: int = 0,
+    expert_tensor: bool = True,
+    overrides: Mapping[str, MeshAxes] | None = None,
 ) -> Strategy:
     """The strategy for the standard mesh axes (see the module docstring), with ``overrides`` applied.
+
+    ``expert_tensor=False`` (``parallel.expert_tensor: 1``) keeps each expert whole and spreads the experts
+    over the ``expert`` and ``tensor`` axes instead (Megatron-Core's expert tensor parallelism of 1).
 
     Raises:
       ShardingError: an override names a mesh axis that is not one of :data:`MESH_AXES`.
     """
     rules: dict[str, MeshAxes] = {
-        "batch": ("data", "fsdp"),
+        "batch": ("data", "fsdp", "expert"),
         "seq": "context",
         "res_seq": ("context", "tensor") if sequence_parallel else "context",
         "act_embed": None,
@@ -85,7 +103,8 @@ def strategy_for(
         "vocab": "tensor",
         "head_dim": None,
         "layers": None,
-        "experts": None,
+        "experts": "expert" if expert_tensor else ("expert", "tensor"),
+        "expert_mlp": "tensor" if expert_tensor else None,
     }
     for name, axes in (overrides or {}).items():
         listed = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)

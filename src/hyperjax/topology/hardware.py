@@ -40,6 +40,8 @@ class DeviceSpec:
       matmul_precision: for a compute dtype whose matrix multiplies run at another dtype's rate under
         XLA's default precision, that dtype (``{float32: tf32}``: fp32 dots on NVIDIA tensor cores run as
         TF32); a dtype not listed runs at its own ``peak_flops``.
+      grouped_gemm_rows: the rows a grouped product (a mixture of experts' experts, one kernel) gives each
+        group, rounded up to a multiple of this: its tile height (1: no rounding).
     """
 
     name: str
@@ -51,8 +53,11 @@ class DeviceSpec:
     kernel_overhead: float
     source: str
     matmul_precision: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    grouped_gemm_rows: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.grouped_gemm_rows, int) or self.grouped_gemm_rows < 1:
+            raise PresetError(f"device.grouped_gemm_rows={self.grouped_gemm_rows!r} must be a positive integer")
         if not self.peak_flops:
             raise PresetError(f"device {self.name!r}: peak_flops is empty; give at least one dtype's FLOP/s")
         for dtype, flops in self.peak_flops.items():
@@ -90,6 +95,7 @@ class DeviceSpec:
                 self.memory_efficiency,
                 self.kernel_overhead,
                 tuple(sorted(self.matmul_precision.items())),
+                self.grouped_gemm_rows,
             )
         )
 

@@ -102,7 +102,9 @@ def default_axes(hardware: Hardware, devices: int) -> dict[str, int]:
     return {"data": devices // inner, "tensor": inner}
 
 
-def axis_spans(hardware: Hardware, axes: Mapping[str, int]) -> dict[str, AxisSpan]:
+def axis_spans(
+    hardware: Hardware, axes: Mapping[str, int], *, groups: Mapping[str, Sequence[str]] | None = None
+) -> dict[str, AxisSpan]:
     """Report, for every mesh axis, which tiers its device groups span.
 
     Device ``i`` in physical order sits in group ``i // tier.group_size`` of each tier; the mesh places
@@ -111,27 +113,42 @@ def axis_spans(hardware: Hardware, axes: Mapping[str, int]) -> dict[str, AxisSpa
     Args:
       hardware: the machine.
       axes: mesh axis sizes, outermost first.
+      groups: composite groups to report as well, by name: ``{"data+expert": ("data", "expert")}`` is the
+        span of a collective over both axes at once (a gradient reduced over every device holding a batch
+        shard, an all-to-all over experts spread on two axes).
 
     Returns:
-      One :class:`AxisSpan` per axis, in the order of ``axes``.
+      One :class:`AxisSpan` per axis, in the order of ``axes``, then one per composite group.
 
     Raises:
-      MeshError: invalid sizes, or more devices than the machine's tiers connect.
+      MeshError: invalid sizes, more devices than the machine's tiers connect, or a group naming an axis
+        that is not in ``axes``.
     """
     check_axes(axes)
     total = math.prod(axes.values())
     check_capacity(hardware, total)
     positions = np.arange(total).reshape(tuple(axes.values()))
-    spans = {}
-    for k, (name, size) in enumerate(axes.items()):
-        groups = np.moveaxis(positions, k, -1).reshape(-1, size)
-        ranks = _group_levels(hardware, groups)  # (groups, tiers)
-        # the group reaching the slowest tier decides; ties go to the first such group
-        reach = np.where(ranks > 1, np.arange(len(hardware.tiers)), -1).max(axis=1)
-        row = ranks[int(np.argmax(reach))]
-        kept = tuple((t.name, int(r)) for t, r in zip(hardware.tiers, row, strict=True) if r > 1)
-        spans[name] = AxisSpan(axis=name, size=size, tier=kept[-1][0] if kept else hardware.tiers[0].name, levels=kept)
+    names = list(axes)
+    spans = {name: _span(hardware, positions, [k], name) for k, name in enumerate(names)}
+    for group, members in (groups or {}).items():
+        unknown = [a for a in members if a not in axes]
+        if unknown:
+            raise MeshError(f"group {group!r} names mesh axes {unknown} that are not among {names}")
+        spans[group] = _span(hardware, positions, [names.index(a) for a in members], group)
     return spans
+
+
+def _span(hardware: Hardware, positions: np.ndarray, dims: list[int], name: str) -> AxisSpan:
+    """The span of the device groups varying along mesh dimensions ``dims`` together."""
+    size = math.prod(positions.shape[d] for d in dims)
+    moved = np.moveaxis(positions, dims, list(range(positions.ndim - len(dims), positions.ndim)))
+    groups = np.sort(moved.reshape(-1, size), axis=1)
+    ranks = _group_levels(hardware, groups)  # (groups, tiers)
+    # the group reaching the slowest tier decides; ties go to the first such group
+    reach = np.where(ranks > 1, np.arange(len(hardware.tiers)), -1).max(axis=1)
+    row = ranks[int(np.argmax(reach))]
+    kept = tuple((t.name, int(r)) for t, r in zip(hardware.tiers, row, strict=True) if r > 1)
+    return AxisSpan(axis=name, size=size, tier=kept[-1][0] if kept else hardware.tiers[0].name, levels=kept)
 
 
 def _group_levels(hardware: Hardware, groups: np.ndarray) -> np.ndarray:

@@ -38,18 +38,27 @@ class RunResult:
       step_times_s: wall time of every step on the emulated devices (the first includes compilation).
       memory_per_device: bytes per device of the compiled step (arguments + outputs + temporaries - aliased).
       params: model parameters.
+      expert_load: a mixture of experts' routed copies per expert in the last step, one row per MoE layer
+        (``None`` for a dense model).
+      records: every step's metrics, as written to ``metrics_out``.
     """
 
     losses: list[float]
     step_times_s: list[float]
     memory_per_device: int
     params: int
+    expert_load: list[list[float]] | None = None
+    records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def step_time_s(self) -> float:
         """Median step time after the first (compiling) step."""
         times = self.step_times_s[1:] or self.step_times_s
         return statistics.median(times)
+
+
+ROUTER_METRICS = ("aux_loss", "expert_load_max_over_mean", "dropped_fraction")
+"""The per-step metrics a mixture-of-experts run adds (see :func:`hyperjax.train.step.router_metrics`)."""
 
 
 def train(
@@ -107,6 +116,7 @@ def train(
     for record in records if sink is not None else ():
         sink.write(json.dumps(record) + "\n")
     bar = _progress_bar(t.steps, len(records)) if (log is sys.stdout and sys.stdout.isatty()) else None
+    expert_load = None
     try:
         for i in range(len(records), t.steps):
             start = time.perf_counter()
@@ -121,6 +131,11 @@ def train(
                 "grad_norm": float(metrics["grad_norm"]),
                 "rss_bytes": resident_bytes(),
             }
+            for key in ROUTER_METRICS:
+                if key in metrics:
+                    record[key] = float(metrics[key])
+            if "expert_load" in metrics:
+                expert_load = jax.device_get(metrics["expert_load"]).tolist()
             records.append(record)
             if ckpt is not None and ((i + 1) % t.checkpoint_every == 0 or i + 1 == t.steps):
                 ckpt.save(i + 1, state, _meta(run, records))
@@ -134,9 +149,15 @@ def train(
             if bar is not None:
                 bar[0].update(bar[1], advance=1, loss=loss, tps=tokens / elapsed)
             elif log is not None and (i == 0 or (i + 1) % max(1, t.steps // 10) == 0 or i + 1 == t.steps):
+                moe = (
+                    f"  aux {record['aux_loss']:.3f}  load max/mean {record['expert_load_max_over_mean']:.2f}"
+                    f"  dropped {record['dropped_fraction']:.1%}"
+                    if "aux_loss" in record
+                    else ""
+                )
                 log.write(
                     f"step {i + 1:>4}/{t.steps}  loss {loss:.4f}  {tokens / elapsed:,.0f} tokens/s  "
-                    f"{elapsed * 1e3:.0f} ms\n"
+                    f"{elapsed * 1e3:.0f} ms{moe}\n"
                 )
                 log.flush()
     finally:
@@ -151,6 +172,8 @@ def train(
         step_times_s=[r["step_time_s"] for r in records],
         memory_per_device=memory,
         params=count_params(model),
+        expert_load=expert_load,
+        records=records,
     )
     if lead and out_dir is not None:
         plot_losses(result.losses, Path(out_dir) / "loss.png", title=f"{cfg.model.family}, {run.describe()}")
@@ -245,6 +268,7 @@ def _spmd(ready: Prepared, model: nnx.Module, data: Batches | CaptionBatches) ->
         microbatches=run.microbatches,
         feeds={"images": 4} if run.config.model.vision is not None else None,
         placement=ready.offload.placement if ready.offload is not None else None,
+        moe=run.config.model.moe,
     )
     state = init_state(param_state, optimizer, step)
     compiled = step.fn.lower(state, data.global_batch_arrays(0, step.batch_shardings)).compile()
@@ -324,4 +348,5 @@ def summary(run: Run, result: RunResult) -> dict[str, Any]:
         "emulated_step_time_s": result.step_time_s,
         "first_loss": result.losses[0],
         "final_loss": result.losses[-1],
+        "expert_load": result.expert_load,
     }

@@ -49,6 +49,9 @@ def prepare(run: Run) -> Prepared:
         if not offload.fits:
             raise offload.error()
     strategy = strategy_for(
-        sequence_parallel=run.sequence_parallel, zero_stage=run.zero_stage, overrides=run.config.shard
+        sequence_parallel=run.sequence_parallel,
+        zero_stage=run.zero_stage,
+        expert_tensor=run.expert_tensor_split,
+        overrides=run.config.shard,
     )
     return Prepared(run=run, strategy=strategy, offload=offload)

@@ -15,7 +15,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from hyperjax.config import TrainConfig
+from hyperjax.config import MoEConfig, TrainConfig
+from hyperjax.models.moe import RouterStats, aux_term, update_router_biases
 from hyperjax.offload import Placement
 from hyperjax.offload.apply import DEVICE, HOST, on_device, place_kinds, to_kind
 from hyperjax.shard import Strategy, place
@@ -43,11 +44,34 @@ def make_optimizer(train: TrainConfig, *, clip: bool = True) -> optax.GradientTr
     return optax.chain(optax.clip_by_global_norm(train.grad_clip), adamw) if (train.grad_clip and clip) else adamw
 
 
-def loss_fn(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array], constrain: Any) -> jax.Array:
-    """Mean next-token cross-entropy over every token of ``batch``; other entries (``images``) feed the model."""
+def loss_fn(
+    graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array], constrain: Any
+) -> tuple[jax.Array, tuple[jax.Array, RouterStats | None]]:
+    """The training loss of ``batch`` and, apart, its mean next-token cross-entropy and router stats.
+
+    The loss is the cross-entropy over every token plus, for a mixture of experts balanced by an
+    auxiliary loss, ``aux_loss_weight`` times the MoE layers' balancing losses. Batch entries other than
+    the tokens (``images``) feed the model.
+    """
     feeds = {k: v for k, v in batch.items() if k not in ("inputs", "targets")}
-    logits = nnx.merge(graphdef, params)(batch["inputs"], constrain, **feeds)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    model = nnx.merge(graphdef, params)
+    logits, stats = model.forward(batch["inputs"], constrain, **feeds)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    return ce + aux_term(model.cfg.moe, stats), (ce, stats)
+
+
+def router_metrics(stats: RouterStats, microbatches: int = 1) -> dict[str, jax.Array]:
+    """Per-step MoE metrics from the router stats summed over ``microbatches`` micro-batches:
+    ``aux_loss`` (the balancing loss per MoE layer, 1 when balanced), ``expert_load_max_over_mean`` (the
+    busiest expert's routed copies over the mean, worst layer), ``dropped_fraction`` (copies dropped for
+    capacity) and ``expert_load`` (routed copies per expert, one row per MoE layer)."""
+    load = stats.load
+    return {
+        "aux_loss": stats.aux_loss / (microbatches * load.shape[0]),
+        "expert_load_max_over_mean": jnp.max(load.max(-1) / load.mean(-1)),
+        "dropped_fraction": stats.dropped / stats.routed,
+        "expert_load": load,
+    }
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -79,6 +103,7 @@ def build_train_step(
     microbatches: int = 1,
     feeds: dict[str, int] | None = None,
     placement: Any = None,
+    moe: MoEConfig | None = None,
 ) -> TrainStep:
     """Build the jitted step.
 
@@ -110,34 +135,42 @@ def build_train_step(
         batch_shs[name] = NamedSharding(mesh, strategy.spec(("batch",) + (None,) * (rank - 1)))
     constrain = strategy.constrainer(mesh)
 
-    def grads_of(p: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
-        return jax.value_and_grad(loss_fn, argnums=1)(graphdef, p, batch, constrain)
+    def grads_of(p: Any, batch: dict[str, jax.Array]) -> tuple[tuple[jax.Array, Any], Any]:
+        (_, (ce, stats)), grads = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)(graphdef, p, batch, constrain)
+        return (ce, stats), grads
 
     def step(state: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[dict[str, Any], dict[str, jax.Array]]:
         p = to_kind(state["params"], param_sh, DEVICE)  # host-placed layers come to the device for the step
         opt_state = to_kind(state["opt_state"], opt_sh, DEVICE)
         if microbatches == 1:
-            loss, grads = grads_of(p, batch)
+            (loss, stats), grads = grads_of(p, batch)
         else:
             micro = jax.tree.map(
                 lambda x: x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1), batch
             )
 
-            def accumulate(
-                carry: tuple[jax.Array, Any], mb: dict[str, jax.Array]
-            ) -> tuple[tuple[jax.Array, Any], None]:
-                loss, grads = grads_of(p, mb)
+            def accumulate(carry: tuple[Any, Any], mb: dict[str, jax.Array]) -> tuple[tuple[Any, Any], None]:
+                measured, grads = grads_of(p, mb)
                 acc = to_kind(jax.tree.map(jnp.add, to_kind(carry[1], grad_sh, DEVICE), grads), grad_sh, HOST)
-                return (carry[0] + loss, acc), None
+                return (jax.tree.map(jnp.add, carry[0], measured), acc), None
 
-            zeros = (jnp.zeros((), jnp.float32), to_kind(jax.tree.map(jnp.zeros_like, p), grad_sh, HOST))
-            (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro)
+            shapes = jax.eval_shape(lambda: grads_of(p, jax.tree.map(lambda x: x[0], micro))[0])
+            zeros = (
+                jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes),
+                to_kind(jax.tree.map(jnp.zeros_like, p), grad_sh, HOST),
+            )
+            ((loss, stats), grads), _ = jax.lax.scan(accumulate, zeros, micro)
             grads = to_kind(grads, grad_sh, DEVICE)
             loss, grads = loss / microbatches, jax.tree.map(lambda g: g / microbatches, grads)
         grads = jax.lax.with_sharding_constraint(grads, on_device(grad_sh))
         updates, opt_state = optimizer.update(grads, opt_state, p)
-        new_params = jax.lax.with_sharding_constraint(optax.apply_updates(p, updates), on_device(param_sh))
+        new_params = optax.apply_updates(p, updates)
+        if moe is not None and moe.balance == "bias":
+            new_params = update_router_biases(new_params, stats.load, moe.bias_update_rate)
+        new_params = jax.lax.with_sharding_constraint(new_params, on_device(param_sh))
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        if stats is not None:
+            metrics |= router_metrics(stats, microbatches)
         new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}
         return new_state, metrics  # the output shardings put host-placed state back on the host
 

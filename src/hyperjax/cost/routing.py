@@ -1,0 +1,132 @@
+"""What a mixture of experts does to one device: its share of the routed tokens, and how uneven that is.
+
+Expert parallelism places ``experts / expert`` routed experts on each device of the expert axis (with
+``parallel.expert_tensor: 1``, over the tensor axis as well). Every device routes its own tokens'
+``top_k`` copies; on average each device receives as many copies as it sends. Routers are not perfectly
+balanced, and the step waits for the busiest device: its expert products and the all-to-all traffic it
+receives are the mean times the *load imbalance*, the busiest device's routed copies over the mean.
+
+The dispatch and the combine are priced as the exchanges real MoE runtimes run (DeepEP's dispatch,
+which DeepSeek-V3 trains with; Megatron-Core's flex dispatcher): a token is sent once to each device that
+holds any of its experts, and across a slower tier once to each block of that tier's group (a node) that
+holds any, then forwarded inside the block. So the bytes crossing a tier are the token's hidden state
+times the expected number of distinct blocks behind that tier its ``top_k`` experts fall in (experts
+chosen uniformly: a block holding ``b`` of ``E`` experts is reached with probability
+``1 - C(E - b, k) / C(E, k)``). The tiers carry their shares side by side; the slowest decides
+(:func:`exchange_time`). The combine moves the same bytes back, and the backward pass repeats both.
+
+The imbalance is ``model.moe.load_imbalance`` when the config gives one (1 for force-balanced
+benchmarks). Otherwise it comes from the balance method, from the measured ``MaxVio`` (the busiest
+expert's load over the mean, minus one) of Wang et al., "Auxiliary-Loss-Free Load Balancing Strategy
+for Mixture-of-Experts" (arXiv 2408.15664, Table 2, 3B model): 0.52 with an auxiliary loss, 0.04 with
+DeepSeek-V3's bias updates. That is a per-expert figure; a device holding ``G`` experts sums their
+loads, and with the experts' deviations independent the sum's relative deviation shrinks by
+``sqrt(G)``, so the device's imbalance is ``1 + MaxVio / sqrt(G)``. (Stated assumption: the
+deviations of experts that share a device are uncorrelated.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+from hyperjax.config import ModelConfig
+from hyperjax.topology import AxisSpan, Hardware
+
+MAX_VIOLATION: Mapping[str, float] = {"aux_loss": 0.52, "bias": 0.04}
+"""The busiest expert's load over the mean, minus one, by balance method (Wang et al. 2024, Table 2, the 3B
+model: auxiliary loss 0.52, loss-free bias 0.04; the 1B model gave 0.72 and 0.04)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Routing:
+    """One MoE layer's routed work on one device, per micro-batch.
+
+    Attributes:
+      local_experts: routed experts the device holds.
+      width: ways each expert's hidden width is split (the tensor degree, or 1 with ``expert_tensor: 1``).
+      copies: routed copies the device sends (its tokens times ``top_k``); on average it receives as many.
+      imbalance: the busiest device's routed copies over the mean.
+      exchange: the mesh axes the all-to-all runs over (``("expert",)`` or ``("expert", "tensor")``).
+    """
+
+    local_experts: int
+    width: int
+    copies: float
+    imbalance: float
+    exchange: tuple[str, ...]
+
+    @property
+    def busiest(self) -> float:
+        """Routed copies the busiest device receives and computes."""
+        return self.copies * self.imbalance
+
+
+def routing(m: ModelConfig, *, tokens: float, axes: Mapping[str, int], expert_tensor: bool) -> Routing:
+    """The routed work of one MoE layer of ``m`` on a device holding ``tokens`` tokens of a micro-batch.
+
+    ``expert_tensor`` (``parallel.expert_tensor`` null): each expert's hidden width is split over the
+    tensor axis, whose devices hold the same tokens; otherwise the experts spread over the tensor axis too,
+    and each of its devices routes its own share of the tokens (sequence parallelism).
+    """
+    x = m.moe
+    tp, ep = axes["tensor"], axes.get("expert", 1)
+    spread = ep if expert_tensor else ep * tp
+    local = max(1, x.experts // spread)
+    copies = tokens / (1 if expert_tensor else tp) * x.top_k
+    imbalance = load_imbalance(m, local, spread)
+    if x.capacity_factor is not None:  # copies past an expert's capacity are dropped
+        imbalance = min(imbalance, max(1.0, x.capacity_factor))
+    return Routing(
+        local_experts=local,
+        width=tp if expert_tensor else 1,
+        copies=copies,
+        imbalance=imbalance,
+        exchange=("expert",) if expert_tensor else ("expert", "tensor"),
+    )
+
+
+def reach_probability(experts: int, top_k: int, held: float) -> float:
+    """The chance that a token's ``top_k`` of ``experts`` experts (chosen uniformly) include one of the
+    ``held`` experts of a block: ``1 - C(experts - held, top_k) / C(experts, top_k)``."""
+    miss = 1.0
+    for j in range(top_k):
+        miss *= max(0.0, (experts - held - j) / (experts - j))
+    return 1.0 - miss
+
+
+def exchange_time(
+    m: ModelConfig, route: Routing, span: AxisSpan, *, bytes_per_element: int, hardware: Hardware
+) -> float:
+    """Seconds of one dispatch (or combine) on the busiest device of an exchange over ``span``.
+
+    Each tier of the span carries the hidden states sent to the blocks first reached through it, once
+    per block the token's experts fall in (see the module docstring), at the busiest device's load; the
+    tiers run side by side, so the slowest tier's share decides, plus a latency per rank it reaches.
+    """
+    x = m.moe
+    tiers = {t.name: t for t in hardware.tiers}
+    group = math.prod(r for _, r in span.levels)
+    tokens = route.copies / x.top_k * route.imbalance
+    width = m.d_model * bytes_per_element
+    reached, latency, slowest = 1, 0.0, 0.0
+    for name, ranks in span.levels:
+        tier = tiers[name]
+        held = x.experts * reached / group  # experts in one block of ``reached`` devices
+        crossing = tokens * (ranks - 1) * reach_probability(x.experts, x.top_k, held) * width
+        latency += (ranks - 1) * tier.latency
+        slowest = max(slowest, crossing / tier.effective_bandwidth)
+        reached *= ranks
+    return latency + slowest
+
+
+def load_imbalance(m: ModelConfig, local_experts: int, devices: int) -> float:
+    """The busiest of ``devices`` devices' routed copies over the mean when each holds ``local_experts``
+    experts (see the module docstring); 1 when one device holds every expert."""
+    x = m.moe
+    if x.load_imbalance is not None:
+        return x.load_imbalance
+    if devices == 1:
+        return 1.0
+    return 1.0 + MAX_VIOLATION[x.balance] / math.sqrt(local_experts)

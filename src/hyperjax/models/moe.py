@@ -1,0 +1,299 @@
+"""Mixture-of-experts MLPs with expert parallelism: a router, experts sharded over the ``experts`` axis,
+and the exchange that takes every token to its experts and back.
+
+The router runs in ordinary SPMD code (the mesh decides its layout): scores, the top-k experts of each
+token, their weights, the load-balancing loss over the whole micro-batch and, with a capacity factor,
+which routed copies are kept. The experts run under ``jax.shard_map`` on every device's own tokens: the
+routed copies are packed into one send buffer per destination device along the expert axes, exchanged
+with ``all_to_all``, sorted by local expert and multiplied in grouped products (``jax.lax.ragged_dot``),
+then exchanged back and combined with their weights. Expert weights split over the tensor axis leave
+partial sums, reduced over it.
+
+How the exchange is sized. XLA:CPU cannot emit a ragged all-to-all, so the send buffer has a fixed
+number of slots per destination: dropless, every copy a device holds could go to one destination
+(``tokens x min(top_k, local experts)`` slots); with a capacity factor, a destination's experts take at
+most ``local experts x capacity`` copies. A real runtime exchanges only the copies (the cost model
+prices that); the emulation moves the padded buffer, and :func:`exchange_slots` is the one place its
+size is decided (the runtime inventory reads it too).
+
+Capacity is counted over the whole micro-batch in a fixed priority (every token's first choice before
+any second choice, then token order), so which copies are dropped does not depend on the mesh: a run
+with a capacity factor loses the same tokens on 1 device and on any layout. (GShard counts per group of
+tokens on a device; the totals are the same, the choice of victims is not.)
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from hyperjax.config import GATED, ModelConfig, MoEConfig
+from hyperjax.errors import ShardingError
+from hyperjax.models.layers import MLP, Constrain, activate, param, use
+from hyperjax.models.taps import product
+
+
+class RouterBias(nnx.Param):
+    """DeepSeek-V3's per-expert routing bias (``balance: bias``): added to the scores that choose the
+    experts, never to the weights, so it has no gradient; it moves after every step towards the mean
+    load (:func:`update_router_biases`)."""
+
+
+class RouterStats(NamedTuple):
+    """What a module's MoE layers report for one micro-batch.
+
+    Attributes:
+      aux_loss: the load-balancing losses of its MoE layers, summed (each ``E x sum_e f_e P_e``: 1 when
+        perfectly balanced).
+      load: routed copies per expert, one row per MoE layer in model order, before any capacity drop.
+      dropped: routed copies dropped for capacity.
+      routed: routed copies (tokens x top_k, per layer, summed).
+    """
+
+    aux_loss: jax.Array
+    load: jax.Array
+    dropped: jax.Array
+    routed: jax.Array
+
+
+def merge_stats(stats: list[RouterStats | None]) -> RouterStats | None:
+    """The stats of consecutive layers as one (loads stacked in order); ``None`` for no MoE layer."""
+    found = [s for s in stats if s is not None]
+    if not found:
+        return None
+    return RouterStats(
+        aux_loss=sum(s.aux_loss for s in found),
+        load=jnp.concatenate([s.load for s in found]),
+        dropped=sum(s.dropped for s in found),
+        routed=sum(s.routed for s in found),
+    )
+
+
+def aux_term(moe: MoEConfig | None, stats: RouterStats | None) -> jax.Array:
+    """What the balance method adds to the training loss: ``aux_loss_weight x aux_loss`` under ``aux_loss``."""
+    if moe is None or stats is None or moe.balance != "aux_loss":
+        return jnp.zeros((), jnp.float32)
+    return moe.aux_loss_weight * stats.aux_loss
+
+
+def exchange_slots(tokens: int, moe: MoEConfig, local_experts: int, capacity: int | None) -> int:
+    """Send-buffer slots per destination device for ``tokens`` tokens on one device (see the module
+    docstring): ``tokens x min(top_k, local_experts)``, at most ``local_experts x capacity`` with one."""
+    slots = tokens * min(moe.top_k, local_experts)
+    return slots if capacity is None else min(slots, local_experts * capacity)
+
+
+def expert_capacity(moe: MoEConfig, tokens: int) -> int | None:
+    """Routed copies one expert takes from a micro-batch of ``tokens`` tokens: ``ceil(c x tokens x top_k /
+    experts)``; ``None`` when dropless."""
+    if moe.capacity_factor is None:
+        return None
+    return max(1, math.ceil(moe.capacity_factor * tokens * moe.top_k / moe.experts))
+
+
+class MoE(nnx.Module):
+    """A mixture-of-experts MLP (``model.moe``): ``shared(x) + sum over the top_k experts of w_e expert_e(x)``.
+
+    The routed experts' weights are stacked on a leading ``experts`` axis (their hidden width on
+    ``expert_mlp``); each expert is an MLP of
+    ``moe.d_ff`` of the model's kind (gated or not), the shared experts one dense MLP of
+    ``shared_experts x moe.d_ff``.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs) -> None:
+        x = cfg.moe
+        h, e, f = cfg.d_model, x.experts, x.d_ff
+        self.moe, self.kind, self.bias = x, cfg.mlp, cfg.bias
+        self.router = param(rngs, (h, e), ("embed", None))
+        if x.balance == "bias":
+            self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32), logical_axes=(None,))
+        self.w_in = param(rngs, (e, h, f), ("experts", "embed", "expert_mlp"))
+        if cfg.gated:
+            self.w_gate = param(rngs, (e, h, f), ("experts", "embed", "expert_mlp"))
+        self.w_out = param(rngs, (e, f, h), ("experts", "expert_mlp", "embed"), scale=0.02 / (2 * cfg.layers) ** 0.5)
+        if cfg.bias:
+            self.b_in = param(rngs, (e, f), ("experts", "expert_mlp"), init="zeros")
+            if cfg.gated:
+                self.b_gate = param(rngs, (e, f), ("experts", "expert_mlp"), init="zeros")
+            self.b_out = param(rngs, (e, h), ("experts", "embed"), init="zeros")
+        if x.shared_experts:
+            self.shared = MLP(h, x.shared_experts * f, kind=cfg.mlp, bias=cfg.bias, layers=cfg.layers, rngs=rngs)
+
+    def __call__(self, x: jax.Array, constrain: Constrain) -> tuple[jax.Array, RouterStats]:
+        moe, dt = self.moe, x.dtype
+        b, s, _ = x.shape
+        idx, weights, keep, stats = self.route(x, constrain)
+        experts = [self.w_in[...], self.w_gate[...] if self.kind in GATED else None, self.w_out[...]]
+        biases = [self.b_in[...], self.b_gate[...] if self.kind in GATED else None] if self.bias else [None, None]
+        capacity = expert_capacity(moe, b * s)
+        y = _experts(x, idx, weights, keep, experts, biases, self.kind, capacity, moe, constrain)
+        if self.bias:  # each routed copy's output bias, weighted like its output
+            y = y + jnp.einsum("bsk,bskd->bsd", weights * keep, self.b_out[...][idx]).astype(dt)
+        if moe.shared_experts:
+            y = y + self.shared(x, constrain)
+        return y, stats
+
+    def route(self, x: jax.Array, constrain: Constrain) -> tuple[jax.Array, jax.Array, jax.Array, RouterStats]:
+        """Each token's ``top_k`` experts, their weights (float32), which copies are kept, and the stats."""
+        moe = self.moe
+        b, s, _ = x.shape
+        logits = product("bsd,de->bse", x.astype(jnp.float32), use(self.router, constrain))
+        logits = constrain(logits, ("batch", "seq", None))
+        scores = jax.nn.softmax(logits, axis=-1) if moe.router == "softmax" else jax.nn.sigmoid(logits)
+        choose = scores
+        if moe.balance == "bias":
+            choose = scores + jax.lax.stop_gradient(self.router_bias[...])
+        _, idx = jax.lax.top_k(jax.lax.stop_gradient(choose), moe.top_k)
+        weights = jnp.take_along_axis(scores, idx, axis=-1)
+        if moe.normalize_top_k:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        chosen = jax.nn.one_hot(idx, moe.experts, dtype=jnp.float32)  # (b, s, k, E)
+        load = chosen.sum((0, 1, 2))
+        routed = jnp.float32(b * s * moe.top_k)
+        # Switch / GShard: E x sum_e (share of copies routed to e) x (mean routing probability of e)
+        probs = scores if moe.router == "softmax" else scores / scores.sum(-1, keepdims=True)
+        aux = moe.experts * jnp.sum(load / routed * probs.mean((0, 1)))
+        keep = jnp.ones(idx.shape, bool)
+        capacity = expert_capacity(moe, b * s)
+        if capacity is not None:
+            # position of each copy in its expert's queue: first choices first, then token order
+            order = jnp.moveaxis(chosen, 2, 0).reshape(-1, moe.experts).astype(jnp.int32)
+            before = (jnp.cumsum(order, axis=0) - order) * order
+            position = jnp.moveaxis(before.sum(-1).reshape(moe.top_k, b, s), 0, 2)
+            keep = position < capacity
+        stats = RouterStats(
+            aux_loss=aux,
+            load=load[None],
+            dropped=routed - keep.sum().astype(jnp.float32),
+            routed=routed,
+        )
+        return idx, weights, keep, stats
+
+
+def _experts(
+    x: jax.Array,
+    idx: jax.Array,
+    weights: jax.Array,
+    keep: jax.Array,
+    experts: list[jax.Array | None],
+    biases: list[jax.Array | None],
+    kind: str,
+    capacity: int | None,
+    moe: MoEConfig,
+    constrain: Constrain,
+) -> jax.Array:
+    """The routed experts' output for every token: the exchange under ``shard_map`` on a mesh, the same
+    computation in place without one."""
+    mesh = getattr(constrain, "mesh", None)
+    if mesh is None:
+        return _local(x, idx, weights, keep, experts, biases, kind=kind, capacity=capacity, moe=moe, ep=(), tp=())
+    batch, ep, tp = constrain.mesh_axes("batch"), constrain.mesh_axes("experts"), constrain.mesh_axes("expert_mlp")
+    seq = constrain.mesh_axes("seq")
+    if any(a not in batch + seq for a in ep):  # experts over the tensor axis: its devices hold their own tokens
+        seq = constrain.mesh_axes("res_seq")
+    stray = [a for a in ep if a not in batch + seq]
+    if stray:
+        raise ShardingError(
+            f"logical axis 'experts' is sharded over mesh axes {ep}, but {stray} split no tokens (the batch is "
+            f"over {batch}, the sequence over {seq}), so no tokens could be exchanged over them; map 'experts' "
+            "to the expert axis (and the tensor axis only with sequence parallelism)"
+        )
+    act = P(batch or None, seq or None, None)
+    weight = P(ep or None, None, tp or None)
+    out_weight = P(ep or None, tp or None, None)
+    bias = P(ep or None, tp or None)
+    specs = (act, act, act, act, [weight, weight, out_weight], [bias, bias])
+    body = partial(_local, kind=kind, capacity=capacity, moe=moe, ep=ep, tp=tp)
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=act, check_vma=False)(
+        x, idx, weights, keep, experts, biases
+    )
+
+
+def _local(
+    x: jax.Array,
+    idx: jax.Array,
+    weights: jax.Array,
+    keep: jax.Array,
+    experts: list[jax.Array | None],
+    biases: list[jax.Array | None],
+    *,
+    kind: str,
+    capacity: int | None,
+    moe: MoEConfig,
+    ep: tuple[str, ...],
+    tp: tuple[str, ...],
+) -> jax.Array:
+    """One device's tokens through the experts: pack, exchange, grouped products, exchange back, combine."""
+    w_in, w_gate, w_out = experts
+    b, s, d = x.shape
+    k, dt = moe.top_k, x.dtype
+    tokens = b * s
+    local_experts = w_in.shape[0]
+    devices = moe.experts // local_experts
+    slots = exchange_slots(tokens, moe, local_experts, capacity)
+    rows = x.reshape(tokens, d)
+    expert = idx.reshape(-1)
+    dest = jnp.where(keep.reshape(-1), expert // local_experts, devices)  # ``devices``: dropped
+    # each copy's slot among the copies for its destination, in token order
+    onehot = (dest[:, None] == jnp.arange(devices)[None, :]).astype(jnp.int32)
+    position = jnp.take_along_axis(jnp.cumsum(onehot, 0) - onehot, jnp.minimum(dest, devices - 1)[:, None], 1)[:, 0]
+    slot = jnp.where(dest < devices, dest * slots + position, devices * slots)  # out of range: not sent
+    send = jnp.zeros((devices * slots, d), dt).at[slot].set(rows[jnp.arange(tokens * k) // k], mode="drop")
+    which = jnp.full((devices * slots,), local_experts, jnp.int32).at[slot].set(expert % local_experts, mode="drop")
+    recv, which = _exchange(send, ep, devices), _exchange(which, ep, devices)
+    recv = checkpoint_name(recv, "mlp_hidden")
+    order = jnp.argsort(which, stable=True)  # grouped by local expert; empty slots last
+    sizes = jnp.bincount(which, length=local_experts).astype(jnp.int32)
+    grouped, group = recv[order], which[order]
+    h = jax.lax.ragged_dot(grouped, w_in.astype(dt), sizes)
+    if biases[0] is not None:
+        h = h + _per_row(biases[0], group).astype(dt)
+    h = checkpoint_name(h, "mlp_hidden")
+    gate = None
+    if w_gate is not None:
+        gate = jax.lax.ragged_dot(grouped, w_gate.astype(dt), sizes)
+        if biases[1] is not None:
+            gate = gate + _per_row(biases[1], group).astype(dt)
+    h = checkpoint_name(activate(kind, h, gate), "mlp_hidden")
+    out = jax.lax.ragged_dot(h, w_out.astype(dt), sizes)
+    back = _exchange(jnp.zeros_like(out).at[order].set(out), ep, devices)
+    got = back.at[slot].get(mode="fill", fill_value=0).reshape(tokens, k, d)
+    y = jnp.einsum("tk,tkd->td", (weights * keep).reshape(tokens, k).astype(dt), got)
+    if tp:  # expert columns split over the tensor axis: partial sums
+        y = jax.lax.psum(y, tp)
+    return y.reshape(b, s, d)
+
+
+def _exchange(buffer: jax.Array, axes: tuple[str, ...], devices: int) -> jax.Array:
+    """Slot block ``r`` of ``buffer`` to device ``r`` along ``axes``; block ``r`` of the result came from it."""
+    if not axes:
+        return buffer
+    shaped = buffer.reshape(devices, -1, *buffer.shape[1:])
+    return jax.lax.all_to_all(shaped, axes, 0, 0, tiled=True).reshape(buffer.shape)
+
+
+def _per_row(bias: jax.Array, group: jax.Array) -> jax.Array:
+    """Each row's expert bias (empty slots, numbered past the last expert, get zeros)."""
+    return jnp.take(bias, group, axis=0, mode="fill", fill_value=0)
+
+
+def update_router_biases(params: Any, load: jax.Array, rate: float) -> Any:
+    """DeepSeek-V3's auxiliary-loss-free balancing: every ``router_bias`` in ``params`` (a pure state dict;
+    one row of ``load`` per MoE layer, in model order) moves by ``rate`` towards the mean load: up for
+    experts below it, down for those above."""
+    flat, tree = jax.tree_util.tree_flatten_with_path(params)
+    rows = iter(range(load.shape[0]))
+    out = []
+    for path, leaf in flat:
+        if getattr(path[-1], "key", None) == "router_bias":
+            row = load[next(rows)]
+            leaf = leaf + rate * jnp.sign(row.mean() - row)
+        out.append(leaf)
+    return jax.tree_util.tree_unflatten(tree, out)
