@@ -1,5 +1,7 @@
 """The analytic inventory of the training step agrees with what XLA compiles (8 emulated devices)."""
 
+from pathlib import Path
+
 import pytest
 from flax import nnx
 
@@ -9,9 +11,11 @@ from hyperjax.cost.inventory import runtime_inventory
 from hyperjax.models import build_model
 from hyperjax.train import Batches, build_train_step, init_state, make_optimizer, prepare
 
+MOE_TINY = Path(__file__).parents[2] / "configs" / "moe-tiny.yaml"
 
-def compiled_and_analytic(sets):
-    run = resolve(load_config(None, ["model.layers=2", "train.global_batch=32", *sets]))
+
+def compiled_and_analytic(sets, config=None):
+    run = resolve(load_config(config, ["model.layers=2", "train.global_batch=32", *sets]))
     cfg = run.config
     g, state = nnx.split(build_model(cfg.model))
     optimizer = make_optimizer(cfg.train)
@@ -21,6 +25,8 @@ def compiled_and_analytic(sets):
         strategy=prepare(run).strategy,
         mesh=make_mesh(run.hardware, run.axes),
         optimizer=optimizer,
+        microbatches=run.microbatches,
+        moe=cfg.model.moe,
     )
     batch = Batches(source="text", global_batch=32, seq_len=cfg.model.seq_len, vocab=256, seed=0)
     compiled = step.fn.lower(init_state(state, optimizer, step), batch.global_batch_arrays(0, step.batch_sharding))
@@ -64,6 +70,43 @@ def test_flops_and_collective_bytes_agree(sets):
     assert kinds["all-gather"] == pytest.approx(analytic.gather_bytes, rel=0.06, abs=1)
 
 
+# mixtures of experts (moe-tiny's two blocks: a dense one, then 8 experts, top-2, one shared) under expert
+# parallelism and what it composes with
+EXPERT_LAYOUTS = [
+    ["parallel.expert=2"],  # with data=4
+    ["parallel.expert=4"],
+    ["parallel.expert=8"],
+    ["parallel.expert=2", "parallel.fsdp=2"],
+    ["parallel.expert=2", "parallel.tensor=2"],
+    ["parallel.expert=2", "parallel.tensor=2", "parallel.fsdp=2", "model.moe.shared_experts=0"],
+    ["parallel.expert=4", "model.moe.capacity_factor=1.0"],
+    ["parallel.expert=2", "parallel.context=2", "model.moe.capacity_factor=1.25"],
+    ["parallel.expert=4", "model.family=gpt", "model.moe.first_dense=0", "model.moe.every=2"],
+]
+
+
+@pytest.mark.parametrize("sets", EXPERT_LAYOUTS, ids=lambda s: ",".join(x.split(".", 1)[-1] for x in s))
+def test_expert_parallel_inventories_agree(sets):
+    hlo, analytic = compiled_and_analytic(sets, MOE_TINY)
+    kinds, counts = hlo.bytes_by_kind(), hlo.count_by_kind()
+    assert counts["all-to-all"] == analytic.all_to_alls > 0
+    assert kinds["all-to-all"] == analytic.all_to_all_bytes
+    assert hlo.flops == pytest.approx(analytic.flops, rel=0.06)
+    assert kinds["all-reduce"] + kinds["reduce-scatter"] == pytest.approx(analytic.reduce_bytes, rel=0.06)
+    assert kinds["all-gather"] == pytest.approx(analytic.gather_bytes, rel=0.06, abs=1)
+
+
+def test_experts_spread_over_the_tensor_axis_exchange_as_counted():
+    """With ``expert_tensor: 1`` the exchange runs over expert x tensor; sequence parallelism adds XLA's own
+    all-to-alls (it reshards the rotary halves of queries and keys), which the exchange count leaves out."""
+    sets = ["parallel.expert=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert_tensor=1"]
+    hlo, analytic = compiled_and_analytic(sets, MOE_TINY)
+    exchange = [c for c in hlo.collectives if c.kind == "all-to-all" and "shard_map" in c.source]
+    assert len(exchange) == analytic.all_to_alls and {c.group_size for c in exchange} == {4}
+    assert sum(c.result_bytes for c in exchange) == analytic.all_to_all_bytes
+    assert hlo.flops == pytest.approx(analytic.flops, rel=0.06)
+
+
 def test_group_sizes_follow_the_mesh():
     hlo, _ = compiled_and_analytic(["parallel.data=2", "parallel.tensor=4"])
     sizes = {c.group_size for c in hlo.collectives}
@@ -76,6 +119,7 @@ def test_group_sizes_follow_the_mesh():
     [
         ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, dimensions={0}", 2),
         ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0','axis_1'}, dimensions={0}", 8),
+        ("replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], device_ids=([4,2]T(1,0)) {'axis_1'}, use", 2),
         ("replica_groups=[4,2]<=[2,4]T(1,0), dimensions={1}", 2),
         ("replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add", 4),
         ("source_target_pairs={{0,1},{1,0}}", 8),

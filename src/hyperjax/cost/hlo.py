@@ -30,11 +30,13 @@ class Collective:
       kind: ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all`` or ``collective-permute``.
       result_bytes: bytes of the result on one device (all arrays of a combined op together).
       group_size: devices per replica group (the whole program's devices for a permute).
+      source: the JAX operation it comes from (XLA's ``op_name`` metadata), or ``""``.
     """
 
     kind: str
     result_bytes: int
     group_size: int
+    source: str = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,11 +49,17 @@ class CompiledInventory:
     memory: dict[str, int]
 
     def bytes_by_kind(self) -> Counter:
-        """Result bytes per collective kind."""
+        """Result bytes per collective kind (a collective over groups of one device moves nothing and is
+        left out: XLA emits such no-ops where a ``shard_map`` transposes over a mesh axis it does not use)."""
         out: Counter = Counter()
         for c in self.collectives:
-            out[c.kind] += c.result_bytes
+            if c.group_size > 1:
+                out[c.kind] += c.result_bytes
         return out
+
+    def count_by_kind(self) -> Counter:
+        """Collectives per kind (those over groups of one device left out)."""
+        return Counter(c.kind for c in self.collectives if c.group_size > 1)
 
 
 def _shape_bytes(shape: str) -> int:
@@ -61,7 +69,7 @@ def _shape_bytes(shape: str) -> int:
 
 
 def _group_size(rest: str, devices: int) -> int:
-    named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\S+)?\s*\{([^}]*)\}", rest)
     if named:  # replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}
         sizes = {k.strip("' "): int(v) for k, v in (kv.split("=") for kv in named.group(1).split(","))}
         return math.prod(sizes[a.strip("' ")] for a in named.group(2).split(",") if a.strip())
@@ -85,6 +93,7 @@ def read_compiled(compiled: Any, devices: int) -> CompiledInventory:
                     kind=m.group("kind"),
                     result_bytes=_shape_bytes(m.group("shape")),
                     group_size=_group_size(m.group("rest"), devices),
+                    source=next(iter(re.findall(r'op_name="([^"]*)"', m.group("rest"))), ""),
                 )
             )
     cost = compiled.cost_analysis() or {}

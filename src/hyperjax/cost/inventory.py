@@ -6,7 +6,8 @@ from a compiled program; tests hold the two together on configurations that comp
 
 How XLA's SPMD partitioner lays out this program (the facts encoded below):
 - gradients of every parameter are all-reduced over the data-parallel devices (data, fsdp and context,
-  which all hold partial sums); XLA's CPU pipeline keeps reduce-scatter as all-reduce plus a slice;
+  which all hold partial sums; a tied embedding's gradients from the lookup and from the output
+  projection are reduced apart); XLA's CPU pipeline keeps reduce-scatter as all-reduce plus a slice;
 - FSDP and ZeRO-1/2 gather each parameter once per step (FSDP before use, ZeRO after the update); the
   model gathers the embedding table explicitly before its lookup, so it too is gathered once;
 - tensor parallelism all-reduces the residual stream after the attention and MLP output projections,
@@ -15,12 +16,25 @@ How XLA's SPMD partitioner lays out this program (the facts encoded below):
   embedding lookup and once for the gradient of the tied output projection;
 - context parallelism all-gathers keys and values over the context axis per layer and reduces their
   gradients; with data parallelism beside it, parameter gradients are reduced in two passes, first over
-  the context axis, then over the batch axes (each pass moves the whole gradient);
+  the context axis, then over the batch axes (each pass moves the whole gradient; routed experts'
+  gradients go in one pass);
 - sequence parallelism gathers the residual stream before attention and MLP in both passes.
 
 The model steers XLA where its own choice would cost more: every weight is gathered whole before use
 (:func:`hyperjax.models.layers.use`), and keys and values are projected on the local sequence shard before
 they are gathered, so no activation is regathered to spare a weight gather.
+
+A mixture of experts adds, per MoE layer and micro-batch, the exchange of :mod:`hyperjax.models.moe`
+over the expert axes: five all-to-alls (the routed copies out and back in the forward pass, both again in
+the backward, and the copies' expert ids), each of the padded send buffer (``exchange_slots`` per
+destination device, as the emulation sizes it; a real runtime sends only the copies). Routed experts'
+gradients are reduced over the batch axes other than the expert axis, every other gradient over all of
+them. With a capacity factor, the order in which copies fill an expert runs over the whole micro-batch
+(so the same copies are dropped on any mesh), and XLA gathers every copy's one-hot expert choice onto
+every device for it. The expert products are counted as the CPU runs them: XLA:CPU expands a ragged (grouped) product
+into a dense product of every row of the buffer with every local expert's weight, masked (G times the
+grouped product's FLOPs for G local experts, plus the masking). The cost model prices the grouped
+product of the routed copies alone, which is what an accelerator runs.
 """
 
 from __future__ import annotations
@@ -28,8 +42,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hyperjax.config import Run
-from hyperjax.cost.counts import attention_flops_per_token, model_flops_per_sequence, model_tensors
+from hyperjax.config import ModelConfig, Run
+from hyperjax.cost.counts import attention_flops_per_token, block_products, model_flops_per_sequence, model_tensors
+from hyperjax.models.moe import exchange_slots, expert_capacity  # the emulation sizes its buffers there
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,6 +54,8 @@ class Inventory:
     flops: float
     reduce_bytes: float  # all-reduce (and reduce-scatter) result bytes
     gather_bytes: float  # all-gather result bytes
+    all_to_all_bytes: float = 0.0  # all-to-all result bytes (a mixture of experts' exchange)
+    all_to_alls: int = 0  # all-to-all collectives
 
 
 def runtime_inventory(run: Run) -> Inventory:
@@ -46,42 +63,101 @@ def runtime_inventory(run: Run) -> Inventory:
     m, t = run.config.model, run.config.train
     axes = run.axes
     devices = math.prod(axes.values())
-    tp, cp, fsdp, data = axes["tensor"], axes["context"], axes["fsdp"], axes["data"]
+    tp, cp, fsdp, data, ep = axes["tensor"], axes["context"], axes["fsdp"], axes["data"], axes["expert"]
     e = 4 if t.dtype == "float32" else 2
-    forward = model_flops_per_sequence(m) * t.global_batch / 3
     s, h = m.seq_len, m.d_model
+    experts = _experts(run)
+    forward = model_flops_per_sequence(m) * t.global_batch / 3 - experts.routed_flops
     core = attention_flops_per_token(m) * s * m.layers * t.global_batch  # attention scores and values
     extra = {"none": 0.0, "selective": core, "full": forward}[t.recompute]
-    flops = (3 * forward + extra) / devices
+    flops = (3 * forward + extra) / devices + 3 * experts.emulated_flops
     # XLA's CPU compiler currently drops the rematerialisation (the compiled FLOPs and collectives equal
     # the program without it); on accelerators the recomputed forward pass runs. Compare with care.
 
     tensors = model_tensors(m)
-    local = sum(x.size / (tp if x.tensor_split else 1) for x in tensors)  # per device before FSDP/ZeRO
+    sizes = [x.local_size(tensor=tp, expert=ep, expert_tensor=run.expert_tensor_split) for x in tensors]
+    local = sum(sizes)  # per device before FSDP/ZeRO
+    routed = sum(n for x, n in zip(tensors, sizes, strict=True) if x.expert)
     reduce = gather = 0.0
-    if data * fsdp * cp > 1:
-        reduce += 4 * local
-    if cp > 1 and data * fsdp > 1:  # reduced over the context axis, then again over the batch axes
-        reduce += 4 * local
+    if data * fsdp * ep * cp > 1:  # routed experts' gradients are not reduced over the expert axis
+        reduce += 4 * (local - (routed if data * fsdp * cp == 1 else 0))
+        if m.tie_embeddings:  # the tied table's two gradients (lookup and output projection) apart
+            reduce += 4 * next(n for x, n in zip(tensors, sizes, strict=True) if x.path == "embed")
+    if cp > 1 and data * fsdp * ep > 1:  # reduced over the context axis, then again over the batch axes
+        reduce += 4 * (local - routed)  # (routed experts' in one pass over the data and context axes)
     if fsdp > 1:
         gather += 4 * local
     if run.zero_stage >= 1 and data > 1:
         gather += 4 * local
-    batch = t.global_batch / (data * fsdp)
+    batch = t.global_batch / (data * fsdp * ep)
     act = batch * (s / cp) * h * e
     if tp > 1:
-        reduce += (m.layers * _tensor_reductions(m) + 2) * act
+        reduce += (sum(_tensor_reductions(m, i) for i in range(m.layers)) + 2) * act
+        if m.moe is not None and run.expert_tensor_split:  # each routed copy's weight gradient, float32
+            reduce += m.moe_layers * batch * (s / cp) * m.moe.top_k * 4
         if run.sequence_parallel:  # the residual stream is gathered before attention and MLP, both passes
             gather += ((4 if m.block == "sequential" else 2) * m.layers + 1) * act
+    if m.moe is not None and m.moe.capacity_factor is not None and data * fsdp * ep * cp > 1:
+        # capacity is counted in one order over the whole micro-batch: every copy's expert is gathered
+        gather += m.moe_layers * t.global_batch * s * m.moe.top_k * m.moe.experts * 4
     if cp > 1:
         kv = batch * s * m.kv_heads * m.head_dim * e / tp
         gather += m.layers * 2 * kv
         reduce += m.layers * 2 * kv
-    return Inventory(flops=flops, reduce_bytes=reduce, gather_bytes=gather)
+    return Inventory(
+        flops=flops,
+        reduce_bytes=reduce,
+        gather_bytes=gather,
+        all_to_all_bytes=experts.exchanged_bytes,
+        all_to_alls=experts.exchanges,
+    )
 
 
-def _tensor_reductions(m) -> int:
-    """Tensor-parallel all-reduces of the residual stream per block: after the attention and MLP output
-    projections in the forward, and in the backward after each input projection (query, key, value, the
-    MLP's input and, gated, its gate: separate matrices whose partial sums XLA reduces separately)."""
-    return 2 + 3 + (2 if m.gated else 1)
+@dataclasses.dataclass(frozen=True)
+class _Experts:
+    """A mixture of experts' routed work on one device per step, as the emulation runs it."""
+
+    routed_flops: float = 0.0  # forward FLOPs of the routed copies through their experts, all devices
+    emulated_flops: float = 0.0  # forward FLOPs of the expert products as XLA:CPU runs them, one device
+    exchanged_bytes: float = 0.0
+    exchanges: int = 0
+
+
+def _experts(run: Run) -> _Experts:
+    """The expert products and exchanges of ``run``'s MoE layers (see the module docstring)."""
+    m, t = run.config.model, run.config.train
+    if m.moe is None:
+        return _Experts()
+    axes, x = run.axes, m.moe
+    tp, cp = axes["tensor"], axes["context"]
+    spread = axes["expert"] * (1 if run.expert_tensor_split else tp)  # devices the experts are spread over
+    width = tp if run.expert_tensor_split else 1  # ways each expert's hidden width is split
+    local = x.experts // spread
+    rows = t.global_batch // run.microbatches // run.stages[0].data_parallel  # sequences per device
+    tokens = rows * m.seq_len // cp // (1 if run.expert_tensor_split else tp)
+    capacity = expert_capacity(x, rows * run.stages[0].data_parallel * m.seq_len)
+    buffer = spread * exchange_slots(tokens, x, local, capacity)  # rows a device sends and receives
+    products = [p for p in block_products(m, moe=True) if p.name.startswith("experts_")]
+    per_row = sum(2.0 * p.n * p.k for p in products) / width  # every local expert, every row of the buffer
+    layers, micro = m.moe_layers, run.microbatches
+    e = 4 if t.dtype == "float32" else 2
+    return _Experts(
+        routed_flops=layers * t.global_batch * m.seq_len * sum(p.flops_per_token for p in products),
+        emulated_flops=layers * micro * local * buffer * per_row,
+        exchanged_bytes=layers * micro * buffer * (4 * m.d_model * e + 4) if spread > 1 else 0.0,
+        exchanges=layers * micro * 5 if spread > 1 else 0,
+    )
+
+
+def _tensor_reductions(m: ModelConfig, layer: int) -> int:
+    """Tensor-parallel all-reduces of the residual stream in block ``layer``: after the attention and MLP
+    output projections in the forward, and in the backward after each input projection (query, key, value,
+    the MLP's input and, gated, its gate: separate matrices whose partial sums XLA reduces separately).
+
+    A mixture of experts whose experts' hidden widths are split over the tensor axis reduces the experts'
+    partial sums in the forward, again in the backward (the transpose of that reduction), and the routed
+    copies' input gradient; its shared experts are a dense MLP of their own."""
+    mlp = 1 + (2 if m.gated else 1)
+    if not m.is_moe(layer):
+        return 4 + mlp
+    return 4 + 3 + (mlp if m.moe.shared_experts else 0)

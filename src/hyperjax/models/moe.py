@@ -127,15 +127,15 @@ class MoE(nnx.Module):
             self.shared = MLP(h, x.shared_experts * f, kind=cfg.mlp, bias=cfg.bias, layers=cfg.layers, rngs=rngs)
 
     def __call__(self, x: jax.Array, constrain: Constrain) -> tuple[jax.Array, RouterStats]:
-        moe, dt = self.moe, x.dtype
+        moe = self.moe
         b, s, _ = x.shape
-        idx, weights, keep, stats = self.route(x, constrain)
+        tokens = constrain(x, ("batch", token_axis(constrain), "act_embed"))  # each device's own tokens
+        idx, weights, keep, stats = self.route(tokens, constrain)
         experts = [self.w_in[...], self.w_gate[...] if self.kind in GATED else None, self.w_out[...]]
-        biases = [self.b_in[...], self.b_gate[...] if self.kind in GATED else None] if self.bias else [None, None]
+        gate_bias = self.b_gate[...] if self.bias and self.kind in GATED else None
+        biases = [self.b_in[...], gate_bias, self.b_out[...]] if self.bias else [None, None, None]
         capacity = expert_capacity(moe, b * s)
-        y = _experts(x, idx, weights, keep, experts, biases, self.kind, capacity, moe, constrain)
-        if self.bias:  # each routed copy's output bias, weighted like its output
-            y = y + jnp.einsum("bsk,bskd->bsd", weights * keep, self.b_out[...][idx]).astype(dt)
+        y = _experts(tokens, idx, weights, keep, experts, biases, self.kind, capacity, moe, constrain)
         if moe.shared_experts:
             y = y + self.shared(x, constrain)
         return y, stats
@@ -145,12 +145,12 @@ class MoE(nnx.Module):
         moe = self.moe
         b, s, _ = x.shape
         logits = product("bsd,de->bse", x.astype(jnp.float32), use(self.router, constrain))
-        logits = constrain(logits, ("batch", "seq", None))
+        logits = constrain(logits, ("batch", token_axis(constrain), None))
         scores = jax.nn.softmax(logits, axis=-1) if moe.router == "softmax" else jax.nn.sigmoid(logits)
         choose = scores
         if moe.balance == "bias":
             choose = scores + jax.lax.stop_gradient(self.router_bias[...])
-        _, idx = jax.lax.top_k(jax.lax.stop_gradient(choose), moe.top_k)
+        idx = _top_k(jax.lax.stop_gradient(choose), moe.top_k, constrain)
         weights = jnp.take_along_axis(scores, idx, axis=-1)
         if moe.normalize_top_k:
             weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
@@ -177,6 +177,27 @@ class MoE(nnx.Module):
         return idx, weights, keep, stats
 
 
+def token_axis(constrain: Constrain) -> str:
+    """The logical axis that splits the sequence into each device's own tokens for the experts: ``seq``,
+    or ``res_seq`` when the experts spread over the tensor axis too (``parallel.expert_tensor: 1``, where
+    sequence parallelism gives each tensor-parallel device its own tokens, which then stay there)."""
+    mesh = getattr(constrain, "mesh", None)
+    if mesh is None:
+        return "seq"
+    held = constrain.mesh_axes("batch") + constrain.mesh_axes("seq")
+    return "seq" if all(a in held for a in constrain.mesh_axes("experts")) else "res_seq"
+
+
+def _top_k(scores: jax.Array, k: int, constrain: Constrain) -> jax.Array:
+    """The ``k`` best experts of every token, chosen on the device that holds the token (XLA's partitioner
+    would gather every token's scores onto every device for a ``top_k`` over sharded rows)."""
+    mesh = getattr(constrain, "mesh", None)
+    if mesh is None:
+        return jax.lax.top_k(scores, k)[1]
+    spec = constrain.strategy.spec(("batch", token_axis(constrain), None))
+    return jax.shard_map(lambda s: jax.lax.top_k(s, k)[1], mesh=mesh, in_specs=spec, out_specs=spec)(scores)
+
+
 def _experts(
     x: jax.Array,
     idx: jax.Array,
@@ -195,9 +216,7 @@ def _experts(
     if mesh is None:
         return _local(x, idx, weights, keep, experts, biases, kind=kind, capacity=capacity, moe=moe, ep=(), tp=())
     batch, ep, tp = constrain.mesh_axes("batch"), constrain.mesh_axes("experts"), constrain.mesh_axes("expert_mlp")
-    seq = constrain.mesh_axes("seq")
-    if any(a not in batch + seq for a in ep):  # experts over the tensor axis: its devices hold their own tokens
-        seq = constrain.mesh_axes("res_seq")
+    seq = constrain.mesh_axes(token_axis(constrain))
     stray = [a for a in ep if a not in batch + seq]
     if stray:
         raise ShardingError(
@@ -209,7 +228,7 @@ def _experts(
     weight = P(ep or None, None, tp or None)
     out_weight = P(ep or None, tp or None, None)
     bias = P(ep or None, tp or None)
-    specs = (act, act, act, act, [weight, weight, out_weight], [bias, bias])
+    specs = (act, act, act, act, [weight, weight, out_weight], [bias, bias, P(ep or None, None)])
     body = partial(_local, kind=kind, capacity=capacity, moe=moe, ep=ep, tp=tp)
     return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=act, check_vma=False)(
         x, idx, weights, keep, experts, biases
@@ -263,6 +282,8 @@ def _local(
             gate = gate + _per_row(biases[1], group).astype(dt)
     h = checkpoint_name(activate(kind, h, gate), "mlp_hidden")
     out = jax.lax.ragged_dot(h, w_out.astype(dt), sizes)
+    if biases[2] is not None:  # the output bias once over the tensor axis, whose partial sums are added
+        out = out + _per_row(biases[2], group).astype(dt) / (jax.lax.psum(1, tp) if tp else 1)
     back = _exchange(jnp.zeros_like(out).at[order].set(out), ep, devices)
     got = back.at[slot].get(mode="fill", fill_value=0).reshape(tokens, k, d)
     y = jnp.einsum("tk,tkd->td", (weights * keep).reshape(tokens, k).astype(dt), got)
