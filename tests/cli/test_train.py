@@ -95,6 +95,50 @@ def test_gpt_tiny_cm384_trains_on_384_devices(tmp_path: Path):
     assert losses[2] < losses[0]
 
 
+@pytest.mark.parametrize(
+    ("sets", "pattern"),
+    [
+        (["model.moe.top_k=9"], r"model.moe.top_k=9 exceeds model.moe.experts=8: .* choose top_k <= 8"),
+        (["parallel.expert=3"], r"model.moe.experts=8 is not divisible by parallel.expert=3; choose an expert degree"),
+        (["model.moe.capacity_factor=0"], r"model.moe.capacity_factor=0.0 must be > 0 .* or null for dropless"),
+        (["model.moe.capacity_factor=-1"], r"model.moe.capacity_factor=-1.0 must be > 0"),
+        (["model.moe.router=top1"], r"model.moe.router='top1' is not one of \('softmax', 'sigmoid'\)"),
+        (["model.moe.balance=aux_los"], r"model.moe.balance='aux_los' is not one of .*did you mean 'aux_loss'"),
+        (["model.moe.experts=0"], r"model.moe.experts"),
+        (["model.moe.first_dense=4"], r"model.moe.first_dense=4 leaves no MoE layer among model.layers=4"),
+        (["model.moe=null"], r"parallel.expert=4 shards the experts .* but model.moe is null"),
+        (["parallel.expert_tensor=1", "parallel.tensor=2", "parallel.expert=2"], r"set parallel.sequence_parallel"),
+        (["model.moe.expert=8"], r"unknown config key model.moe.expert; did you mean model.moe.experts\?"),
+    ],
+)
+@pytest.mark.parametrize("command", ["train", "predict"])
+def test_bad_moe_configs_exit_2(capsys, command, sets, pattern):
+    args = [command, str(CONFIGS / "moe-tiny.yaml")]
+    assert main([*args, *(x for s in sets for x in ("--set", s))]) == 2
+    err = capsys.readouterr().err
+    assert re.search(pattern, err), err
+    assert "Traceback" not in err
+
+
+def test_moe_tiny_learns_and_reports_its_router(tmp_path: Path):
+    losses, out = train_losses(str(CONFIGS / "moe-tiny.yaml"), "--steps", "20", tmp_path=tmp_path)
+    assert "strategy: data=2, expert=4" in out and "expert load in the last step (8 experts, top-2)" in out
+    assert losses[-1] < 0.7 * losses[0]
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    for r in records:
+        assert r["aux_loss"] > 0.9 and r["expert_load_max_over_mean"] >= 1 and r["dropped_fraction"] == 0
+
+
+@pytest.mark.large
+@pytest.mark.multiprocess
+def test_moe_cm384_spreads_experts_over_the_supernode(tmp_path: Path):
+    losses, out = train_losses(str(CONFIGS / "moe-cm384.yaml"), tmp_path=tmp_path)
+    assert "384 emulated cloudmatrix384 devices (12 process(es)); strategy: expert=48, tensor=8" in out
+    assert "expert load in the last step (96 experts, top-2)" in out
+    assert len(losses) == 3 and all(0 < x < 10 for x in losses)
+    assert losses[2] < losses[0]
+
+
 @pytest.mark.multiprocess
 def test_two_processes_give_the_same_losses(tmp_path: Path):
     def run(processes: int) -> list[float]:
