@@ -1,9 +1,11 @@
 """The cost model against published, measured training runs.
 
-Each file in ``benchmarks/validation/`` describes one published run (source, measured step time and MFU)
-and holds hyperjax's config for it. This script resolves every run (``hyperjax.resolve``), predicts it
-(``hyperjax.estimate``) on the run's hardware preset, and prints predicted vs measured step time and model
-TFLOP/s per device (computed with the source's own FLOP formula), and the mean absolute percentage error.
+Each file in ``benchmarks/validation/`` describes one published run (source, measured step time and model
+TFLOP/s) and holds hyperjax's config for it: dense runs (Korthikanti et al.) and mixtures of experts
+(Megatron-Core's Qwen3-235B runs, Megatron-Bridge's GPT-OSS-120B). This script resolves every run
+(``hyperjax.resolve``), predicts it (``hyperjax.estimate``) on the run's hardware preset, and prints
+predicted vs measured step time and model TFLOP/s per device (with the source's own FLOP count: Korthikanti's
+eq. 7, or the figure the source prints), and the mean absolute percentage error of each kind.
 Nothing here is fitted to these rows: the preset constants come from datasheets and public microbenchmarks.
 Writes ``benchmarks/results/validate.json``.
 
@@ -39,51 +41,69 @@ def korthikanti_eq7(cfg: Config) -> float:
     )
 
 
+def row(path: Path) -> dict:
+    """One published run, predicted."""
+    doc = yaml.safe_load(path.read_text())
+    cfg = build(Config, doc["config"], "")
+    est = hyperjax.estimate(hyperjax.resolve(cfg))
+    measured = doc["measured"]["step_time_s"]
+    if doc["flops_formula"] == "korthikanti_eq7":
+        measured_tflops = korthikanti_eq7(cfg) / (measured * est.devices) / 1e12
+    else:  # the source's own figure; the prediction does the same work in its predicted time
+        measured_tflops = doc["measured"]["tflops_per_device"]
+    return {
+        "id": doc["id"],
+        "kind": "moe" if cfg.model.moe is not None else "dense",
+        "devices": est.devices,
+        "measured_s": measured,
+        "predicted_s": est.step_time_s,
+        "error": est.step_time_s / measured - 1,
+        "measured_tflops_per_device": measured_tflops,
+        "predicted_tflops_per_device": measured_tflops * measured / est.step_time_s,
+        "breakdown_s": est.breakdown_s,
+        "communication_s": est.communication_s,
+        "fits": est.fits,
+    }
+
+
+def errors(rows: list[dict]) -> tuple[float, float]:
+    """Mean absolute percentage error and the worst row's."""
+    return sum(abs(r["error"]) for r in rows) / len(rows), max(abs(r["error"]) for r in rows)
+
+
 def main() -> int:
-    rows = []
-    for path in sorted((HERE / "validation").glob("*.yaml")):
-        doc = yaml.safe_load(path.read_text())
-        cfg = build(Config, doc["config"], "")
-        est = hyperjax.estimate(hyperjax.resolve(cfg))
-        measured = doc["measured"]["step_time_s"]
-        flops = korthikanti_eq7(cfg)
-        rows.append(
-            {
-                "id": doc["id"],
-                "devices": est.devices,
-                "measured_s": measured,
-                "predicted_s": est.step_time_s,
-                "error": est.step_time_s / measured - 1,
-                "measured_tflops_per_device": flops / (measured * est.devices) / 1e12,
-                "predicted_tflops_per_device": flops / (est.step_time_s * est.devices) / 1e12,
-                "breakdown_s": est.breakdown_s,
-                "fits": est.fits,
-            }
-        )
-    mape = sum(abs(r["error"]) for r in rows) / len(rows)
-    worst = max(abs(r["error"]) for r in rows)
-    table = Table(title="cost model vs published measured runs (A100 80GB, Selene)")
-    for col in ("run", "devices", "measured s", "predicted s", "error", "TFLOP/s/dev meas.", "pred.", "fits"):
-        table.add_column(col, justify="left" if col == "run" else "right")
-    for r in rows:
-        table.add_row(
-            r["id"],
-            str(r["devices"]),
-            f"{r['measured_s']:.2f}",
-            f"{r['predicted_s']:.2f}",
-            f"{r['error']:+.1%}",
-            f"{r['measured_tflops_per_device']:.1f}",
-            f"{r['predicted_tflops_per_device']:.1f}",
-            "yes" if r["fits"] else "NO",
-        )
-    console = Console(width=140)
-    console.print(table)
-    console.print(f"mean absolute percentage error {mape:.1%}; worst row {worst:.1%}")
+    rows = [row(path) for path in sorted((HERE / "validation").glob("*.yaml"))]
+    console = Console(width=150)
+    summary = {}
+    for kind, title in (
+        ("dense", "dense: cost model vs published measured runs (Korthikanti et al., A100 80GB, Selene)"),
+        ("moe", "mixture of experts: cost model vs published measured runs (Megatron-Core, DGX H100)"),
+    ):
+        mine = [r for r in rows if r["kind"] == kind]
+        table = Table(title=title)
+        for col in ("run", "devices", "measured s", "predicted s", "error", "TFLOP/s/dev meas.", "pred.", "fits"):
+            table.add_column(col, justify="left" if col == "run" else "right")
+        for r in mine:
+            table.add_row(
+                r["id"],
+                str(r["devices"]),
+                f"{r['measured_s']:.2f}",
+                f"{r['predicted_s']:.2f}",
+                f"{r['error']:+.1%}",
+                f"{r['measured_tflops_per_device']:.1f}",
+                f"{r['predicted_tflops_per_device']:.1f}",
+                "yes" if r["fits"] else "NO",
+            )
+        console.print(table)
+        mape, worst = errors(mine)
+        summary[kind] = {"mape": mape, "worst": worst}
+        console.print(f"{kind}: mean absolute percentage error {mape:.1%}; worst row {worst:.1%}")
     out = HERE / "results" / "validate.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"mape": mape, "worst": worst, "runs": rows}, indent=2))
+    dense = summary["dense"]
+    out.write_text(json.dumps({**dense, "by_kind": summary, "runs": rows}, indent=2))
     print(f"wrote {out}")
-    return 0 if mape <= 0.10 and worst <= 0.20 else 1
+    return 0 if dense["mape"] <= 0.10 and dense["worst"] <= 0.20 else 1
 
 
 if __name__ == "__main__":

@@ -13,7 +13,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from hyperjax.config.checks import positive, vocabularies
-from hyperjax.config.types import GATED, AttentionKind, Balance, BlockLayout, Family, MLPKind, Norm, Positions, Router
+from hyperjax.config.types import (
+    GATED,
+    AttentionKernel,
+    AttentionKind,
+    Balance,
+    BlockLayout,
+    Family,
+    MLPKind,
+    Norm,
+    Positions,
+    Router,
+)
 from hyperjax.errors import ConfigError
 
 FAMILY_PARTS: Mapping[str, Mapping[str, Any]] = {
@@ -140,6 +151,7 @@ class ModelConfig:
     bias: bool | None = None  # biases on every projection and LayerNorm shifts; null: the family's
     block: BlockLayout = "sequential"  # sequential (pre-norm attention then MLP) or parallel (GPT-J / PaLM)
     attention: AttentionKind = "mha"  # mha (multi-head / grouped-query) or mla (DeepSeek's latent attention)
+    attention_kernel: AttentionKernel = "materialized"  # materialized (scores kept) or flash (one fused kernel)
     kv_lora_rank: int | None = None  # mla: width of the compressed keys and values (DeepSeek-V3: 512)
     q_lora_rank: int | None = None  # mla: width of the compressed queries; null: queries not compressed
     rope_head_dim: int | None = None  # mla: rotary dimensions per head, apart from head_dim (DeepSeek-V3: 64)

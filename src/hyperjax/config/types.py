@@ -48,6 +48,12 @@ Positions = Literal["learned", "rope"]
 AttentionKind = Literal["mha", "mla"]
 """``mha``: multi-head (or grouped-query) attention; ``mla``: DeepSeek's multi-head latent attention."""
 
+AttentionKernel = Literal["materialized", "flash"]
+"""How the attention core runs: ``materialized`` computes and keeps every score and softmax probability
+(``s x s`` per head and sequence: Megatron before fused attention, and Korthikanti et al.'s accounting);
+``flash`` is one fused kernel (FlashAttention, cuDNN's fused attention, TPU splash attention) that keeps
+nothing quadratic, skips the blocks a causal mask hides and recomputes the scores in its backward."""
+
 Router = Literal["softmax", "sigmoid"]
 """How an MoE router scores experts: softmax over all of them (Mixtral, Qwen3, Switch), or a sigmoid per
 expert (DeepSeek-V3); either way the top-k weights are normalised over the k chosen."""

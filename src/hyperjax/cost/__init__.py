@@ -5,7 +5,7 @@ from hyperjax.cost.compute import gemm_time, stream_time
 from hyperjax.cost.counts import count_params, model_flops_per_sequence, model_tensors
 from hyperjax.cost.estimate import Estimate, estimate, stage_spans
 from hyperjax.cost.layer import LayerCost, price_layer
-from hyperjax.cost.stage import FRAGMENTATION, ChunkCost, PartCost, StageCore, StageCost, chunk_starts
+from hyperjax.cost.stage import FRAGMENTATION, ChunkCost, PartCost, StageCore, StageCost, chunk_starts, zero_share
 from hyperjax.cost.trace import simulate, stage_metadata, task_events, write_trace
 
 __all__ = [
@@ -31,4 +31,5 @@ __all__ = [
     "stream_time",
     "task_events",
     "write_trace",
+    "zero_share",
 ]

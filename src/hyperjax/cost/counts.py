@@ -15,6 +15,7 @@ blocks) and split by name into the groups the models tag with ``checkpoint_name`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Iterator
 from typing import Literal
@@ -273,6 +274,7 @@ def block_flops_per_token(m: ModelConfig, seq: int | None = None, *, moe: bool =
     return 3 * sum(p.flops_per_token for p in block_products(m, moe=moe)) + 3 * attention_flops_per_token(m, seq)
 
 
+@functools.lru_cache(maxsize=1024)
 def layer_flops_per_token(m: ModelConfig, seq: int | None = None) -> tuple[float, ...]:
     """:func:`block_flops_per_token` of every block in order (dense and MoE blocks differ)."""
     dense = block_flops_per_token(m, seq)
@@ -342,7 +344,8 @@ def activation_units(m: ModelConfig, *, moe: bool = False, imbalance: float = 1.
         "qkv": qkv,
         "attn_out": 2.0 * a * hd,
         "mlp_hidden": hidden,
-        "attn_core": 5.0 * a * m.seq_len,
+        # materialized: Korthikanti's scores, softmax and dropout mask; fused: its float32 softmax statistics
+        "attn_core": 5.0 * a * m.seq_len if m.attention_kernel == "materialized" else 4.0 * a,
     }
 
 

@@ -87,8 +87,8 @@ def runtime_inventory(run: Run) -> Inventory:
         reduce += 4 * (local - routed)  # (routed experts' in one pass over the data and context axes)
     if fsdp > 1:
         gather += 4 * local
-    if run.zero_stage >= 1 and data > 1:
-        gather += 4 * local
+    if run.zero_stage >= 1:  # ZeRO gathers the updated parameters over the axes it split them over
+        gather += 4 * ((local - routed) * (data * ep > 1) + routed * (data > 1))
     batch = t.global_batch / (data * fsdp * ep)
     act = batch * (s / cp) * h * e
     if tp > 1:

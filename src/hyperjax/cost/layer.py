@@ -128,6 +128,15 @@ def price_layer(
     )
 
 
+@functools.lru_cache(maxsize=4096)
+def _block_params(m: ModelConfig, moe: bool, tp: int, ep: int, expert_tensor: bool) -> tuple[float, float]:
+    """A block's parameters on one device before FSDP, and those of them that are routed experts'."""
+    local = [
+        (t.local_size(tensor=tp, expert=ep, expert_tensor=expert_tensor), t.expert) for t in block_tensors(m, moe=moe)
+    ]
+    return sum(n for n, _ in local), sum(n for n, routed in local if routed)
+
+
 @functools.lru_cache(maxsize=65536)
 def _price_layer(
     m: ModelConfig,
@@ -168,31 +177,30 @@ def _price_layer(
         products[key] += product(p)
     proj = sum(products.values())
     rope = m.rope_head_dim if m.attention == "mla" else 0
-    # scores over the query-key width and attention-weighted values, one batched product each
+    flash = m.attention_kernel == "flash"
+    # scores over the query-key width and attention-weighted values, one batched product each; a fused
+    # kernel skips the blocks the causal mask hides (half the square for long sequences)
     core = gemm(s / cp, s, hd + rope, count=micro * a / tp) + gemm(s / cp, hd, s, count=micro * a / tp)
-    units = activation_units(m, moe=moe, imbalance=routed.imbalance if routed else 1.0)
+    core *= 0.5 if flash else 1.0
     scale = e / 2  # the byte counts are for 16-bit activations
     per_token = micro * (s / cp) * scale
     rep = tp if sequence_parallel else 1
-    acts = {
-        "block_in": units["block_in"] * per_token / rep,
-        "norms": units["norms"] * per_token / rep,
-        "qkv": units["qkv"] * per_token / tp,
-        "attn_out": units["attn_out"] * per_token / tp,
-        "mlp_hidden": units["mlp_hidden"] * per_token / tp,
-        "attn_core": units["attn_core"] * per_token / tp,
-    }
+    ways = {"block_in": rep, "norms": rep, "qkv": tp, "attn_out": tp, "mlp_hidden": tp, "attn_core": tp}
+    # the busiest device streams its routed copies (imbalance); what a device keeps is summed over many
+    # layers and micro-batches, whose busiest devices differ, so memory counts the mean load
+    units = activation_units(m, moe=moe, imbalance=routed.imbalance if routed else 1.0)
+    acts = {name: units[name] * per_token / ways[name] for name in ways}
+    kept = {name: u * per_token / ways[name] for name, u in activation_units(m, moe=moe).items()}
     replicated = acts["block_in"] + acts["norms"]
     split = acts["qkv"] + acts["attn_out"] + acts["mlp_hidden"]
+    held = kept["block_in"] + kept["norms"] + kept["qkv"] + kept["attn_out"] + kept["mlp_hidden"]
     ew_fwd = stream_time(2 * (replicated + split), ops=12 + (8 if moe else 0), hardware=hardware)
-    ew_core_fwd = stream_time(2 * acts["attn_core"], ops=4, hardware=hardware)
+    # materialized: the scores and probabilities stream through HBM; fused: they stay on chip, and the
+    # backward recomputes the scores (five products of the core's size against the forward's two)
+    ew_core_fwd = 0.0 if flash else stream_time(2 * acts["attn_core"], ops=4, hardware=hardware)
     fwd = proj + core + ew_fwd + ew_core_fwd
-    bwd = 2 * (proj + core) + 2 * (ew_fwd + ew_core_fwd)
-    stored = {
-        "none": replicated + split + acts["attn_core"],
-        "selective": replicated + split,
-        "full": acts["block_in"],
-    }[recompute]
+    bwd = 2 * proj + (2.5 if flash else 2.0) * core + 2 * (ew_fwd + ew_core_fwd)
+    stored = {"none": held + kept["attn_core"], "selective": held, "full": kept["block_in"]}[recompute]
     ew_share = lambda name: ew_fwd * acts[name] / (replicated + split)
     by_name = {
         "norms": ew_fwd * (acts["norms"] + acts["block_in"]) / (replicated + split),
@@ -201,7 +209,8 @@ def _price_layer(
         "mlp_hidden": products["mlp_hidden"] + ew_share("mlp_hidden"),
         "attn_core": core + ew_core_fwd,
     }
-    extra = {"none": 0.0, "selective": core + ew_core_fwd, "full": fwd}[recompute]
+    # selective recomputation re-runs a materialized core; a fused core keeps nothing to recompute
+    extra = {"none": 0.0, "selective": 0.0 if flash else core + ew_core_fwd, "full": fwd}[recompute]
 
     act_bytes = micro * (s / cp) * m.d_model * e
     passes = 2 + (1 if recompute == "full" else 0)  # forward, backward, re-forward
@@ -214,10 +223,7 @@ def _price_layer(
         one = exchange_time(m, routed, exchange, bytes_per_element=e, hardware=hardware)
         expert_comm = 2 * passes * one
 
-    tensors = block_tensors(m, moe=moe)
-    local = [t.local_size(tensor=tp, expert=ep, expert_tensor=expert_tensor) for t in tensors]
-    params = sum(local)
-    experts = sum(n for t, n in zip(tensors, local, strict=True) if t.expert)
+    params, experts = _block_params(m, moe, tp, ep, expert_tensor)
     gather = collective_time("all_gather", params * e, spans["fsdp"], hardware)
     scatter = collective_time("reduce_scatter", params * 4, spans["fsdp"], hardware)
     exposed = max(0.0, 2 * gather + scatter - (fwd + bwd + extra))
@@ -234,7 +240,7 @@ def _price_layer(
         fsdp_scatter_s=scatter,
         fsdp_exposed_s=exposed,
         stored_bytes=stored,
-        activation_bytes=acts,
+        activation_bytes=kept,
         recompute_by_name_s=by_name,
         params=params / fsdp,
         expert_params=experts / fsdp,

@@ -148,6 +148,13 @@ def _kinds(m: ModelConfig, first: int, layers: int) -> list[tuple[int, bool]]:
     return [(n, kind) for n, kind in ((layers - moe, False), (moe, True)) if n]
 
 
+def zero_share(params: float, expert_params: float, axes: Mapping[str, int]) -> float:
+    """What one device keeps of ``params`` parameters' ZeRO-sharded state (optimizer state, or gradients at
+    stage 2): split over the batch axes, data and expert, except the routed experts' (``expert_params`` of
+    them), which the expert axis already splits: theirs over data alone."""
+    return (params - expert_params) / (axes["data"] * axes.get("expert", 1)) + expert_params / axes["data"]
+
+
 def chunk_starts(run: Run) -> dict[int, int]:
     """The first block of every chunk, by chunk (chunk ``c`` lives on stage ``c mod stages``)."""
     counts = {c: n for s in run.stages for c, n in zip(s.chunks, s.layers, strict=True)}
@@ -274,7 +281,6 @@ def price_stage(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> S
     says, the gradient reduction and optimizer step of its ZeRO stage, and its memory with ``in_flight``
     micro-batches held (:func:`in_flight`)."""
     hw, axes = run.hardware, stage.axes
-    data = axes["data"]
     e = 2 if run.dtype == "bfloat16" else 4
     split = run.schedule == "zero-bubble"
     chunks = tuple(
@@ -291,7 +297,8 @@ def price_stage(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> S
         dp_time += sum(collective_time("all_gather", n * e, span, hw) for n, span in reduced)
     layers = sum(p.layers for p in core.parts)
     dp_exposed = max(0.0, dp_time - core.last_backward_s) + dp_time / max(layers, 1) if stage.data_parallel > 1 else 0.0
-    opt_params = trained / (data if run.zero_stage >= 1 else 1)
+    zero = lambda n: zero_share(n, core.expert_params, axes)
+    opt_params = zero(trained) if run.zero_stage >= 1 else trained
     fsdp = axes["fsdp"]
     # FSDP materialises a layer whole: its gathered parameters and the next layer's (prefetched) in the
     # compute dtype, and its full gradient in float32 before the reduce-scatter
@@ -299,7 +306,7 @@ def price_stage(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> S
     memory = {
         "params": held * (4 + (2 if e == 2 else 0)) + whole * (2 * e + 4),
         "optimizer": opt_params * 8,
-        "gradients": held / (data if run.zero_stage >= 2 else 1) * 4,
+        "gradients": (zero(held) if run.zero_stage >= 2 else held) * 4,
         "activations": in_flight * core.kept_bytes + core.head_bytes,
     }
     memory["peak"] = sum(memory.values()) * FRAGMENTATION

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from hyperjax.config import GATED, MLPKind, Norm
+from hyperjax.config import GATED, AttentionKernel, MLPKind, Norm
 from hyperjax.models.taps import product
 
 Constrain = Callable[[jax.Array, tuple[str | None, ...]], jax.Array]
@@ -110,6 +110,30 @@ def rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> jax.Arra
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
 
 
+def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, kernel: AttentionKernel) -> jax.Array:
+    """``softmax(q k^T / sqrt(d)) v`` for queries ``(b, s, heads, d)`` over keys ``(b, s, kv_heads, d)`` and values
+    ``(b, s, kv_heads, dv)`` (each key/value head serves ``heads / kv_heads`` query heads).
+
+    ``materialized`` computes the scores and probabilities as arrays (the probabilities tagged ``attn_core``
+    for rematerialisation policies); ``flash`` calls :func:`jax.nn.dot_product_attention`, which XLA runs
+    as a fused kernel where the backend has one (cuDNN on GPUs) and as the same arithmetic elsewhere.
+    """
+    b, s, h, d = q.shape
+    if kernel == "flash":
+        dv = v.shape[-1]
+        if dv != d:  # the fused kernel takes one head width: values padded to the queries' and keys'
+            v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, d - dv)))
+        return jax.nn.dot_product_attention(q, k, v, scale=1.0 / d**0.5, is_causal=causal)[..., :dv]
+    kv = k.shape[2]
+    q = q.reshape(b, s, kv, h // kv, d)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
+    if causal:
+        mask = jnp.tril(jnp.ones((s, s), dtype=bool))
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(v.dtype), "attn_core")
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, h, v.shape[-1])
+
+
 class Attention(nnx.Module):
     """Causal (or, for an encoder, bidirectional) multi-head or grouped-query attention of ``heads`` heads of
     ``head_dim``; the projections are Megatron column/row splits, rotary positions when ``rope_theta`` is set."""
@@ -126,9 +150,11 @@ class Attention(nnx.Module):
         layers: int,
         rngs: nnx.Rngs,
         causal: bool = True,
+        kernel: AttentionKernel = "materialized",
     ) -> None:
         hd = head_dim
         self.heads, self.kv_heads, self.rope_theta, self.causal = heads, kv_heads, rope_theta, causal
+        self.kernel = kernel
         self.q_proj = param(rngs, (d_model, heads, hd), ("embed", "heads", "head_dim"))
         self.k_proj = param(rngs, (d_model, kv_heads, hd), ("embed", "kv_heads", "head_dim"))
         self.v_proj = param(rngs, (d_model, kv_heads, hd), ("embed", "kv_heads", "head_dim"))
@@ -164,15 +190,7 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", "seq", "act_kv_heads", None))
         k = constrain(checkpoint_name(k, "qkv"), ("batch", None, "act_kv_heads", None))
         v = constrain(checkpoint_name(v, "qkv"), ("batch", None, "act_kv_heads", None))
-        b, s, h, d = q.shape
-        g = h // self.kv_heads
-        q = q.reshape(b, s, self.kv_heads, g, d)
-        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
-        if self.causal:
-            mask = jnp.tril(jnp.ones((s, s), dtype=bool))
-            scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(dt), "attn_core")
-        out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, h, d)
+        out = attention_core(q, k, v, causal=self.causal, kernel=self.kernel)
         out = constrain(checkpoint_name(out, "attn_out"), ("batch", "seq", "act_heads", None))
         y = product("bshk,hkd->bsd", out, use(self.o_proj, constrain).astype(dt))
         if self.bias:

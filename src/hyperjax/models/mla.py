@@ -16,7 +16,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from hyperjax.config import ModelConfig
-from hyperjax.models.layers import Constrain, make_norm, param, rope, use
+from hyperjax.models.layers import Constrain, attention_core, make_norm, param, rope, use
 from hyperjax.models.taps import product
 
 
@@ -26,7 +26,7 @@ class LatentAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs) -> None:
         h, a, hd, rd, c = cfg.d_model, cfg.heads, cfg.head_dim, cfg.rope_head_dim, cfg.kv_lora_rank
         self.heads, self.head_dim, self.rope_dim, self.rank = a, hd, rd, c
-        self.theta = cfg.rope_theta
+        self.theta, self.kernel = cfg.rope_theta, cfg.attention_kernel
         self.compressed = cfg.q_lora_rank is not None
         if self.compressed:
             q = cfg.q_lora_rank
@@ -62,11 +62,6 @@ class LatentAttention(nnx.Module):
         v = constrain(v, ("batch", "seq", "act_heads", None))
         k = constrain(checkpoint_name(k, "qkv"), ("batch", None, "act_heads", None))
         v = constrain(checkpoint_name(v, "qkv"), ("batch", None, "act_heads", None))
-        s = q.shape[1]
-        scale = jnp.sqrt(jnp.float32(self.head_dim + self.rope_dim))
-        scores = jnp.einsum("bqhd,bshd->bhqs", q, k).astype(jnp.float32) / scale
-        scores = jnp.where(jnp.tril(jnp.ones((s, s), dtype=bool)), scores, jnp.finfo(jnp.float32).min)
-        probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(dt), "attn_core")
-        out = jnp.einsum("bhqs,bshd->bqhd", probs, v)
+        out = attention_core(q, k, v, causal=True, kernel=self.kernel)
         out = constrain(checkpoint_name(out, "attn_out"), ("batch", "seq", "act_heads", None))
         return product("bshk,hkd->bsd", out, use(self.o_proj, constrain).astype(dt))

@@ -86,6 +86,7 @@ class Block(nnx.Module):
                 layers=cfg.layers,
                 rngs=rngs,
                 causal=causal,
+                kernel=cfg.attention_kernel,
             )
         if not self.parallel:
             self.norm2 = make_norm(cfg.norm, cfg.d_model, bias=cfg.bias, rngs=rngs)

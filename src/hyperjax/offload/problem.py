@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from hyperjax.config import ACTIVATIONS
-from hyperjax.cost import Estimate, LayerCost, StageCost, chunk_starts
+from hyperjax.cost import Estimate, LayerCost, StageCost, chunk_starts, zero_share
 from hyperjax.errors import ConfigError
 from hyperjax.offload.placement import Placement, parse_group
 from hyperjax.topology import Hardware
@@ -125,7 +125,7 @@ def build_problem(est: Estimate, *, hardware: Hardware, budget_bytes: float, pre
     run = est.run
     n, m, k = len(blocks), est.run.microbatches, prefetch
     e = 2 if run.dtype == "bfloat16" else 4
-    data = stage.stage.axes["data"]
+    axes = stage.stage.axes
     link = hardware.host.bandwidth
     lat = hardware.host.latency
 
@@ -150,8 +150,8 @@ def build_problem(est: Estimate, *, hardware: Hardware, budget_bytes: float, pre
     state = [  # each layer's parameters, gradients and optimizer state on the device
         (
             layer.params * (4 + (2 if e == 2 else 0)),
-            layer.params / (data if run.zero_stage >= 2 else 1) * 4,
-            layer.params / (data if run.zero_stage >= 1 else 1) * 8,
+            (zero_share(layer.params, layer.expert_params, axes) if run.zero_stage >= 2 else layer.params) * 4,
+            (zero_share(layer.params, layer.expert_params, axes) if run.zero_stage >= 1 else layer.params) * 8,
         )
         for layer in blocks
     ]

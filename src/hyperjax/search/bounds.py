@@ -20,7 +20,7 @@ import math
 from typing import Any
 
 from hyperjax.config import Config
-from hyperjax.cost import FRAGMENTATION, price_layer, stage_spans
+from hyperjax.cost import FRAGMENTATION, price_layer, stage_spans, zero_share
 from hyperjax.resolver import balance_layers
 from hyperjax.search.strategies import RECOMPUTE
 from hyperjax.topology import Hardware
@@ -52,6 +52,8 @@ def lower_bound(cfg: Config, overrides: dict[str, Any], hardware: Hardware, budg
             sum(m.is_moe(i) == kind for c in range(s, p * v, p) for i in range(starts[c], starts[c] + chunks[c]))
             for kind in kinds
         ]
+        if m.moe is not None
+        else [sum(chunks[c] for c in range(s, p * v, p))]  # one kind: the stage's blocks
         for s in range(p)
     ]
     held = 1 if p == 1 else min(microbatches, math.ceil(p * (1 + (p - 1) / (p * v) if v > 1 else 1)))
@@ -76,7 +78,9 @@ def lower_bound(cfg: Config, overrides: dict[str, Any], hardware: Hardware, budg
             for moe in kinds
         ]
         # the first stage keeps its blocks' state (ZeRO-2: the leanest) and activations
-        state = [x.params * ((4 + (2 if e == 2 else 0)) + 8 / data + 4 / data) for x in layers]
+        state = [
+            x.params * (4 + (2 if e == 2 else 0)) + 12 * zero_share(x.params, x.expert_params, axes) for x in layers
+        ]
         kept = sum(n * (st + held * x.stored_bytes) for n, st, x in zip(count[0], state, layers, strict=True))
         if kept * FRAGMENTATION <= budget_bytes:
             break

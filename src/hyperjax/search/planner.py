@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from hyperjax.config import Config, Run
@@ -132,6 +132,7 @@ def plan(
     hardware: Hardware | None = None,
     progress: Callable[[int, int], None] | None = None,
     prune: bool = True,
+    where: Mapping[str, Any] | None = None,
 ) -> Search:
     """Rank every valid strategy for ``cfg``'s model on ``devices`` devices that fits.
 
@@ -142,6 +143,7 @@ def plan(
       hardware: the machine (default: ``cfg.hardware``'s preset).
       progress: called with ``(bases done, bases in all)`` as the search goes.
       prune: stop at the first base whose lower bound cannot beat the answer (``False``: price every one).
+      where: search only the strategies with these settings, e.g. ``{"parallel.expert": 64}``.
 
     Raises:
       ConfigError: no strategy is valid, or none fits (:class:`NothingFits`: the message names the memory
@@ -153,6 +155,8 @@ def plan(
     combinations = list(strategies(cfg, devices))
     if cfg.mpmd.submeshes:
         combinations += list(submesh_strategies(cfg, hw, devices))
+    if where:
+        combinations = [c for c in combinations if all(c.get(k) == v for k, v in where.items())]
     index = {id(c): i for i, c in enumerate(combinations)}  # ties are ranked as the enumeration orders them
     groups = list(bases(combinations).values())
     bound = [

@@ -50,15 +50,16 @@ class Strategy:
       params: key-path glob pattern -> logical axes, for tensors that carry no logical axes of their own
         (``"*/attn/o_proj/kernel": ("heads", "embed")``); the first matching pattern wins. Paths join
         the pytree keys with ``/`` (``blocks/0/attn/o_proj/kernel``).
-      zero_stage: ZeRO over ``zero_axis``: 1 shards optimizer state, 2 also gradients (parameters stay as
+      zero_stage: ZeRO over ``zero_axes``: 1 shards optimizer state, 2 also gradients (parameters stay as
         ``rules`` place them; FSDP, i.e. ZeRO-3, is a rule that shards ``embed`` over an axis).
-      zero_axis: the mesh axis ZeRO shards over (the data-parallel axis).
+      zero_axes: the mesh axes ZeRO shards over: the data-parallel axes a tensor is not already sharded
+        over (a routed expert's state, sharded over ``expert``, is split over ``data`` alone).
     """
 
     rules: Mapping[str, MeshAxes]
     params: Mapping[str, LogicalAxes] = dataclasses.field(default_factory=dict)
     zero_stage: int = 0
-    zero_axis: str = "data"
+    zero_axes: tuple[str, ...] = ("data",)
 
     def __post_init__(self) -> None:
         rules = {}
@@ -169,9 +170,9 @@ class Strategy:
             ``mesh``, or a dimension is not divisible by its mesh axes.
         """
         zero = (
-            self.zero_axis
+            self.zero_axes
             if (role == "optimizer" and self.zero_stage >= 1) or (role == "gradients" and self.zero_stage >= 2)
-            else None
+            else ()
         )
 
         def one(path: tuple, leaf: Any) -> Any:
@@ -190,9 +191,10 @@ class Strategy:
         logical_axes: LogicalAxes | None,
         mesh: jax.sharding.Mesh,
         *,
-        zero: str | None = None,
+        zero: tuple[str, ...] = (),
     ) -> P:
-        """The checked ``PartitionSpec`` of one tensor (``zero``: also shard over this axis where it divides).
+        """The checked ``PartitionSpec`` of one tensor (``zero``: also shard over those of these axes it is not
+        sharded over already, on the first dimension they divide).
 
         Raises:
           ShardingError: as :meth:`shardings`.
@@ -227,10 +229,11 @@ class Strategy:
                     f"{tuple(axes)} of total size {ways}; choose degrees that divide {size} or map {name!r} "
                     "to fewer mesh axes"
                 )
-        if zero is not None and zero not in seen and mesh.shape.get(zero, 1) > 1:
+        extra = [a for a in zero if a not in seen and mesh.shape.get(a, 1) > 1]
+        for axis in extra:
             for axes, size in zip(per_dim, shape, strict=True):
-                if size % (math.prod(mesh.shape[a] for a in axes) * mesh.shape[zero]) == 0:
-                    axes.append(zero)
+                if size % (math.prod(mesh.shape[a] for a in axes) * mesh.shape[axis]) == 0:
+                    axes.append(axis)
                     break
         return P(*(_entry(tuple(axes)) for axes in per_dim))
 
