@@ -11,7 +11,8 @@ from hyperjax.config import Config, build, load_config
 from hyperjax.cost import count_params, model_flops_per_sequence
 
 ROOT = Path(__file__).parents[2]
-VALIDATION = sorted((ROOT / "benchmarks" / "validation").glob("*.yaml"))
+VALIDATION = sorted((ROOT / "benchmarks" / "validation").glob("korthikanti-*.yaml"))
+MOE_VALIDATION = sorted((ROOT / "benchmarks" / "validation").glob("megatron-*.yaml"))
 A100 = load_hardware("dgx-a100-80g")
 
 
@@ -31,6 +32,21 @@ def test_calibration_runs_within_bounds():
     assert len(errors) == 8
     assert sum(errors) / len(errors) <= 0.10
     assert max(errors) <= 0.20
+
+
+def test_moe_calibration_runs_within_their_stated_error():
+    """The published mixture-of-experts runs: the README states a mean error of 21.5 % and a worst row of
+    37.1 % (what the model leaves out is listed there); this holds the model to that."""
+    errors = []
+    for path in MOE_VALIDATION:
+        cfg, doc = run(path)
+        est = estimate(resolve(cfg))
+        assert est.devices == doc["devices"] and cfg.model.moe is not None
+        assert est.communication_s["expert_parallel"] > 0
+        errors.append(abs(est.step_time_s / doc["measured"]["step_time_s"] - 1))
+    assert len(errors) == 4
+    assert sum(errors) / len(errors) <= 0.25
+    assert max(errors) <= 0.40
 
 
 def test_model_flops_match_korthikanti_eq7():

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hyperjax import estimate, load_hardware, plan, resolve
+from hyperjax import estimate, load_config, load_hardware, plan, resolve
 from hyperjax.cli.main import main
 from hyperjax.config import Config, build
 from hyperjax.search import candidate, strategies
@@ -83,10 +83,13 @@ def test_nothing_fits(capsys):
 
 
 GPT_22B = "korthikanti-22b-sp-selective.yaml"
+GPT_OSS = "megatron-bridge-gpt-oss-120b-h100-64.yaml"
+MOE_SMALL = ["model.layers=6", "model.moe.first_dense=1", "model.moe.every=2", "train.global_batch=64"]
 SMALL = [  # searches small enough to price exhaustively: (config, devices, overrides)
     (GPT_22B, 16, []),
     (GPT_22B, 8, ["train.global_batch=16"]),
     (GPT_22B, 32, ["model.family=llama", "model.kv_heads=8", "train.global_batch=64"]),
+    (GPT_OSS, 16, [*MOE_SMALL, "emulate.devices=16"]),  # dense and MoE blocks, expert degree searched
 ]
 
 
@@ -133,16 +136,21 @@ def test_the_search_prices_as_predict_does():
     assert [c.estimate.step_time_s for c in found.best] == pytest.approx([t for t, _, _ in brute[:3]], rel=1e-12)
 
 
-def test_the_bound_never_exceeds_the_estimate():
+@pytest.mark.parametrize(
+    ("name", "overrides", "every"),
+    [(GPT_22B, ["train.global_batch=32"], 7), (GPT_OSS, [*MOE_SMALL, "emulate.devices=16"], 5)],
+    ids=["dense", "moe"],
+)
+def test_the_bound_never_exceeds_the_estimate(name, overrides, every):
     from hyperjax.errors import HyperjaxError
     from hyperjax.search import candidate
     from hyperjax.search.bounds import lower_bound
     from hyperjax.search.strategies import RECOMPUTE
 
-    cfg = small_case(GPT_22B, ["train.global_batch=32"])
+    cfg = small_case(name, overrides)
     hw = load_hardware(cfg.hardware)
     checked = 0
-    for combo in list(strategies(cfg, 16))[::7]:
+    for combo in list(strategies(cfg, 16))[::every]:
         bound = lower_bound(cfg, combo, hw, hw.device.hbm_bytes)
         for recompute in RECOMPUTE:
             try:
@@ -161,3 +169,11 @@ def test_plan_json_reports_the_search(capsys):
     assert main(args) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["searched"] >= data["priced"] >= data["fitting"] > 0 and data["seconds"] > 0
+
+
+def test_plan_finds_expert_parallel_strategies_for_deepseek_v3_on_a_supernode():
+    cfg = load_config(ROOT / "configs/deepseek-v3-671b.yaml")
+    found = plan(cfg, 384, keep=3)
+    assert found.best and all(c.estimate.fits for c in found.best)
+    assert all(c.run.parallel["expert"] > 1 for c in found.best)
+    assert all(c.estimate.communication_s["expert_parallel"] > 0 for c in found.best)
