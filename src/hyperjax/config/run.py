@@ -190,6 +190,8 @@ class Run:
             extras.append("sequence_parallel")
         if self.zero_stage:
             extras.append(f"zero_stage={self.zero_stage}")
+        if self.config.model.moe is not None and not self.expert_tensor_split:
+            extras.append("experts over expert x tensor")
         if not self.pipelined:
             parts = [f"{k}={v}" for k, v in self.stages[0].axes.items() if v > 1] or ["single device"]
             if self.microbatches > 1:
