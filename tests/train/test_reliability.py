@@ -146,8 +146,6 @@ def test_checkpoint_mistakes_exit_2(tmp_path: Path, capsys):
     joined = ["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"]
     err = _bad([*base, "--max-restarts", "1", "--checkpoint-dir", str(tmp_path / "j"), *joined], capsys)
     assert "do not combine it with --coordinator" in err
-    pipeline = ["--set", "parallel.tensor=1", "--set", "parallel.pipeline=2", "--set", "emulate.processes=2"]
-    assert "not supported" in _bad([*base, *pipeline, "--checkpoint-dir", str(tmp_path / "p")], capsys)
     run = tmp_path / "run"
     assert main([*base, "--steps", "2", "--checkpoint-dir", str(run), "--out-dir", str(tmp_path)]) == 0
     capsys.readouterr()
@@ -251,3 +249,39 @@ def test_a_killed_process_is_restarted_from_the_checkpoint(tmp_path: Path, unint
         np.testing.assert_allclose(losses, uninterrupted, rtol=1e-4)
     else:
         assert losses == uninterrupted  # every step, bitwise
+
+
+@pytest.mark.multiprocess
+def test_a_killed_pipeline_process_is_restarted_and_its_checkpoint_moves_between_process_counts(tmp_path: Path):
+    """A 2-stage pipeline, one stage per process: each stage's state reaches the checkpoint from the process
+    that holds it, a restart after SIGKILL replays the steps since it bitwise, and the checkpoint restores
+    onto one process."""
+    args = [QUICK, *(a for s in (*SMALL, "parallel.tensor=1", "parallel.pipeline=2") for a in ("--set", s))]
+    whole = _Job(
+        [
+            *args,
+            "--set",
+            "emulate.processes=2",
+            "--metrics-out",
+            str(tmp_path / "whole.jsonl"),
+            "--out-dir",
+            str(tmp_path),
+        ],
+        tmp_path / "none",
+    )
+    whole.finish()
+    uninterrupted = _losses(tmp_path / "whole.jsonl")
+    ckpt = tmp_path / "ckpt"
+    killed = [*args, "--set", "emulate.processes=2", "--metrics-out", str(tmp_path / "m.jsonl")]
+    job = _Job([*killed, "--out-dir", str(tmp_path), "--checkpoint-dir", str(ckpt), "--max-restarts", "1"], ckpt)
+    job.kill_after_checkpoint(4, process=1)
+    out = job.finish()
+    assert re.search(r"\[launcher\] restart 1/1: process 1 was killed by SIGKILL", out), out[-4000:]
+    assert _losses(tmp_path / "m.jsonl") == uninterrupted  # every step, bitwise
+    # the same checkpoint continued in one process
+    shutil.copytree(ckpt / "4", tmp_path / "one" / "4")
+    one = [*args, "--set", "emulate.processes=1", "--metrics-out", str(tmp_path / "one.jsonl")]
+    assert main(["train", *one, "--out-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path / "one"), "--resume"]) == 0
+    moved = _losses(tmp_path / "one.jsonl")
+    assert moved[:4] == uninterrupted[:4]  # read back from the checkpoint's records
+    np.testing.assert_allclose(moved[4:], uninterrupted[4:], rtol=1e-6)

@@ -3,6 +3,7 @@
 from hyperjax.mpmd.chunks import Chunk, model_chunks
 from hyperjax.mpmd.runner import PipelineRunner
 from hyperjax.mpmd.schedules import SCHEDULES, Schedule, ScheduleError, Task, make_schedule, validate
+from hyperjax.mpmd.state import from_host, host_like, to_host
 from hyperjax.mpmd.timing import (
     closed_form_idle,
     replay,
@@ -20,12 +21,15 @@ __all__ = [
     "ScheduleError",
     "Task",
     "closed_form_idle",
+    "from_host",
+    "host_like",
     "make_schedule",
     "model_chunks",
     "replay",
     "replayed_bubble",
     "task_seconds",
     "theory_bubble",
+    "to_host",
     "uniform_bubble",
     "validate",
 ]

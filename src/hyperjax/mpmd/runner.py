@@ -38,7 +38,7 @@ from hyperjax.mpmd.chunks import Chunk
 from hyperjax.mpmd.programs import Programs, chunk_programs
 from hyperjax.mpmd.schedules import Task, make_schedule
 from hyperjax.mpmd.transfer import forget, scalar, split_devices, sum_over_processes, transfer
-from hyperjax.shard import Strategy, place
+from hyperjax.shard import Constrainer, Strategy, place
 from hyperjax.topology import make_mesh
 
 
@@ -144,12 +144,12 @@ class PipelineRunner:
                     lead=jax.process_index() == min(owners),
                     local=owners == {jax.process_index()},
                     strategy=strat,
-                    constrain=strat.constrainer(mesh),
+                    constrain=Constrainer(strategy=strat, mesh=mesh),
                     param_sh=strat.shardings(params, mesh),
                     host_params=jax.tree.map(np.asarray, params),
                     act_sh=NamedSharding(mesh, strat.spec(("batch", "res_seq", "act_embed"))),
                     scalar_sh=NamedSharding(mesh, PartitionSpec()),
-                    opt_sh=strat.shardings(jax.eval_shape(optimizer.init, self._trained(params, c)), mesh),
+                    opt_sh=strat.shardings(jax.eval_shape(optimizer.init, self.trained(params, c)), mesh),
                     moe=getattr(getattr(part, "cfg", None), "moe", None),
                     moe_layers=sum(isinstance(node, MoE) for _, node in nnx.iter_graph(part)),
                 )
@@ -168,7 +168,7 @@ class PipelineRunner:
 
     # ---- parameters ------------------------------------------------------------------------------------
 
-    def _trained(self, params: dict[str, Any], c: int) -> dict[str, Any]:
+    def trained(self, params: dict[str, Any], c: int) -> dict[str, Any]:
         """The parameters chunk ``c``'s optimizer updates (not the last chunk's tied copy of the table)."""
         if self.tied and c == self.n_chunks - 1:
             return {k: v for k, v in params.items() if k != "head"}
@@ -197,7 +197,7 @@ class PipelineRunner:
                 continue
             p = jax.tree.map(place, ch.host_params, ch.param_sh)
             params.append(p)
-            opt.append(jax.jit(self.optimizer.init, out_shardings=ch.opt_sh)(self._trained(p, c)))
+            opt.append(jax.jit(self.optimizer.init, out_shardings=ch.opt_sh)(self.trained(p, c)))
         return {"params": params, "opt_state": opt, "step": 0}
 
     # ---- programs ---------------------------------------------------------------------------------------
@@ -277,7 +277,7 @@ class PipelineRunner:
             head = self._hand_over(g_head, last, 0, chunks[0].param_sh["embed"], table)
             if chunks[0].mine:
                 grads[0] = {**grads[0], "embed": grads[0]["embed"] + head}
-        trained = [self._trained(g, c) if g is not None else None for c, g in enumerate(grads)]
+        trained = [self.trained(g, c) if g is not None else None for c, g in enumerate(grads)]
         # every process of a submesh runs its programs; one of them reports each value
         sums = [scalar(ch.sumsq(g)) if ch.mine else 0.0 for ch, g in zip(chunks, trained, strict=True)]
         local = sum(x for x, ch in zip(sums, chunks, strict=True) if ch.lead)
@@ -290,7 +290,7 @@ class PipelineRunner:
                 new_opt.append(None)
                 continue
             factor = place(np.float32(scale), ch.scalar_sh)
-            p, o = ch.update(self._trained(params[c], c), state["opt_state"][c], trained[c], factor)
+            p, o = ch.update(self.trained(params[c], c), state["opt_state"][c], trained[c], factor)
             if ch.rebias is not None:
                 p = ch.rebias(p, routers[c].load)
             new_params.append(p)

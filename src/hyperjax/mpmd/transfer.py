@@ -86,6 +86,29 @@ def transfer(value: Any, src: jax.sharding.Mesh, dst: NamedSharding, shape: Any,
     return place(np.frombuffer(raw, dtype=shape.dtype).reshape(shape.shape), dst)
 
 
+def to_process0(value: jax.Array | None, mesh: jax.sharding.Mesh, like: Any, key: str) -> np.ndarray | None:
+    """The whole of ``value`` (an array on ``mesh`` shaped as ``like``; ``None`` where this process holds
+    none of the mesh's devices) as a host array on process 0; ``None`` elsewhere. Every process calls it,
+    in the same order.
+
+    The processes of ``mesh`` gather it whole; if process 0 is not among them, their first one sends the
+    bytes through the key-value store under ``key`` (process 0 deletes the key once read).
+    """
+    me = jax.process_index()
+    owners = {d.process_index for d in mesh.devices.flat}
+    whole = None
+    if me in owners:
+        whole = np.asarray(relayout(value, NamedSharding(mesh, PartitionSpec())).addressable_data(0))
+        if 0 not in owners and me == min(owners):
+            distributed.global_state.client.key_value_set_bytes(key, whole.tobytes())
+    if me != 0 or whole is not None:
+        return whole if me == 0 else None
+    client = distributed.global_state.client
+    raw = client.blocking_key_value_get_bytes(key, _TRANSFER_TIMEOUT_MS)
+    client.key_value_delete(key)
+    return np.frombuffer(raw, dtype=like.dtype).reshape(like.shape).copy()
+
+
 _TRANSFER_TIMEOUT_MS = 600_000  # a stage may compute for minutes on an emulated supernode
 
 

@@ -9,6 +9,11 @@ orbax writes each checkpoint into ``<dir>/<step>.orbax-checkpoint-tmp`` and rena
 only once every process has finished writing, so a write interrupted by SIGKILL leaves the previous
 checkpoint as the latest readable one. Restoring reads each array straight into the sharding the new run
 wants, so a checkpoint restores onto any mesh (any strategy, any device count) that holds the same model.
+
+A pipeline's state lives in the processes of each stage's submesh, which orbax cannot write as global
+arrays; its checkpoints hold *host* arrays instead (``host=True``): the state gathered onto process 0
+(:mod:`hyperjax.mpmd.state`), which alone writes it, the same way; every process reads it back and places
+its own chunks, so it restores onto any process count.
 """
 
 from __future__ import annotations
@@ -67,30 +72,55 @@ class Checkpoints:
     Args:
       directory: the folder (created if missing).
       keep: how many of the latest checkpoints to keep.
+      host: the state comes as host arrays that process 0 alone holds and writes (a pipeline's); every
+        process reads them back.
     """
 
-    def __init__(self, directory: str | Path, *, keep: int) -> None:
+    def __init__(self, directory: str | Path, *, keep: int, host: bool = False) -> None:
         import orbax.checkpoint as ocp
 
         self.directory = Path(directory).absolute()
-        self._ocp = ocp
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True)
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=options,
-            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+        self._ocp, self._keep, self.host = ocp, keep, host
+        self._manager = None  # a process that writes nothing (host arrays, not process 0) has none
+        if not host or jax.process_index() == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._manager = self._open(processes={0} if host else None, read_only=False)
+
+    def _open(self, *, processes: set[int] | None, read_only: bool) -> Any:
+        """An orbax manager of the folder for ``processes`` (``None``: every process of the job)."""
+        ocp = self._ocp
+        mp = ocp.options.MultiprocessingOptions(
+            primary_host=min(processes) if processes else 0, active_processes=processes
         )
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=self._keep,
+            enable_async_checkpointing=not read_only,
+            create=False,
+            read_only=read_only,
+            multiprocessing_options=mp,
+        )
+        handlers = {
+            "state": ocp.StandardCheckpointHandler(multiprocessing_options=mp),
+            "meta": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
+        }
+        return ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def latest_step(self) -> int | None:
         """The step of the newest finished checkpoint, or ``None``."""
+        if self._manager is None:
+            steps = saved_steps(self.directory)
+            return steps[-1] if steps else None
         return self._manager.latest_step()
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
         """Start writing ``state`` as checkpoint ``step``; returns once the arrays are copied off the devices.
 
-        The previous write, if still running, is finished first. ``meta`` must be JSON.
+        The previous write, if still running, is finished first. ``meta`` must be JSON. With host arrays,
+        only process 0 writes (its ``state``; the others pass ``None``).
         """
         ocp = self._ocp
+        if self._manager is None:
+            return
         self._manager.save(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(_arrays(state)), meta=ocp.args.JsonSave(meta)),
@@ -111,16 +141,22 @@ class Checkpoints:
                 "or give the --checkpoint-dir of an earlier run"
             )
         where = f"checkpoint {str(self.directory / str(step))!r}"
-        abstract = jax.tree.map(_abstract, _arrays(like))
+        reader = self._manager
+        if self.host:  # every process reads the host arrays, into host arrays
+            abstract = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), like)
+            if jax.process_count() > 1:
+                reader = self._open(processes={jax.process_index()}, read_only=True)
+        else:
+            abstract = jax.tree.map(_abstract, _arrays(like))
         _quiet_abandoned_reads()  # before any read starts: a failed one closes the others' loop at once
         try:
-            saved = self._manager.item_metadata(step)["state"]
+            saved = reader.item_metadata(step)["state"]
             saved_tree = saved.tree if hasattr(saved, "tree") else saved
         except Exception as e:
             raise ConfigError(f"{where} cannot be read ({_first_line(e)}); {_fix(self.directory, step)}") from None
         _check_shapes(abstract, saved_tree, where)
         try:
-            out = self._manager.restore(
+            out = reader.restore(
                 step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
             )
         except Exception as e:
@@ -136,8 +172,12 @@ class Checkpoints:
         )
         if not valid:
             raise ConfigError(f"{where} has no valid run record (meta); {_fix(self.directory, step)}")
+        if reader is not self._manager:
+            reader.close()
         state = jax.tree.map(
-            lambda saved, old: saved if isinstance(old, jax.Array) else type(old)(saved), out["state"], like
+            lambda saved, old: saved if isinstance(old, (jax.Array, jax.ShapeDtypeStruct)) else type(old)(saved),
+            out["state"],
+            like,
         )
         return Restored(state=state, step=step, records=meta.pop("records"), meta=meta)
 
@@ -147,8 +187,9 @@ class Checkpoints:
 
     def close(self) -> None:
         """Wait for the last write to finish, then release the folder."""
-        self._manager.wait_until_finished()
-        self._manager.close()
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._manager.close()
 
 
 def _arrays(state: Any) -> Any:
