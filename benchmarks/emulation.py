@@ -3,11 +3,17 @@
 At 8 devices (one process) both versions train the quickstart GPT under data x tensor parallelism: the
 hyperjax version through a declarative Strategy and the flax NNX model, the plain version with hand-written
 parameter dictionaries, PartitionSpecs and sharding constraints. Steps alternate between the two in rounds
-so that machine noise hits both alike; the table reports median step times and hyperjax's overhead. With
-``--with-384`` it also runs ``configs/gpt-tiny-cm384.yaml`` for 3 steps on 384 devices (several processes)
-and reports that step time. Writes ``benchmarks/results/emulation.json``.
+so that machine noise hits both alike; the table reports median step times and hyperjax's overhead.
 
-    python benchmarks/emulation.py [--steps 10] [--rounds 3] [--with-384]
+With ``--with-384`` it also trains ``configs/gpt-tiny-cm384.yaml`` on 384 devices (12 processes) twice:
+with every gradient reduction left to XLA (``parallel.gradient_buckets=false``) and with the replicas'
+gradients summed in buckets (the default there), each for ``--steps-384`` steps, the last one profiled
+(``hyperjax train --profile``). It prints the per-collective breakdown of a step (count, arrays, devices
+per group, processes per group, bytes, seconds) for both, the median step times (the compiling first step
+and the profiled last one left out) and how far the losses moved. Writes
+``benchmarks/results/emulation.json``.
+
+    python benchmarks/emulation.py [--steps 10] [--rounds 3] [--with-384] [--steps-384 6]
 """
 
 from __future__ import annotations
@@ -193,44 +199,60 @@ def time_steps(run, data, sharding, first, steps):
     return times
 
 
-def run_384():
+def run_384(steps: int, *, buckets: bool) -> dict:
+    """Train gpt-tiny-cm384 for ``steps`` steps (the last one profiled); ``buckets=False`` leaves every
+    gradient reduction to XLA."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.jsonl"
         start = time.perf_counter()
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "hyperjax",
-                "train",
-                str(ROOT / "configs/gpt-tiny-cm384.yaml"),
-                "--steps",
-                "3",
-                "--metrics-out",
-                str(metrics),
-                "--out-dir",
-                tmp,
-            ],
-            capture_output=True,
-            text=True,
-        )
+        command = [sys.executable, "-m", "hyperjax", "train", str(ROOT / "configs/gpt-tiny-cm384.yaml")]
+        command += ["--steps", str(steps), "--profile", "--metrics-out", str(metrics), "--out-dir", tmp]
+        command += [] if buckets else ["--set", "parallel.gradient_buckets=false"]
+        proc = subprocess.run(command, capture_output=True, text=True)
         wall = time.perf_counter() - start
         if proc.returncode != 0:
-            return {"error": proc.stderr[-2000:], "wall_s": wall}
+            return {"error": (proc.stdout + proc.stderr)[-3000:], "wall_s": wall}
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        collectives = json.loads((Path(tmp) / "collectives.json").read_text())["collectives"]
+    timed = [r["step_time_s"] for r in rows[1:-1]]  # neither the compiling step nor the profiled one
     return {
+        "gradient_buckets": buckets,
         "wall_s": wall,
         "losses": [r["loss"] for r in rows],
         "step_times_s": [r["step_time_s"] for r in rows],
-        "median_step_s": statistics.median(r["step_time_s"] for r in rows[1:]),
+        "median_step_s": statistics.median(timed),
+        "profiled_step_s": rows[-1]["step_time_s"],
+        "collectives": collectives,
     }
+
+
+def breakdown_table(title: str, r: dict) -> Table:
+    table = Table(title=title)
+    for col in ("collective", "devices per group", "processes per group", "count", "arrays", "KiB", "s", "share"):
+        table.add_column(col, justify="left" if col == "collective" else "right")
+    step = r["profiled_step_s"]
+    for c in r["collectives"]:
+        table.add_row(
+            c["kind"],
+            str(c["participants"]),
+            str(c["processes"]),
+            str(c["count"]),
+            str(c["arrays"]),
+            f"{c['bytes'] / 1024:.0f}",
+            f"{c['seconds']:.3f}",
+            f"{c['seconds'] / step:.0%}",
+        )
+    rest = step - sum(c["seconds"] for c in r["collectives"])
+    table.add_row("everything else", "", "", "", "", "", f"{rest:.3f}", f"{rest / step:.0%}")
+    return table
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round per version")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--with-384", action="store_true", help="also train gpt-tiny-cm384 for 3 steps")
+    parser.add_argument("--with-384", action="store_true", help="also train gpt-tiny-cm384, without and with buckets")
+    parser.add_argument("--steps-384", type=int, default=6, help="steps of each 384-device run (at least 3)")
     parser.add_argument("--out", type=Path, default=RESULTS / "emulation.json")
     args = parser.parse_args()
 
@@ -280,20 +302,27 @@ def main() -> None:
             f"{st['bytes_accessed'] / 1e9:.2f}",
             str(st["all-reduce"]),
         )
+    console = Console(width=140)
+    console.print(table)
     if args.with_384:
-        result["cm384"] = run_384()
-        r = result["cm384"]
-        if "error" not in r:
-            table.add_row(
-                "hyperjax, gpt-tiny-cm384, 384 devices",
-                f"{r['median_step_s'] * 1e3:.0f}",
-                "3",
-                "losses " + ", ".join(f"{x:.3f}" for x in r["losses"]),
-                "",
-                "",
-                "",
-            )
-    Console(width=140).print(table)
+        before, after = run_384(args.steps_384, buckets=False), run_384(args.steps_384, buckets=True)
+        result["cm384"] = {"xla_reductions": before, "gradient_buckets": after}
+        for r in (before, after):
+            if "error" in r:
+                raise SystemExit(f"gpt-tiny-cm384 failed: {r['error']}")
+        drift = max(abs(a - b) / abs(a) for a, b in zip(before["losses"], after["losses"], strict=True))
+        result["cm384"]["max_relative_loss_difference"] = drift
+        for name, r in (("every gradient reduction XLA's", before), ("gradient buckets", after)):
+            title = f"gpt-tiny-cm384, 384 devices in 12 processes, {name}: the profiled step"
+            console.print(breakdown_table(title, r))
+        steps = Table(title="gpt-tiny-cm384: median step (the first and the profiled last left out)")
+        for col in ("reductions", "median step s", "steps", "losses"):
+            steps.add_column(col, justify="left" if col in ("reductions", "losses") else "right")
+        for name, r in (("XLA's, one per tensor", before), ("buckets", after)):
+            losses = ", ".join(f"{x:.6f}" for x in r["losses"])
+            steps.add_row(name, f"{r['median_step_s']:.2f}", str(len(r["losses"])), losses)
+        steps.caption = f"largest relative difference between the two runs' losses: {drift:.1e}"
+        console.print(steps)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

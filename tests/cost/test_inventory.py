@@ -27,6 +27,7 @@ def compiled_and_analytic(sets, config=None):
         optimizer=optimizer,
         microbatches=run.microbatches,
         moe=cfg.model.moe,
+        replicas=run.replica_axes,
     )
     batch = Batches(source="text", global_batch=32, seq_len=cfg.model.seq_len, vocab=256, seed=0)
     compiled = step.fn.lower(init_state(state, optimizer, step), batch.global_batch_arrays(0, step.batch_sharding))
@@ -107,6 +108,47 @@ def test_experts_spread_over_the_tensor_axis_exchange_as_counted():
     assert hlo.flops == pytest.approx(analytic.flops, rel=0.06)
 
 
+# each replica's gradients summed in flat buckets (parallel.gradient_buckets)
+BUCKETED = [
+    (None, ["parallel.data=8"]),
+    (None, ["parallel.data=2", "parallel.tensor=4"]),
+    (None, ["parallel.zero_stage=2", "parallel.data=4", "parallel.tensor=2", "model.family=llama"]),
+    (None, ["parallel.context=4"]),
+    (None, ["parallel.fsdp=2", "parallel.tensor=2"]),  # FSDP inside each replica, then the bucket over data
+    (None, ["parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.data=2"]),
+    (MOE_TINY, ["parallel.expert=2"]),  # over data x expert, routed experts' over data
+    (MOE_TINY, ["parallel.expert=8"]),  # over expert alone
+    (MOE_TINY, ["parallel.expert=2", "parallel.fsdp=2"]),  # over data: fsdp stores parameters between
+    (MOE_TINY, ["parallel.expert=4", "model.moe.capacity_factor=1.0"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("config", "sets"),
+    BUCKETED,
+    ids=[("moe:" if c else "") + ",".join(x.split(".", 1)[-1] for x in s) for c, s in BUCKETED],
+)
+def test_bucketed_inventories_agree(config, sets):
+    hlo, analytic = compiled_and_analytic([*sets, "parallel.gradient_buckets=true"], config)
+    kinds = hlo.bytes_by_kind()
+    assert hlo.flops == pytest.approx(analytic.flops, rel=0.06)
+    assert kinds["all-reduce"] + kinds["reduce-scatter"] == pytest.approx(analytic.reduce_bytes, rel=0.06)
+    assert kinds["all-gather"] == pytest.approx(analytic.gather_bytes, rel=0.06, abs=1)
+    assert kinds["all-to-all"] == analytic.all_to_all_bytes
+
+
+def test_buckets_reduce_the_gradients_in_one_collective_of_one_array():
+    plain, _ = compiled_and_analytic(["parallel.data=8"])
+    bucketed, _ = compiled_and_analytic(["parallel.data=8", "parallel.gradient_buckets=true"])
+    over_data = lambda hlo: [c for c in hlo.collectives if c.kind == "all-reduce" and c.group_size == 8]
+    assert sum(c.arrays for c in over_data(plain)) > 10  # XLA: one array per parameter (a few combined ops)
+    (bucket,) = over_data(bucketed)
+    assert bucket.arrays == 1
+    # the same bytes, but the tied embedding's two gradients are added on each replica first and cross once
+    tied = 4 * 256 * 256
+    assert bucket.result_bytes == pytest.approx(sum(c.result_bytes for c in over_data(plain)) - tied, abs=16)
+
+
 def test_group_sizes_follow_the_mesh():
     hlo, _ = compiled_and_analytic(["parallel.data=2", "parallel.tensor=4"])
     sizes = {c.group_size for c in hlo.collectives}
@@ -129,3 +171,20 @@ def test_replica_group_formats(text, size):
     from hyperjax.cost.hlo import _group_size
 
     assert _group_size(text, 8) == size
+
+
+@pytest.mark.parametrize(
+    ("text", "first"),
+    [
+        ("replica_groups=[4,2]<=[2,4]T(1,0), dimensions={1}", (0, 4)),
+        ("replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], device_ids=([4,2]T(1,0)) {'axis_1'}, use", (0, 1)),
+        ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, dimensions={0}", (0, 1, 2, 3)),
+        ("replica_groups={{0,2},{1,3},{4,6},{5,7}}, to_apply=%add", (0, 2)),
+    ],
+)
+def test_replica_groups_are_read_whole(text, first):
+    from hyperjax.cost.hlo import _groups
+
+    groups = _groups(text, 8)
+    assert groups[0] == first
+    assert sorted(d for g in groups for d in g) == list(range(8))  # a partition of the devices

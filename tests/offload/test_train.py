@@ -12,7 +12,7 @@ from hyperjax.models import build_model
 from hyperjax.offload import block_policies
 from hyperjax.offload.apply import layer_of
 from hyperjax.train import prepare
-from hyperjax.train.loop import _data, _spmd
+from hyperjax.train.programs import build_program
 
 ROOT = Path(__file__).parents[2]
 QUICKSTART = ROOT / "configs/quickstart.yaml"
@@ -24,7 +24,8 @@ def run(sets, steps=3):
     t = cfg.train
     policies = block_policies(plan.offload.placement, cfg.model.layers) if plan.offload is not None else None
     model = build_model(cfg.model, dtype=t.dtype, recompute=t.recompute, seed=t.seed, policies=policies)
-    step, state, _ = _spmd(plan, model, _data(cfg))
+    program = build_program(plan, model)
+    step, state = program.advance, program.state
     losses = []
     for i in range(steps):
         state, metrics = step(state, i)
@@ -46,8 +47,15 @@ def kinds(tree):
     [
         ["offload.policy=auto", "offload.device_memory_gib=0.02"],
         ["offload.policy=greedy", "offload.device_memory_gib=0.02", "train.micro_batch=2"],
+        # host gradients accumulated inside each replica, then summed in buckets
+        [
+            "offload.policy=greedy",
+            "offload.device_memory_gib=0.02",
+            "train.micro_batch=2",
+            "parallel.gradient_buckets=true",
+        ],
     ],
-    ids=["auto", "greedy-accumulating"],
+    ids=["auto", "greedy-accumulating", "greedy-accumulating-buckets"],
 )
 def test_offload_keeps_the_losses_and_puts_state_in_pinned_host(sets):
     _, _, reference = run([])
@@ -84,7 +92,8 @@ def test_manual_activation_offload_and_recompute_keep_the_losses():
         model = build_model(cfg.model, seed=cfg.train.seed, policies=block_policies(placement, cfg.model.layers))
         assert model.policies[1] == (("norms", "attn_out"), ("qkv", "mlp_hidden"))  # attn_core recomputed
         assert model.policies[3] == (("norms", "attn_core", "attn_out"), ("qkv", "mlp_hidden"))
-        step, state, _ = _spmd(plan, model, _data(cfg))
+        program = build_program(plan, model)
+        step, state = program.advance, program.state
         losses = []
         for i in range(3):
             state, metrics = step(state, i)

@@ -119,3 +119,43 @@ def test_overrides_and_yaml_values():
 def test_bad_configs(sets, error, pattern):
     with pytest.raises(error, match=pattern):
         resolve(load_config(CONFIGS / "quickstart.yaml", sets))
+
+
+@pytest.mark.parametrize(
+    ("sets", "buckets", "axes"),
+    [
+        ([], False, ()),  # one process: XLA's own reductions
+        (["emulate.processes=2"], True, ("data",)),  # data=4 spans both processes
+        (["emulate.processes=2", "parallel.data=1", "parallel.tensor=8"], False, ()),  # nothing to sum
+        (["parallel.gradient_buckets=true"], True, ("data",)),
+        (["emulate.processes=2", "parallel.gradient_buckets=false"], False, ()),
+    ],
+)
+def test_gradient_buckets_resolve_to_whether_replicas_span_processes(sets, buckets, axes):
+    run = resolve(load_config(CONFIGS / "quickstart.yaml", sets))
+    assert run.gradient_buckets is buckets and run.replica_axes == axes
+    assert run.to_dict()["gradient_buckets"] is buckets
+    assert ("gradient buckets over data" in run.describe()) is buckets
+
+
+def test_gradient_buckets_over_the_expert_axis_of_the_supernode():
+    run = resolve(load_config(CONFIGS / "moe-cm384.yaml"))
+    assert run.gradient_buckets and run.replica_axes == ("expert",)  # 48 nodes' worth of replicas
+    fsdp = resolve(
+        load_config(
+            CONFIGS / "moe-tiny.yaml", ["parallel.expert=2", "parallel.fsdp=2", "parallel.gradient_buckets=true"]
+        )
+    )
+    assert fsdp.replica_axes == ("data",)  # FSDP stores parameters over the axis before expert
+
+
+@pytest.mark.parametrize(
+    ("sets", "match"),
+    [
+        (["parallel.gradient_buckets=true", "parallel.data=1", "parallel.tensor=8"], "needs data-parallel replicas"),
+        (["parallel.gradient_buckets=true", "parallel.pipeline=2"], "pipeline and MPMD stages"),
+    ],
+)
+def test_gradient_buckets_that_cannot_be_honoured_are_refused(sets, match):
+    with pytest.raises(ConfigError, match=match):
+        resolve(load_config(CONFIGS / "quickstart.yaml", sets))

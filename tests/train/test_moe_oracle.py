@@ -43,6 +43,11 @@ LAYOUTS = [
     ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4"],  # MoE layers inside stages
     ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4", "parallel.schedule=zero-bubble"],
     ["parallel.expert=4", "offload.policy=manual", "offload.manual={layers.1.optimizer: host}"],
+    # each replica's gradients summed in flat buffers: over data x expert (routed experts' over data alone)
+    ["parallel.expert=2", "parallel.gradient_buckets=true"],
+    ["parallel.expert=8", "parallel.gradient_buckets=true"],
+    ["parallel.expert=2", "parallel.tensor=2", "parallel.gradient_buckets=true", "train.micro_batch=1"],
+    ["parallel.expert=2", "parallel.fsdp=2", "parallel.gradient_buckets=true"],  # over data: fsdp stores
 ]
 
 
@@ -66,8 +71,9 @@ def test_layout_matches_single_device(single_device, sets):
 def test_moe_parts_match_single_device(model):
     reference, _ = run_moe(model, devices=1)
     assert reference[-1] < reference[0]
-    sharded, _ = run_moe([*model, "parallel.expert=4", "parallel.tensor=2"])
-    np.testing.assert_allclose(sharded, reference, rtol=1e-4, atol=0)
+    for sets in ([], ["parallel.gradient_buckets=true"]):  # the second sums the replicas' gradients in buckets
+        sharded, _ = run_moe([*model, "parallel.expert=4", "parallel.tensor=2", *sets])
+        np.testing.assert_allclose(sharded, reference, rtol=1e-4, atol=0, err_msg=str(sets))
 
 
 def test_capacity_drops_the_same_copies_on_every_layout():
@@ -75,7 +81,11 @@ def test_capacity_drops_the_same_copies_on_every_layout():
     reference, records = run_moe(capacity, devices=1)
     dropped = [r["dropped_fraction"] for r in records]
     assert all(d > 0 for d in dropped)  # at 0.75 of the mean load, some copies must go
-    for sets in (["parallel.expert=4"], ["parallel.expert=2", "parallel.tensor=2", "parallel.fsdp=2"]):
+    for sets in (
+        ["parallel.expert=4"],
+        ["parallel.expert=2", "parallel.tensor=2", "parallel.fsdp=2"],
+        ["parallel.expert=4", "parallel.gradient_buckets=true"],  # the queue runs over every replica's tokens
+    ):
         losses, got = run_moe([*capacity, *sets])
         np.testing.assert_allclose(losses, reference, rtol=1e-4, atol=0)
         np.testing.assert_allclose([r["dropped_fraction"] for r in got], dropped, rtol=0, atol=1e-7)

@@ -53,6 +53,21 @@ def test_strategy_matches_single_device(single_device, sets):
 LLAMA = ["model.family=llama", "model.kv_heads=2", "model.layers=2"]
 
 
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["parallel.data=8"],
+        ["parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2", "parallel.zero_stage=2"],
+        ["parallel.data=4", "parallel.tensor=2", "train.micro_batch=2", "train.recompute=selective"],
+        ["parallel.data=2", "parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"],
+    ],
+    ids=lambda s: ",".join(x.split(".")[-1] for x in s),
+)
+def test_gradient_buckets_match_single_device(single_device, sets):
+    """Each data-parallel replica's gradients computed apart and summed in one flat buffer."""
+    np.testing.assert_allclose(losses([*sets, "parallel.gradient_buckets=true"]), single_device, rtol=1e-4, atol=0)
+
+
 def test_llama_gqa_tensor_and_sequence_parallel():
     reference = losses(LLAMA, devices=1)
     sharded = losses(
@@ -84,8 +99,11 @@ DEGREES = [
     sequence_parallel=st.booleans(),
     zero_stage=st.integers(0, 2),
     recompute=st.sampled_from(["none", "selective", "full"]),
+    buckets=st.booleans(),
 )
-def test_random_strategies_match_single_device(single_device, degrees, sequence_parallel, zero_stage, recompute):
+def test_random_strategies_match_single_device(
+    single_device, degrees, sequence_parallel, zero_stage, recompute, buckets
+):
     data, fsdp, context, tensor = degrees
     sets = [
         f"parallel.data={data}",
@@ -95,6 +113,7 @@ def test_random_strategies_match_single_device(single_device, degrees, sequence_
         f"parallel.sequence_parallel={str(sequence_parallel and tensor > 1).lower()}",
         f"parallel.zero_stage={zero_stage}",
         f"train.recompute={recompute}",
+        f"parallel.gradient_buckets={str(buckets and data > 1).lower()}",
     ]
     np.testing.assert_allclose(losses(sets), single_device, rtol=1e-4, atol=0)
 
@@ -109,7 +128,7 @@ ARCHITECTURES = {
     "multi-query": ["model.family=llama", "model.kv_heads=1", "shard.kv_heads=null", "shard.act_kv_heads=null"],
 }
 SHARDED = [
-    ["parallel.data=2", "parallel.tensor=4", "parallel.sequence_parallel=true"],
+    ["parallel.data=2", "parallel.tensor=4", "parallel.sequence_parallel=true", "parallel.gradient_buckets=true"],
     ["parallel.fsdp=2", "parallel.tensor=2", "parallel.context=2", "parallel.zero_stage=1"],
 ]
 

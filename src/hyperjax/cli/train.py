@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from hyperjax.cli.display import check_folder, check_writable, console
@@ -15,6 +16,7 @@ from hyperjax.cli.launching import add_join_arguments, run_on_devices
 from hyperjax.cli.options import add_config_arguments
 from hyperjax.config import Run, load_config
 from hyperjax.errors import ConfigError, EmulationError
+from hyperjax.files import write_json
 from hyperjax.resolver import elastic_overrides, resolve
 from hyperjax.train import Prepared, prepare
 from hyperjax.train.checkpoint import last_progress, saved_steps
@@ -33,6 +35,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="resolve and check the run train would start, print it, and exit without starting any device",
     )
     p.add_argument("--json", action="store_true", help="with --plan-only: print the run as one JSON object")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="time every collective of the last step (XLA's profiler, process 0); writes OUT-DIR/collectives.json",
+    )
     ckpt = p.add_argument_group("checkpoints and failures")
     ckpt.add_argument(
         "--checkpoint-dir", metavar="DIR", help="write a checkpoint every train.checkpoint_every steps into DIR"
@@ -57,8 +64,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     _check_flags(args)
     sets = [*args.sets, *([] if args.steps is None else [f"train.steps={args.steps}"])]  # what children are told
     if args.devices is not None and args.elastic:
@@ -78,12 +83,6 @@ def run(args: argparse.Namespace) -> int:
     check_folder(out_dir, "--out-dir")
     if args.checkpoint_dir:
         check_folder(args.checkpoint_dir, "--checkpoint-dir")
-        if run.pipelined and run.processes > 1:
-            raise ConfigError(
-                f"--checkpoint-dir: a pipeline or MPMD run keeps each stage's state in the processes of its "
-                f"submesh, and checkpoints of such runs across {run.processes} processes are not supported; "
-                "run it in one process (--set emulate.processes=1, up to 256 devices) to checkpoint it"
-            )
         earlier = saved_steps(args.checkpoint_dir)
         if earlier and not args.resume:
             raise ConfigError(
@@ -102,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
             out_dir,
             *(["--metrics-out", args.metrics_out] if args.metrics_out else []),
             *(["--explain"] if args.explain else []),
+            *(["--profile"] if args.profile else []),
             *(["--checkpoint-dir", args.checkpoint_dir] if args.checkpoint_dir else []),
             *(["--resume"] if resume else []),
         ]
@@ -131,6 +131,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         )
     if args.max_restarts and args.coordinator is not None:
         raise ConfigError("--max-restarts supervises the processes it launches; do not combine it with --coordinator")
+    if args.profile and (args.plan_only or args.explain):
+        raise ConfigError("--profile times the last training step; it does nothing with --plan-only or --explain")
     if args.json and not args.plan_only:
         raise ConfigError("--json prints the resolved run; use it with --plan-only")
     if args.elastic and not (args.max_restarts or args.resume or args.devices):
@@ -234,7 +236,12 @@ def _train(ready: Prepared, args: argparse.Namespace, out_dir: str) -> int:
 
         print_offload(ready.offload)
     result = train(
-        ready, metrics_out=args.metrics_out, out_dir=out_dir, checkpoint_dir=args.checkpoint_dir, resume=args.resume
+        ready,
+        metrics_out=args.metrics_out,
+        out_dir=out_dir,
+        checkpoint_dir=args.checkpoint_dir,
+        resume=args.resume,
+        profile=args.profile,
     )
     if lead:
         s = summary(run, result)
@@ -248,8 +255,43 @@ def _train(ready: Prepared, args: argparse.Namespace, out_dir: str) -> int:
         out.print(f"  loss curve: {out_dir}/loss.png")
         if result.expert_load is not None:
             out.print(expert_load_table(run, result))
+        if result.collectives:
+            out.print(collectives_table(result))
+            write_json(Path(out_dir) / "collectives.json", s)
+            out.print(f"  collectives of the last step: {out_dir}/collectives.json")
         _print_prediction(ready)
     return 0
+
+
+def collectives_table(result: Any) -> Any:
+    """Where the last step's collectives spent their time on process 0's devices, slowest first."""
+    from rich.table import Table
+
+    step = result.step_times_s[-1]
+    table = Table(title=f"collectives of the last step ({step:.2f} s, profiled on process 0)")
+    for name in (
+        "collective",
+        "devices per group",
+        "processes per group",
+        "count",
+        "arrays",
+        "MiB",
+        "seconds",
+        "share",
+    ):
+        table.add_column(name, justify="left" if name == "collective" else "right")
+    for c in result.collectives:
+        share = f"{c.seconds / step:.1%}"
+        table.add_row(
+            c.kind,
+            str(c.participants),
+            str(c.processes),
+            str(c.count),
+            f"{c.bytes / 2**20:.2f}",
+            f"{c.seconds:.3f}",
+            share,
+        )
+    return table
 
 
 def expert_load_table(run: Run, result: Any) -> Any:

@@ -9,6 +9,7 @@ layers, the schedule.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -87,6 +88,8 @@ class Run:
       microbatches: micro-batches per optimizer step (gradient accumulation, or the pipeline's).
       schedule: the pipeline schedule; ``None`` for a single stage.
       stages: the submeshes, in the order data flows through them.
+      gradient_buckets: whether the training step computes each data-parallel replica's gradients apart and
+        sums them in flat buffers (:attr:`replica_axes`), rather than leaving every reduction to XLA.
       recompute: activation recomputation per block.
       dtype: compute dtype.
       offload: how the placement of tensor groups is chosen (``offload.policy``).
@@ -104,6 +107,7 @@ class Run:
     microbatches: int
     schedule: ScheduleName | None
     stages: tuple[Stage, ...]
+    gradient_buckets: bool
     recompute: Recompute
     dtype: DType
     offload: OffloadPolicy
@@ -145,6 +149,12 @@ class Run:
         return m.moe.experts // (self.parallel["expert"] * (1 if self.expert_tensor_split else self.parallel["tensor"]))
 
     @property
+    def replica_axes(self) -> tuple[str, ...]:
+        """The mesh axes whose replicas sum their gradients in buckets (empty unless ``gradient_buckets``):
+        see :func:`replica_axes`."""
+        return replica_axes(self.axes) if self.gradient_buckets else ()
+
+    @property
     def chunks(self) -> int:
         """Model chunks in all."""
         return sum(len(s.chunks) for s in self.stages)
@@ -177,6 +187,7 @@ class Run:
             "microbatches": self.microbatches,
             "stages": [s.to_dict() for s in self.stages],
             "schedule": self.schedule,
+            "gradient_buckets": self.gradient_buckets,
             "recompute": self.recompute,
             "dtype": self.dtype,
             "offload": self.offload,
@@ -190,6 +201,8 @@ class Run:
             extras.append("sequence_parallel")
         if self.zero_stage:
             extras.append(f"zero_stage={self.zero_stage}")
+        if self.gradient_buckets:
+            extras.append("gradient buckets over " + " x ".join(self.replica_axes))
         if self.config.model.moe is not None and not self.expert_tensor_split:
             extras.append("experts over expert x tensor")
         if not self.pipelined:
@@ -203,3 +216,22 @@ class Run:
         kind = "mpmd" if mpmd else "pipeline"
         head = f"{kind} {stages}, {self.schedule}{v}, {self.microbatches} micro-batches"
         return "; ".join([head, *extras])
+
+
+def replica_axes(axes: Mapping[str, int]) -> tuple[str, ...]:
+    """The mesh axes a training step can split into replicas that sum their gradients in buckets, under the
+    standard rules: the leading batch axes (``data``, ``fsdp``, ``expert``, those of size 1 skipped) that
+    store no parameter, routed experts' weights excepted on ``expert`` (each replica there computes its
+    own experts' gradients from every replica's tokens): ``data``, then ``expert`` unless FSDP stores
+    parameters over the axis between them."""
+    out = ["data"] if axes["data"] > 1 else []
+    if axes.get("expert", 1) > 1 and axes["fsdp"] == 1:
+        out.append("expert")
+    return tuple(out)
+
+
+def spans_processes(axes: Mapping[str, int], of: tuple[str, ...], devices_per_process: int) -> bool:
+    """Whether the groups along any of the mesh axes ``of`` hold devices of several processes, the mesh laid
+    over the devices in order (the innermost axis fastest) and each process holding consecutive devices."""
+    names = list(axes)
+    return any(math.prod(axes[b] for b in names[names.index(a) :]) > devices_per_process for a in of)

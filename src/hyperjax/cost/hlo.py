@@ -14,9 +14,11 @@ import re
 from collections import Counter
 from typing import Any
 
+import numpy as np
+
 _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8}
 _OP = re.compile(
-    r"^\s*(?:ROOT\s+)?%?\S+\s*=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|"
+    r"^\s*(?:ROOT\s+)?%?(?P<name>\S+)\s*=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|"
     r"collective-permute)(?:-start)?\((?P<rest>.*)$"
 )
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
@@ -31,12 +33,20 @@ class Collective:
       result_bytes: bytes of the result on one device (all arrays of a combined op together).
       group_size: devices per replica group (the whole program's devices for a permute).
       source: the JAX operation it comes from (XLA's ``op_name`` metadata), or ``""``.
+      name: the instruction's name in the program (what profiles call it).
+      arrays: the arrays it moves (XLA combines independent collectives into one over several arrays;
+        its CPU backend still runs one collective per array).
+      groups: the replica groups, as positions in the program's device assignment (every device in one
+        group for a permute: XLA's CPU backend runs it over a communicator of them all).
     """
 
     kind: str
     result_bytes: int
     group_size: int
     source: str = ""
+    name: str = ""
+    arrays: int = 1
+    groups: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,17 +79,42 @@ def _shape_bytes(shape: str) -> int:
 
 
 def _group_size(rest: str, devices: int) -> int:
-    named = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\S+)?\s*\{([^}]*)\}", rest)
-    if named:  # replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}
+    return len(_groups(rest, devices)[0])
+
+
+def _groups(rest: str, devices: int) -> tuple[tuple[int, ...], ...]:
+    """The replica groups an HLO collective's attributes (``rest``) name, in any of XLA's notations."""
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(?(\S+?)\)?)?\s*\{([^}]*)\}", rest)
+    if named:  # replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_0'}
         sizes = {k.strip("' "): int(v) for k, v in (kv.split("=") for kv in named.group(1).split(","))}
-        return math.prod(sizes[a.strip("' ")] for a in named.group(2).split(",") if a.strip())
-    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", rest)
-    if iota:
-        return int(iota.group(2))
-    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", rest)
-    if listed:
-        return len([x for x in listed.group(1).split(",") if x])
-    return devices
+        ids = _iota(named.group(2)) if named.group(2) else np.arange(math.prod(sizes.values()))
+        grid = ids.reshape(tuple(sizes.values()))
+        chosen = [list(sizes).index(a.strip("' ")) for a in named.group(3).split(",") if a.strip()]
+        moved = np.moveaxis(grid, chosen, list(range(grid.ndim - len(chosen), grid.ndim)))
+        return _rows(moved.reshape(-1, math.prod(grid.shape[i] for i in chosen)))
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=(\[[\d,]*\](?:T\([\d,]*\))?)", rest)
+    if iota:  # replica_groups=[4,2]<=[2,4]T(1,0)
+        return _rows(_iota(iota.group(3)).reshape(int(iota.group(1)), int(iota.group(2))))
+    listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)+)\}", rest)
+    if listed:  # replica_groups={{0,1,2,3},{4,5,6,7}}
+        return tuple(tuple(int(x) for x in g.split(",") if x) for g in re.findall(r"\{([\d,]*)\}", listed.group(1)))
+    return (tuple(range(devices)),)
+
+
+def _iota(text: str) -> np.ndarray:
+    """The device order of an iota notation, ``[4,2]T(1,0)``: ``arange`` reshaped, transposed, flattened."""
+    m = re.fullmatch(r"\[([\d,]*)\](?:T\(([\d,]*)\))?", text)
+    if m is None:
+        raise ValueError(f"unknown device order notation {text!r}")
+    dims = [int(x) for x in m.group(1).split(",") if x]
+    grid = np.arange(math.prod(dims)).reshape(dims)
+    if m.group(2):
+        grid = grid.transpose([int(x) for x in m.group(2).split(",")])
+    return grid.reshape(-1)
+
+
+def _rows(grid: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(x) for x in row) for row in grid)
 
 
 def read_compiled(compiled: Any, devices: int) -> CompiledInventory:
@@ -88,12 +123,16 @@ def read_compiled(compiled: Any, devices: int) -> CompiledInventory:
     for line in compiled.as_text().splitlines():
         m = _OP.match(line)
         if m and "-done" not in line:
+            groups = _groups(m.group("rest"), devices)
             collectives.append(
                 Collective(
                     kind=m.group("kind"),
                     result_bytes=_shape_bytes(m.group("shape")),
-                    group_size=_group_size(m.group("rest"), devices),
+                    group_size=len(groups[0]),
                     source=next(iter(re.findall(r'op_name="([^"]*)"', m.group("rest"))), ""),
+                    name=m.group("name").lstrip("%"),
+                    arrays=max(1, len(_ARRAY.findall(m.group("shape")))),
+                    groups=groups,
                 )
             )
     cost = compiled.cost_analysis() or {}

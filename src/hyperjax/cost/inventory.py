@@ -18,7 +18,16 @@ How XLA's SPMD partitioner lays out this program (the facts encoded below):
   gradients; with data parallelism beside it, parameter gradients are reduced in two passes, first over
   the context axis, then over the batch axes (each pass moves the whole gradient; routed experts'
   gradients go in one pass);
-- sequence parallelism gathers the residual stream before attention and MLP in both passes.
+- sequence parallelism gathers the residual stream before attention and MLP in both passes, and the
+  embedding lookup's output gradient once (the lookup reduce-scatters its rows over the sequence);
+- with gradient buckets (``Run.gradient_buckets``, on where the replicas span processes), each replica
+  along the replica axes computes its gradients apart, XLA reducing only over the batch axes left inside
+  it, and the replicas' gradients, loss and balancing loss are summed in one flat buffer (a tied
+  embedding's two gradients are added first, so it crosses once; FSDP's share of what it splits). Where a
+  process holds several replicas the sum runs inside it first (the emulation's processes, which a real
+  machine does not have: the cost model prices one all-reduce of the buffer over the data axes), so the
+  compiled program then has two all-reduces of the buffer where this counts one. Inside a replica split
+  out with context and sequence parallelism, XLA regathers the residual stream in the backward pass.
 
 The model steers XLA where its own choice would cost more: every weight is gathered whole before use
 (:func:`hyperjax.models.layers.use`), and keys and values are projected on the local sequence shard before
@@ -79,27 +88,45 @@ def runtime_inventory(run: Run) -> Inventory:
     local = sum(sizes)  # per device before FSDP/ZeRO
     routed = sum(n for x, n in zip(tensors, sizes, strict=True) if x.expert)
     reduce = gather = 0.0
-    if data * fsdp * ep * cp > 1:  # routed experts' gradients are not reduced over the expert axis
-        reduce += 4 * (local - (routed if data * fsdp * cp == 1 else 0))
+    manual = run.replica_axes
+    # the batch axes XLA reduces over (inside each replica when the step splits replicas out)
+    left_data, left_ep = (1 if "data" in manual else data), (1 if "expert" in manual else ep)
+    if left_data * fsdp * left_ep * cp > 1:  # routed experts' gradients are not reduced over the expert axis
+        reduce += 4 * (local - (routed if left_data * fsdp * cp == 1 else 0))
         if m.tie_embeddings:  # the tied table's two gradients (lookup and output projection) apart
             reduce += 4 * next(n for x, n in zip(tensors, sizes, strict=True) if x.path == "embed")
-    if cp > 1 and data * fsdp * ep > 1:  # reduced over the context axis, then again over the batch axes
+    if cp > 1 and left_data * fsdp * left_ep > 1:  # reduced over the context axis, then again over the batch axes
         reduce += 4 * (local - routed)  # (routed experts' in one pass over the data and context axes)
+    if manual:  # each replica's gradients (and its loss and balancing loss) summed in one flat buffer, as
+        # stored: FSDP's share of those it splits (XLA reduce-scattered them over fsdp inside the replica)
+        stored = lambda x, n: n / fsdp if "embed" in x.axes else n
+        summed = [stored(x, n) for x, n in zip(tensors, sizes, strict=True) if not x.expert or "data" in manual]
+        reduce += 4 * sum(summed) + 8
     if fsdp > 1:
         gather += 4 * local
     if run.zero_stage >= 1:  # ZeRO gathers the updated parameters over the axes it split them over
         gather += 4 * ((local - routed) * (data * ep > 1) + routed * (data > 1))
     batch = t.global_batch / (data * fsdp * ep)
     act = batch * (s / cp) * h * e
-    if tp > 1:
-        reduce += (sum(_tensor_reductions(m, i) for i in range(m.layers)) + 2) * act
+    if tp > 1:  # the lookup's rows summed over the vocabulary's slices (scattered over the sequence with SP)
+        lookup = 1 / tp if run.sequence_parallel else 1
+        reduce += (sum(_tensor_reductions(m, i) for i in range(m.layers)) + 1 + lookup) * act
         if m.moe is not None and run.expert_tensor_split:  # each routed copy's weight gradient, float32
             reduce += m.moe_layers * batch * (s / cp) * m.moe.top_k * 4
-        if run.sequence_parallel:  # the residual stream is gathered before attention and MLP, both passes
-            gather += ((4 if m.block == "sequential" else 2) * m.layers + 1) * act
-    if m.moe is not None and m.moe.capacity_factor is not None and data * fsdp * ep * cp > 1:
-        # capacity is counted in one order over the whole micro-batch: every copy's expert is gathered
-        gather += m.moe_layers * t.global_batch * s * m.moe.top_k * m.moe.experts * 4
+        if run.sequence_parallel:  # the residual stream is gathered before attention and MLP, both passes,
+            # and the lookup's output gradient before it is added into the table
+            gather += ((4 if m.block == "sequential" else 2) * m.layers + 2) * act
+    if m.moe is not None and m.moe.capacity_factor is not None:
+        # capacity is counted in one order over the whole micro-batch: every copy's expert is gathered over
+        # the batch axes XLA partitions; replicas split out exchange only their copies' counts per expert
+        replicas = math.prod(axes[a] for a in manual)
+        if left_data * fsdp * left_ep * cp > 1:
+            gather += m.moe_layers * t.global_batch / replicas * s * m.moe.top_k * m.moe.experts * 4
+        if manual:
+            gather += m.moe_layers * run.microbatches * replicas * m.moe.top_k * m.moe.experts * 4
+    if manual and cp > 1 and run.sequence_parallel:  # inside a replica split out with context parallelism,
+        # XLA regathers the residual stream in the backward pass for every weight product it fed
+        gather += ((4 if m.block == "sequential" else 2) * m.layers + 1) * act
     if cp > 1:
         kv = batch * s * m.kv_heads * m.head_dim * e / tp
         gather += m.layers * 2 * kv

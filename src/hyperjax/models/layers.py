@@ -239,3 +239,16 @@ class MLP(nnx.Module):
         if self.bias:
             y = y + use(self.b_out, constrain).astype(dt)
         return y
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Each token's next-token cross-entropy, ``logsumexp(logits) - logits[target]`` (what optax's
+    ``softmax_cross_entropy_with_integer_labels`` computes, to the bit).
+
+    The target's logit is picked by a masked sum over the vocabulary rather than a gather: XLA's SPMD
+    partitioner aborts on a gather along a sharded vocabulary inside a ``shard_map`` over the data axes
+    (the training step's per-replica gradients), and a sum of one value and zeros is exact in any order.
+    """
+    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0), axis=-1)
+    return jax.nn.logsumexp(logits, axis=-1) - picked

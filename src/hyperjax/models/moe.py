@@ -134,7 +134,7 @@ class MoE(nnx.Module):
         experts = [self.w_in[...], self.w_gate[...] if self.kind in GATED else None, self.w_out[...]]
         gate_bias = self.b_gate[...] if self.bias and self.kind in GATED else None
         biases = [self.b_in[...], gate_bias, self.b_out[...]] if self.bias else [None, None, None]
-        capacity = expert_capacity(moe, b * s)
+        capacity = expert_capacity(moe, b * s * _replicas(constrain))
         y = _experts(tokens, idx, weights, keep, experts, biases, self.kind, capacity, moe, constrain)
         if moe.shared_experts:
             y = y + self.shared(x, constrain)
@@ -155,26 +155,54 @@ class MoE(nnx.Module):
         if moe.normalize_top_k:
             weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
         chosen = jax.nn.one_hot(idx, moe.experts, dtype=jnp.float32)  # (b, s, k, E)
-        load = chosen.sum((0, 1, 2))
-        routed = jnp.float32(b * s * moe.top_k)
-        # Switch / GShard: E x sum_e (share of copies routed to e) x (mean routing probability of e)
+        load = _replica_sum(constrain, chosen.sum((0, 1, 2)))  # over the whole micro-batch
+        routed = _replica_sum(constrain, jnp.float32(b * s * moe.top_k))
+        # Switch / GShard: E x sum_e (share of copies routed to e) x (mean routing probability of e); a
+        # replica's term uses its own tokens' probabilities, so the replicas' mean is the micro-batch's
         probs = scores if moe.router == "softmax" else scores / scores.sum(-1, keepdims=True)
         aux = moe.experts * jnp.sum(load / routed * probs.mean((0, 1)))
         keep = jnp.ones(idx.shape, bool)
-        capacity = expert_capacity(moe, b * s)
+        capacity = expert_capacity(moe, b * s * _replicas(constrain))
         if capacity is not None:
-            # position of each copy in its expert's queue: first choices first, then token order
-            order = jnp.moveaxis(chosen, 2, 0).reshape(-1, moe.experts).astype(jnp.int32)
-            before = (jnp.cumsum(order, axis=0) - order) * order
-            position = jnp.moveaxis(before.sum(-1).reshape(moe.top_k, b, s), 0, 2)
-            keep = position < capacity
+            keep = _queue_position(chosen, constrain) < capacity
         stats = RouterStats(
             aux_loss=aux,
             load=load[None],
-            dropped=routed - keep.sum().astype(jnp.float32),
+            dropped=routed - _replica_sum(constrain, keep.sum().astype(jnp.float32)),
             routed=routed,
         )
         return idx, weights, keep, stats
+
+
+def _queue_position(chosen: jax.Array, constrain: Constrain) -> jax.Array:
+    """Each routed copy's place in its expert's queue over the whole micro-batch, ``(b, s, k)``: every
+    token's first choice before any second choice, then token order; replicas hold consecutive tokens,
+    so a copy waits behind the earlier choices of every replica, then this choice of earlier replicas."""
+    b, s, k, e = chosen.shape
+    order = jnp.moveaxis(chosen, 2, 0).reshape(k, b * s, e).astype(jnp.int32)  # (choice, token, expert)
+    within = ((jnp.cumsum(order, axis=1) - order) * order).sum(-1)  # among this replica's tokens
+    counts = _replica_gather(constrain, order.sum(1))  # (replica, choice, expert)
+    earlier_choices = jnp.cumsum(counts.sum(0), axis=0) - counts.sum(0)
+    mine = jnp.arange(counts.shape[0]) < _replica_index(constrain)
+    earlier_replicas = jnp.where(mine[:, None, None], counts, 0).sum(0)
+    offset = ((earlier_choices + earlier_replicas)[:, None, :] * order).sum(-1)
+    return jnp.moveaxis((within + offset).reshape(k, b, s), 0, 2)
+
+
+def _replicas(constrain: Constrain) -> int:
+    return getattr(constrain, "replicas", 1)
+
+
+def _replica_sum(constrain: Constrain, x: jax.Array) -> jax.Array:
+    return constrain.replica_sum(x) if hasattr(constrain, "replica_sum") else x
+
+
+def _replica_gather(constrain: Constrain, x: jax.Array) -> jax.Array:
+    return constrain.replica_gather(x) if hasattr(constrain, "replica_gather") else x[None]
+
+
+def _replica_index(constrain: Constrain) -> jax.Array:
+    return constrain.replica_index() if hasattr(constrain, "replica_index") else jnp.int32(0)
 
 
 def token_axis(constrain: Constrain) -> str:
@@ -194,8 +222,10 @@ def _top_k(scores: jax.Array, k: int, constrain: Constrain) -> jax.Array:
     mesh = getattr(constrain, "mesh", None)
     if mesh is None:
         return jax.lax.top_k(scores, k)[1]
-    spec = constrain.strategy.spec(("batch", token_axis(constrain), None))
-    return jax.shard_map(lambda s: jax.lax.top_k(s, k)[1], mesh=mesh, in_specs=spec, out_specs=spec)(scores)
+    spec = constrain.spec(("batch", token_axis(constrain), None))
+    pick = lambda s: jax.lax.top_k(s, k)[1]
+    region = constrain.region_mesh()
+    return jax.shard_map(pick, mesh=region, in_specs=spec, out_specs=spec, axis_names=constrain.auto_axes)(scores)
 
 
 def _experts(
@@ -224,15 +254,23 @@ def _experts(
             f"over {batch}, the sequence over {seq}), so no tokens could be exchanged over them; map 'experts' "
             "to the expert axis (and the tensor axis only with sequence parallelism)"
         )
-    act = P(batch or None, seq or None, None)
-    weight = P(ep or None, None, tp or None)
-    out_weight = P(ep or None, tp or None, None)
-    bias = P(ep or None, tp or None)
-    specs = (act, act, act, act, [weight, weight, out_weight], [bias, bias, P(ep or None, None)])
+    # the axes a surrounding shard_map already split (the training step's replicas) are not split again
+    held = lambda axes: tuple(a for a in axes if a in constrain.auto_axes) or None
+    act = P(held(batch), held(seq), None)
+    weight = P(held(ep), None, held(tp))
+    out_weight = P(held(ep), held(tp), None)
+    bias = P(held(ep), held(tp))
+    specs = (act, act, act, act, [weight, weight, out_weight], [bias, bias, P(held(ep), None)])
     body = partial(_local, kind=kind, capacity=capacity, moe=moe, ep=ep, tp=tp)
-    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=act, check_vma=False)(
-        x, idx, weights, keep, experts, biases
+    exchange = jax.shard_map(
+        body,
+        mesh=constrain.region_mesh(),
+        in_specs=specs,
+        out_specs=act,
+        axis_names=constrain.auto_axes,
+        check_vma=False,
     )
+    return exchange(x, idx, weights, keep, experts, biases)
 
 
 def _local(

@@ -161,16 +161,48 @@ class Transformer(nnx.Module):
 
 def embed_tokens(m: nnx.Module, tokens: jax.Array, constrain: Constrain) -> jax.Array:
     """Embed ``tokens`` with the ``embed`` (and learned ``pos_embed``) parameters of ``m`` (a model or a
-    pipeline chunk).
-
-    The table is gathered whole before the lookup, like every weight (see ``layers.use``); otherwise XLA
-    partitions the lookup by regathering its output.
-    """
+    pipeline chunk), by :func:`lookup`."""
     dt = jnp.dtype(m.dtype)
-    x = jnp.take(use(m.embed, constrain), tokens, axis=0).astype(dt)
+    x = lookup(use(m.embed, constrain), tokens, constrain).astype(dt)
     if m.cfg.positions == "learned":
         x = x + use(m.pos_embed, constrain)[: tokens.shape[1]].astype(dt)
     return constrain(x, ("batch", "res_seq", "act_embed"))
+
+
+def lookup(table: jax.Array, tokens: jax.Array, constrain: Constrain) -> jax.Array:
+    """Rows ``tokens`` of ``table`` (laid out for use: the vocabulary split over the tensor axis).
+
+    Megatron's vocabulary-parallel embedding, written out under ``shard_map``: each device looks its own
+    tokens up in its slice of the vocabulary (zeros for tokens outside it), and the slices' rows are
+    summed over the tensor axis; in the backward pass each device adds its tokens' gradients into its
+    slice, and the table's gradient is summed over the devices that hold other tokens. Left to XLA, a
+    lookup inside the training step's per-replica ``shard_map`` regathers its output gradient instead.
+    """
+    if getattr(constrain, "mesh", None) is None:
+        return jnp.take(table, tokens, axis=0)
+    table_spec, ids = constrain.spec(("act_vocab", "act_embed")), constrain.spec(("batch", "seq"))
+    out = constrain.spec(("batch", "res_seq", "act_embed"))
+    vocab = names(table_spec[0])
+    scatter = tuple(a for a in vocab if a in names(out[1]))  # sequence parallelism: each keeps its share
+
+    def body(rows: jax.Array, ids: jax.Array) -> jax.Array:
+        n = rows.shape[0]
+        local = ids - jax.lax.axis_index(vocab) * n if vocab else ids
+        held = (local >= 0) & (local < n)
+        found = jnp.where(held[..., None], jnp.take(rows, jnp.clip(local, 0, n - 1), axis=0), 0)
+        if scatter:
+            return jax.lax.psum_scatter(found, vocab, scatter_dimension=1, tiled=True)
+        return jax.lax.psum(found, vocab) if vocab else found
+
+    split = jax.shard_map(
+        body, mesh=constrain.region_mesh(), in_specs=(table_spec, ids), out_specs=out, axis_names=constrain.auto_axes
+    )
+    return split(table, tokens)
+
+
+def names(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The mesh axes of one ``PartitionSpec`` entry."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def logits(m: nnx.Module, head: nnx.Param, x: jax.Array, constrain: Constrain) -> jax.Array:

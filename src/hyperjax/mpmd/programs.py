@@ -8,11 +8,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from hyperjax.config import MoEConfig
-from hyperjax.models.layers import Constrain
+from hyperjax.models.layers import Constrain, cross_entropy
 from hyperjax.models.moe import aux_term
 from hyperjax.models.taps import output_shapes, split, weights_only
 
@@ -73,7 +72,7 @@ def chunk_programs(
 
     def loss(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
         logits, stats = apply(params, x, fed)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, fed["targets"]).mean() / m
+        ce = cross_entropy(logits, fed["targets"]).mean() / m
         return ce + aux_term(moe, stats) / m, (ce, stats)
 
     def hidden(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> tuple[Any, Any]:

@@ -57,9 +57,8 @@ def place_kinds(shardings: Any, placement: Any, kind: str) -> Any:
 
 def to_kind(tree: Any, shardings: Any, kind: str) -> Any:
     """Move every leaf of ``tree`` whose sharding is on the host to memory kind ``kind`` (inside ``jit``)."""
-    return jax.tree.map(
-        lambda x, s: jax.device_put(x, s.with_memory_kind(kind)) if s.memory_kind == HOST else x, tree, shardings
-    )
+    space = jax.memory.Space.Host if kind == HOST else jax.memory.Space.Device  # the layout stays as it is
+    return jax.tree.map(lambda x, s: jax.device_put(x, space) if s.memory_kind == HOST else x, tree, shardings)
 
 
 def on_device(shardings: Any) -> Any:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 
 from hyperjax.config import Config, ModelConfig, Run, Stage
+from hyperjax.config.run import replica_axes, spans_processes
 from hyperjax.emulate import plan_processes
 from hyperjax.errors import ConfigError, EmulationError, ShardingError
 from hyperjax.mpmd.schedules import check_sizes
@@ -108,6 +110,7 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
         processes, limit = None, str(e)
     first = stages[0].axes
     pipelined = len(stages) > 1
+    buckets = _gradient_buckets(config, first, pipelined, n // (processes or 1))
     return Run(
         config=config,
         hardware=hw,
@@ -126,10 +129,34 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
         microbatches=microbatches,
         schedule=p.schedule if pipelined else None,
         stages=stages,
+        gradient_buckets=buckets,
         recompute=t.recompute,
         dtype=t.dtype,
         offload=config.offload.policy,
     )
+
+
+def _gradient_buckets(cfg: Config, axes: Mapping[str, int], pipelined: bool, per_process: int) -> bool:
+    """``parallel.gradient_buckets``, or when null: whether the replicas span the emulating processes (there a
+    collective costs the same whatever its size, and XLA's CPU backend runs one per tensor).
+
+    Raises:
+      ConfigError: buckets asked for where the step has no replicas to sum, or for a pipeline.
+    """
+    asked, replicas = cfg.parallel.gradient_buckets, replica_axes(axes)
+    if asked is None:
+        return not pipelined and spans_processes(axes, replicas, per_process)
+    if asked and pipelined:
+        raise ConfigError(
+            "parallel.gradient_buckets=true: pipeline and MPMD stages reduce their gradients in their own "
+            "programs; set it to null or false"
+        )
+    if asked and not replicas:
+        raise ConfigError(
+            f"parallel.gradient_buckets=true needs data-parallel replicas to sum: data > 1, or expert > 1 with "
+            f"fsdp 1 (the mesh is {dict(axes)}); set it to null or false"
+        )
+    return asked
 
 
 @functools.lru_cache(maxsize=65536)

@@ -1,11 +1,13 @@
 """HyperShard: declarative parallel strategies over logical axis names."""
 
+from hyperjax.shard.constrainer import Constrainer
 from hyperjax.shard.explanation import Explanation, TensorPlacement
 from hyperjax.shard.presets import MESH_AXES, mesh_axes_for, strategy_for
 from hyperjax.shard.strategy import Strategy, place
 
 __all__ = [
     "MESH_AXES",
+    "Constrainer",
     "Explanation",
     "Strategy",
     "TensorPlacement",

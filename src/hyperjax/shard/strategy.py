@@ -285,10 +285,6 @@ class Strategy:
             self.logical_axes(_at_path(path, leaf)), is_leaf=lambda x: isinstance(x, tuple) or x is None
         ) or [None]
 
-    def constrainer(self, mesh: jax.sharding.Mesh) -> Constrainer:
-        """A function ``(x, logical_axes) -> x`` that applies :meth:`constrain` on ``mesh``; models take it."""
-        return Constrainer(strategy=self, mesh=mesh)
-
     def constrain(
         self,
         x: jax.Array,
@@ -318,25 +314,6 @@ class Strategy:
                     "with `with jax.set_mesh(mesh):`"
                 )
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-
-@dataclasses.dataclass(frozen=True)
-class Constrainer:
-    """:meth:`Strategy.constrain` on one mesh, as the function models are called with.
-
-    Code that leaves SPMD for explicit collectives (the mixture-of-experts exchange under ``shard_map``)
-    reads the mesh and the mesh axes of logical axes from it.
-    """
-
-    strategy: Strategy
-    mesh: jax.sharding.Mesh
-
-    def __call__(self, x: jax.Array, logical_axes: Sequence[str | tuple[str, ...] | None]) -> jax.Array:
-        return self.strategy.constrain(x, logical_axes, mesh=self.mesh)
-
-    def mesh_axes(self, logical: str) -> tuple[str, ...]:
-        """The mesh axes ``logical`` is sharded over (those of size 1 left out)."""
-        return tuple(a for a in self.strategy.mesh_axes(logical) if self.mesh.shape[a] > 1)
 
 
 def _leaves(tree: Any) -> list[tuple[tuple, Any]]:

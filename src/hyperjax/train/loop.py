@@ -11,22 +11,20 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
 import jax
-from flax import nnx
 
-from hyperjax.config import Config, Run
+from hyperjax.config import Run
 from hyperjax.errors import ConfigError
 from hyperjax.models import build_model, count_params
-from hyperjax.mpmd import PipelineRunner, model_chunks
 from hyperjax.offload import block_policies
-from hyperjax.topology import make_mesh
+from hyperjax.train.breakdown import CollectiveTime, collective_times, profile_ops
 from hyperjax.train.checkpoint import Checkpoints
-from hyperjax.train.data import Batches, CaptionBatches
 from hyperjax.train.prepare import Prepared, prepare
-from hyperjax.train.step import build_train_step, compiled_bytes, init_state, make_optimizer
+from hyperjax.train.programs import build_program
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,6 +39,8 @@ class RunResult:
       expert_load: a mixture of experts' routed copies per expert in the last step, one row per MoE layer
         (``None`` for a dense model).
       records: every step's metrics, as written to ``metrics_out``.
+      collectives: with ``profile``, where the last step's collectives spent their time on process 0's
+        devices (:mod:`hyperjax.train.breakdown`); empty otherwise.
     """
 
     losses: list[float]
@@ -49,6 +49,7 @@ class RunResult:
     params: int
     expert_load: list[list[float]] | None = None
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    collectives: tuple[CollectiveTime, ...] = ()
 
     @property
     def step_time_s(self) -> float:
@@ -69,6 +70,7 @@ def train(
     log: TextIO | None = None,
     checkpoint_dir: str | None = None,
     resume: bool = False,
+    profile: bool = False,
 ) -> RunResult:
     """Train ``run`` on the devices already started (see :func:`hyperjax.start_devices`).
 
@@ -80,6 +82,8 @@ def train(
       checkpoint_dir: write a checkpoint there every ``train.checkpoint_every`` steps and after the last.
       resume: continue from the latest checkpoint in ``checkpoint_dir`` (restored onto this run's mesh);
         the metrics of the steps it holds are written to ``metrics_out`` again, so the file covers the run.
+      profile: run the last step under JAX's profiler on process 0 and time every collective of the
+        compiled step (:attr:`RunResult.collectives`; one SPMD program only).
 
     Raises:
       HyperjaxError: a run that cannot train here (see :func:`hyperjax.train.prepare.prepare`), ``resume``
@@ -92,21 +96,25 @@ def train(
     log = (sys.stdout if lead else None) if log is None else log
     policies = block_policies(ready.offload.placement, cfg.model.layers) if ready.offload is not None else None
     model = build_model(cfg.model, dtype=run.dtype, recompute=run.recompute, seed=t.seed, policies=policies)
-    data = _data(cfg)
-    step_fn, state, memory = (_pipeline if run.pipelined else _spmd)(ready, model, data)
+    if profile and run.pipelined:
+        raise ConfigError("profile: collectives are timed in one SPMD program, not in pipeline or MPMD stages")
+    program = build_program(ready, model)
+    step_fn, state = program.advance, program.state
     tokens = t.global_batch * cfg.model.seq_len
-    ckpt = Checkpoints(checkpoint_dir, keep=t.keep_checkpoints) if checkpoint_dir is not None else None
+    ckpt = None
+    if checkpoint_dir is not None:
+        ckpt = Checkpoints(checkpoint_dir, keep=t.keep_checkpoints, host=program.host_checkpoints)
     records: list[dict[str, Any]] = []
     if resume:
         if ckpt is None:
             raise ConfigError("--resume needs --checkpoint-dir, the folder the run wrote its checkpoints to")
         try:
-            restored = ckpt.restore(state)
+            restored = ckpt.restore(program.saved_like(state))
             _check_same_run(restored.meta, run, ckpt.directory / str(restored.step))
         except BaseException:
             ckpt.close()
             raise
-        state, records = restored.state, restored.records
+        state, records = program.from_saved(restored.state, restored.step), restored.records
         if log is not None:
             log.write(
                 f"resumed from {ckpt.directory / str(restored.step)} (step {restored.step}, written on "
@@ -116,11 +124,14 @@ def train(
     for record in records if sink is not None else ():
         sink.write(json.dumps(record) + "\n")
     bar = _progress_bar(t.steps, len(records)) if (log is sys.stdout and sys.stdout.isatty()) else None
-    expert_load = None
+    expert_load, timed = None, {}
     try:
         for i in range(len(records), t.steps):
             start = time.perf_counter()
-            state, metrics = step_fn(state, i)
+            if profile and lead and i + 1 == t.steps:
+                (state, metrics), timed = profile_ops(partial(_wait, step_fn, state, i))
+            else:
+                state, metrics = step_fn(state, i)
             loss = float(metrics["loss"])
             elapsed = time.perf_counter() - start
             record = {
@@ -138,7 +149,7 @@ def train(
                 expert_load = jax.device_get(metrics["expert_load"]).tolist()
             records.append(record)
             if ckpt is not None and ((i + 1) % t.checkpoint_every == 0 or i + 1 == t.steps):
-                ckpt.save(i + 1, state, _meta(run, records))
+                ckpt.save(i + 1, program.to_saved(state, i + 1), _meta(run, records))
             if (i + 1) % t.checkpoint_every == 0:
                 trim_heap()
             if ckpt is not None and lead:
@@ -170,14 +181,19 @@ def train(
     result = RunResult(
         losses=[r["loss"] for r in records],
         step_times_s=[r["step_time_s"] for r in records],
-        memory_per_device=memory,
+        memory_per_device=program.memory,
         params=count_params(model),
         expert_load=expert_load,
         records=records,
+        collectives=tuple(collective_times(program.collectives, timed, program.processes)) if timed else (),
     )
     if lead and out_dir is not None:
         plot_losses(result.losses, Path(out_dir) / "loss.png", title=f"{cfg.model.family}, {run.describe()}")
     return result
+
+
+def _wait(step_fn: Any, state: Any, i: int) -> Any:
+    return jax.block_until_ready(step_fn(state, i))
 
 
 def trim_heap() -> None:
@@ -237,69 +253,6 @@ def _check_same_run(meta: dict[str, Any], run: Run, where: Path) -> None:
         )
 
 
-def _data(cfg: Config) -> Batches | CaptionBatches:
-    t, m = cfg.train, cfg.model
-    if m.vision is not None:
-        v = m.vision
-        return CaptionBatches(
-            global_batch=t.global_batch,
-            seq_len=m.seq_len,
-            vocab=m.vocab,
-            image_size=v.image_size,
-            patch=v.patch,
-            channels=v.channels,
-            seed=t.seed,
-        )
-    return Batches(source=t.data, global_batch=t.global_batch, seq_len=m.seq_len, vocab=m.vocab, seed=t.seed)
-
-
-def _spmd(ready: Prepared, model: nnx.Module, data: Batches | CaptionBatches) -> tuple[Any, Any, int]:
-    """One SPMD program over the whole mesh: ``(step(state, i) -> (state, metrics), state, bytes)``."""
-    run, t = ready.run, ready.run.config.train
-    mesh = make_mesh(run.hardware, run.axes, devices=jax.devices()[: run.devices])
-    graphdef, param_state = nnx.split(model)
-    optimizer = make_optimizer(t)
-    step = build_train_step(
-        graphdef=graphdef,
-        param_state=param_state,
-        strategy=ready.strategy,
-        mesh=mesh,
-        optimizer=optimizer,
-        microbatches=run.microbatches,
-        feeds={"images": 4} if run.config.model.vision is not None else None,
-        placement=ready.offload.placement if ready.offload is not None else None,
-        moe=run.config.model.moe,
-    )
-    state = init_state(param_state, optimizer, step)
-    compiled = step.fn.lower(state, data.global_batch_arrays(0, step.batch_shardings)).compile()
-
-    def advance(state: Any, i: int) -> tuple[Any, dict[str, Any]]:
-        return compiled(state, data.global_batch_arrays(i, step.batch_shardings))
-
-    return advance, state, compiled_bytes(compiled)
-
-
-def _pipeline(ready: Prepared, model: nnx.Module, data: Batches | CaptionBatches) -> tuple[Any, Any, int]:
-    """One program per chunk on its stage's submesh, run by the schedule's grid (see hyperjax.mpmd)."""
-    run, t = ready.run, ready.run.config.train
-    chunks, entry = model_chunks(model, run)
-    runner = PipelineRunner(
-        chunks=chunks,
-        entry=entry,
-        run=run,
-        strategy=ready.strategy,
-        devices=jax.devices()[: run.devices],
-        optimizer=make_optimizer(t, clip=False),
-        grad_clip=t.grad_clip,
-    )
-    state = runner.init_state()
-
-    def advance(state: Any, i: int) -> tuple[Any, dict[str, Any]]:
-        return runner.step(state, data.batch(i))
-
-    return advance, state, runner.memory_per_device(state)
-
-
 def _progress_bar(steps: int, done: int = 0) -> tuple[Any, Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -349,4 +302,5 @@ def summary(run: Run, result: RunResult) -> dict[str, Any]:
         "first_loss": result.losses[0],
         "final_loss": result.losses[-1],
         "expert_load": result.expert_load,
+        "collectives": [c.to_dict() for c in result.collectives],
     }

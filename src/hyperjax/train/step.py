@@ -7,6 +7,7 @@ accumulation, recomputation) is decided when it is built and lives in its shardi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -14,12 +15,17 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from hyperjax.config import MoEConfig, TrainConfig
+from hyperjax.errors import ShardingError
+from hyperjax.models.layers import cross_entropy
 from hyperjax.models.moe import RouterStats, aux_term, update_router_biases
 from hyperjax.offload import Placement
 from hyperjax.offload.apply import DEVICE, HOST, on_device, place_kinds, to_kind
-from hyperjax.shard import Strategy, place
+from hyperjax.shard import Constrainer, Strategy, place
+from hyperjax.shard.constrainer import without
+from hyperjax.shard.replicas import axes_in, bucket_sum, host_blocks, manual_part
 
 
 def make_optimizer(train: TrainConfig, *, clip: bool = True) -> optax.GradientTransformation:
@@ -56,7 +62,7 @@ def loss_fn(
     feeds = {k: v for k, v in batch.items() if k not in ("inputs", "targets")}
     model = nnx.merge(graphdef, params)
     logits, stats = model.forward(batch["inputs"], constrain, **feeds)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    ce = cross_entropy(logits, batch["targets"]).mean()
     return ce + aux_term(model.cfg.moe, stats), (ce, stats)
 
 
@@ -104,6 +110,7 @@ def build_train_step(
     feeds: dict[str, int] | None = None,
     placement: Any = None,
     moe: MoEConfig | None = None,
+    replicas: tuple[str, ...] = (),
 ) -> TrainStep:
     """Build the jitted step.
 
@@ -119,6 +126,9 @@ def build_train_step(
       placement: where parameters, optimizer state and gradients live (a
         :class:`hyperjax.offload.Placement`; ``None``: all on the device). Host-placed state is kept in
         ``pinned_host`` between steps and moved to the device inside the step.
+      moe: the model's mixture of experts, if any (its router stats become metrics).
+      replicas: mesh axes whose replicas compute their gradients apart and sum them in flat buffers
+        (a run's ``replica_axes``, see :mod:`hyperjax.shard.replicas`); empty: every reduction is XLA's.
     """
     placement = placement if placement is not None else Placement(())
     strategy = strategy.with_param_axes(param_state)
@@ -133,15 +143,17 @@ def build_train_step(
     batch_shs = {"inputs": batch_sh, "targets": batch_sh}
     for name, rank in (feeds or {}).items():
         batch_shs[name] = NamedSharding(mesh, strategy.spec(("batch",) + (None,) * (rank - 1)))
-    constrain = strategy.constrainer(mesh)
+    manual = check_replicas(strategy, params, mesh, replicas)
+    constrain = Constrainer(strategy=strategy, mesh=mesh, manual=manual)
+    grads_in_use = jax.tree.map(lambda s: s.spec, on_device(param_sh))
 
     def grads_of(p: Any, batch: dict[str, jax.Array]) -> tuple[tuple[jax.Array, Any], Any]:
         (_, (ce, stats)), grads = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)(graphdef, p, batch, constrain)
         return (ce, stats), grads
 
-    def step(state: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[dict[str, Any], dict[str, jax.Array]]:
-        p = to_kind(state["params"], param_sh, DEVICE)  # host-placed layers come to the device for the step
-        opt_state = to_kind(state["opt_state"], opt_sh, DEVICE)
+    def replica(p: Any, batch: dict[str, jax.Array]) -> tuple[tuple[jax.Array, Any], Any]:
+        """Loss, router stats and gradients of the rows this replica holds (the whole batch with no manual axes)."""
+        grad_here = inside(grad_sh, manual)
         if microbatches == 1:
             (loss, stats), grads = grads_of(p, batch)
         else:
@@ -151,17 +163,56 @@ def build_train_step(
 
             def accumulate(carry: tuple[Any, Any], mb: dict[str, jax.Array]) -> tuple[tuple[Any, Any], None]:
                 measured, grads = grads_of(p, mb)
-                acc = to_kind(jax.tree.map(jnp.add, to_kind(carry[1], grad_sh, DEVICE), grads), grad_sh, HOST)
+                acc = to_kind(jax.tree.map(jnp.add, to_kind(carry[1], grad_here, DEVICE), grads), grad_here, HOST)
                 return (jax.tree.map(jnp.add, carry[0], measured), acc), None
 
             shapes = jax.eval_shape(lambda: grads_of(p, jax.tree.map(lambda x: x[0], micro))[0])
             zeros = (
                 jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes),
-                to_kind(jax.tree.map(jnp.zeros_like, p), grad_sh, HOST),
+                to_kind(jax.tree.map(jnp.zeros_like, p), grad_here, HOST),
             )
             ((loss, stats), grads), _ = jax.lax.scan(accumulate, zeros, micro)
-            grads = to_kind(grads, grad_sh, DEVICE)
+            grads = to_kind(grads, grad_here, DEVICE)
             loss, grads = loss / microbatches, jax.tree.map(lambda g: g / microbatches, grads)
+        if manual:  # each gradient laid out as its parameter, over the axes not split outside
+            grads = jax.lax.with_sharding_constraint(grads, inside(on_device(param_sh), manual))
+        return (loss, stats), grads
+
+    def gradients(p: Any, batch: dict[str, jax.Array]) -> tuple[tuple[jax.Array, Any], Any]:
+        """The batch's loss, router stats and gradients: per replica, then summed in buckets."""
+        if not manual:
+            return replica(p, batch)
+        specs, tree = jax.tree.flatten(grads_in_use, is_leaf=lambda s: isinstance(s, P))
+        over = [tuple(a for a in manual if a not in axes_in(s)) for s in specs]
+
+        def body(p: Any, batch: dict[str, jax.Array]) -> tuple[Any, ...]:
+            (loss, stats), grads = replica(p, batch)
+            aux = jnp.zeros((1,)) if stats is None else stats.aux_loss[None]  # each replica's own
+            shared = None if stats is None else stats._replace(aux_loss=jnp.zeros(()))  # the same everywhere
+            return loss[None], aux, shared, [g[None] for g in jax.tree.leaves(grads)]
+
+        in_specs = (jax.tree.map(lambda s: manual_part(s, manual), grads_in_use), {k: P(manual) for k in batch})
+        grad_specs = [P(entry(o), *manual_part(s, manual)) for s, o in zip(specs, over, strict=True)]
+        out_specs = (P(manual), P(manual), P(), grad_specs)
+        loss, aux, stats, stacked = jax.shard_map(
+            body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(manual), check_vma=False
+        )(p, batch)
+        summed = bucket_sum(
+            [loss, aux, *stacked],
+            mesh=mesh,
+            specs=[P(), P(), *specs],
+            over=[manual, manual, *over],
+            hosts=host_blocks(mesh, manual),
+        )
+        n = constrain.replicas
+        if stats is not None:
+            stats = stats._replace(aux_loss=summed[1] / n)
+        return (summed[0] / n, stats), jax.tree.unflatten(tree, [g / n for g in summed[2:]])
+
+    def step(state: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[dict[str, Any], dict[str, jax.Array]]:
+        p = to_kind(state["params"], param_sh, DEVICE)  # host-placed layers come to the device for the step
+        opt_state = to_kind(state["opt_state"], opt_sh, DEVICE)
+        (loss, stats), grads = gradients(p, batch)
         grads = jax.lax.with_sharding_constraint(grads, on_device(grad_sh))
         updates, opt_state = optimizer.update(grads, opt_state, p)
         new_params = optax.apply_updates(p, updates)
@@ -178,6 +229,55 @@ def build_train_step(
     return TrainStep(
         fn=fn, state_shardings=state_sh, batch_sharding=batch_sh, microbatches=microbatches, batch_shardings=batch_shs
     )
+
+
+def check_replicas(
+    strategy: Strategy, params: Any, mesh: jax.sharding.Mesh, replicas: tuple[str, ...]
+) -> tuple[str, ...]:
+    """``replicas`` (a run's :attr:`hyperjax.Run.replica_axes`), checked against the strategy: they must be the
+    leading axes of ``batch`` (those of size 1 aside) and store no parameter, except the routed experts'
+    weights over ``expert`` (a mixture of experts reaches those through its own exchange, so each replica
+    along ``expert`` computes its own experts' gradients from every replica's tokens).
+
+    Raises:
+      ShardingError: a replica axis out of order or storing a parameter, naming the axis, tensor and fix.
+    """
+    batch = tuple(a for a in strategy.mesh_axes("batch") if mesh.shape[a] > 1)
+    if batch[: len(replicas)] != replicas:
+        raise ShardingError(
+            f"gradient buckets over mesh axes {replicas}: they must lead the batch's mesh axes {batch}; map "
+            "'batch' to them first or set parallel.gradient_buckets: false"
+        )
+    logical = strategy.logical_axes(params)
+    shardings = strategy.shardings(params, mesh)
+    for (path, sharding), axes in zip(
+        jax.tree_util.tree_flatten_with_path(shardings)[0],
+        jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple) or x is None),
+        strict=True,
+    ):
+        routed = bool(axes) and axes[0] == "experts"
+        stored = [a for a in replicas if a in axes_in(sharding.spec) and not (a == "expert" and routed)]
+        if stored:
+            name = jax.tree_util.keystr(path, simple=True, separator="/")
+            raise ShardingError(
+                f"gradient buckets over mesh axes {replicas}: tensor {name!r} "
+                f"is stored over {stored[0]!r} ({sharding.spec}), so its replicas do not hold it whole; set "
+                "parallel.gradient_buckets: false or store it elsewhere"
+            )
+    return replicas
+
+
+def inside(shardings: Any, manual: Sequence[str]) -> Any:
+    """``shardings`` as seen inside ``shard_map`` over the ``manual`` axes (those axes left out)."""
+    if not manual:
+        return shardings
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.tree.map(lambda s: NamedSharding(mesh, without(s.spec, manual), memory_kind=s.memory_kind), shardings)
+
+
+def entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
+    """A ``PartitionSpec`` entry for a dimension split over ``axes``."""
+    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def init_state(param_state: Any, optimizer: optax.GradientTransformation, step: TrainStep) -> dict[str, Any]:
