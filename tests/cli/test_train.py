@@ -25,6 +25,15 @@ def test_train_writes_metrics_plot_and_summary(capsys, tmp_path: Path):
         ("all-reduce", 4, 1),
     }
     assert all(r["seconds"] > 0 and r["bytes"] > 0 and r["arrays"] >= r["count"] for r in rows)
+    printed = {}  # the table's cells: collective, devices, processes, count, arrays, MiB, seconds, share
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.split("│")[1:-1]]
+        if len(cells) == 8 and cells[0] == "all-reduce":
+            printed[int(cells[1])] = cells
+    for r in rows:
+        cells = printed[r["participants"]]
+        assert cells[3:6] == [str(r["count"]), str(r["arrays"]), f"{r['bytes'] / 2**20:.2f}"]
+        assert float(cells[6]) == pytest.approx(r["seconds"], abs=1e-3) and cells[7].endswith("%")
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3]
     assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 for r in lines)

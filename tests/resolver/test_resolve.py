@@ -129,6 +129,10 @@ def test_bad_configs(sets, error, pattern):
         (["emulate.processes=2", "parallel.data=1", "parallel.tensor=8"], False, ()),  # nothing to sum
         (["parallel.gradient_buckets=true"], True, ("data",)),
         (["emulate.processes=2", "parallel.gradient_buckets=false"], False, ()),
+        # a `shard` override onto a replica axis, or of the batch, leaves XLA's reductions; others do not
+        (["emulate.processes=2", "shard.embed=data"], False, ()),
+        (["emulate.processes=2", "shard.batch=data"], False, ()),
+        (["emulate.processes=2", "shard.heads=tensor"], True, ("data",)),
     ],
 )
 def test_gradient_buckets_resolve_to_whether_replicas_span_processes(sets, buckets, axes):

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hyperjax import ShardingError, Strategy, make_mesh
+from hyperjax.config.run import spans_processes as config_spans
 from hyperjax.shard.replicas import bucket_sum, host_blocks, manual_part, spans_processes
 from hyperjax.train.step import check_replicas
 
@@ -51,6 +52,8 @@ def test_host_blocks_and_spans_read_the_process_layout(shape, per_process, block
     axes = [a for a in shape if a != "tensor"]
     assert host_blocks(mesh, axes) == blocks
     assert spans_processes(mesh, axes) is spans
+    # the resolver decides from the degrees alone, before any device exists: it must read the same layout
+    assert config_spans(shape, tuple(axes), per_process) is spans
 
 
 @pytest.mark.parametrize("hosts", [{}, {"data": 2}])

@@ -156,6 +156,9 @@ def test_checkpoint_mistakes_exit_2(tmp_path: Path, capsys):
     ), err
     err = _bad([*base, "--resume", "--checkpoint-dir", str(run), "--set", "train.seed=1"], capsys)
     assert "train.seed=0 but this run has train.seed=1" in err
+    as_pipeline = ["--set", "parallel.pipeline=2", "--set", "parallel.tensor=1"]
+    err = _bad([*base, "--resume", "--checkpoint-dir", str(run), *as_pipeline], capsys)
+    assert "no tensor params/0/" in err and "another pipeline layout" in err and "parallel.pipeline" in err
     # moved to 4 devices: the strategy is re-derived (data=4, tensor=2 -> data=2, tensor=2)
     moved = ["--resume", "--elastic", "--devices", "4", "--steps", "3", "--checkpoint-dir", str(run)]
     assert main([*base, *moved, "--out-dir", str(tmp_path)]) == 0

@@ -287,6 +287,7 @@ def collectives_table(result: Any) -> Any:
             str(c.participants),
             str(c.processes),
             str(c.count),
+            str(c.arrays),
             f"{c.bytes / 2**20:.2f}",
             f"{c.seconds:.3f}",
             share,

@@ -87,7 +87,7 @@ class ParallelConfig:
     stage_devices: tuple[int, ...] | None = None  # devices per pipeline stage; null: equal stages
     stage_layers: tuple[int, ...] | None = None  # layers per chunk (model order); null: balanced by predicted time
     zero_stage: int = 0  # 1: optimizer state sharded over data; 2: gradients too
-    gradient_buckets: bool | None = None  # each data-parallel replica's gradients summed in one flat buffer
+    gradient_buckets: bool | None = None  # each data-parallel replica's gradients summed in flat buffers
     # (PyTorch DDP's buckets); null: when the replicas span emulating processes
 
     def __post_init__(self) -> None:

@@ -109,6 +109,18 @@ def to_process0(value: jax.Array | None, mesh: jax.sharding.Mesh, like: Any, key
     return np.frombuffer(raw, dtype=like.dtype).reshape(like.shape).copy()
 
 
+def from_process0(value: int, key: str) -> int:
+    """Process 0's ``value``, in every process (through the key-value store under ``key``; each process
+    calls it once per key). One process: ``value``."""
+    if jax.process_count() == 1:
+        return value
+    client = distributed.global_state.client
+    if jax.process_index() == 0:
+        client.key_value_set(key, str(value))
+        return value
+    return int(client.blocking_key_value_get(key, _TRANSFER_TIMEOUT_MS))
+
+
 _TRANSFER_TIMEOUT_MS = 600_000  # a stage may compute for minutes on an emulated supernode
 
 

@@ -144,8 +144,8 @@ def _gradient_buckets(cfg: Config, axes: Mapping[str, int], pipelined: bool, per
       ConfigError: buckets asked for where the step has no replicas to sum, or for a pipeline.
     """
     asked, replicas = cfg.parallel.gradient_buckets, replica_axes(axes)
-    if asked is None:
-        return not pipelined and spans_processes(axes, replicas, per_process)
+    if asked is None:  # off where a `shard` override moves any logical axis onto or off a replica axis
+        return not pipelined and not _overrides_touch(cfg, replicas) and spans_processes(axes, replicas, per_process)
     if asked and pipelined:
         raise ConfigError(
             "parallel.gradient_buckets=true: pipeline and MPMD stages reduce their gradients in their own "
@@ -157,6 +157,16 @@ def _gradient_buckets(cfg: Config, axes: Mapping[str, int], pipelined: bool, per
             f"fsdp 1 (the mesh is {dict(axes)}); set it to null or false"
         )
     return asked
+
+
+def _overrides_touch(cfg: Config, replicas: tuple[str, ...]) -> bool:
+    """Whether the config's ``shard`` overrides name ``batch`` or put any logical axis on a replica axis (the
+    standard rules that :func:`hyperjax.config.run.replica_axes` assumes then may not hold)."""
+    for logical, target in cfg.shard.items():
+        named = (target,) if isinstance(target, str) else tuple(target or ())
+        if logical == "batch" or set(named) & set(replicas):
+            return True
+    return False
 
 
 @functools.lru_cache(maxsize=65536)

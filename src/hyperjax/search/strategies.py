@@ -22,6 +22,7 @@ CLEARED: dict[str, Any] = {
     "train.microbatches": None,
     "emulate.devices": None,
     "emulate.processes": None,
+    "parallel.gradient_buckets": None,
 }
 """What every candidate resets before its own overrides: the search decides these."""
 

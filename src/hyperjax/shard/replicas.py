@@ -42,7 +42,8 @@ def bucket_sum(
     over: Sequence[tuple[str, ...]],
     hosts: dict[str, int] | None = None,
 ) -> list[jax.Array]:
-    """Sum per-replica values over their replicas, one collective per group of values summed alike.
+    """Sum per-replica values over their replicas, one collective per group of values summed alike (over the
+    same axes, in the same dtype).
 
     Args:
       values: arrays, each with a leading axis that stacks the replicas to sum, laid out as
@@ -59,13 +60,13 @@ def bucket_sum(
     if not (len(values) == len(specs) == len(over)):
         raise ValueError(f"values, specs and over differ in length: {len(values)}, {len(specs)}, {len(over)}")
     hosts = hosts or {}
-    groups: dict[tuple[str, ...], list[int]] = {}
+    groups: dict[tuple[tuple[str, ...], np.dtype], list[int]] = {}  # one buffer per axes and dtype
     for i, axes in enumerate(over):
-        groups.setdefault(tuple(axes), []).append(i)
+        groups.setdefault((tuple(axes), np.dtype(values[i].dtype)), []).append(i)
 
     def body(*local: jax.Array) -> tuple[jax.Array, ...]:
         out: list[jax.Array] = [x[0] for x in local]
-        for axes, members in groups.items():
+        for (axes, _), members in groups.items():
             if not axes:
                 continue
             flat = jnp.concatenate([local[i].reshape(-1) for i in members])

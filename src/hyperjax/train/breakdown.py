@@ -18,6 +18,7 @@ import dataclasses
 import gzip
 import json
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,16 +56,19 @@ class CollectiveTime:
         return dataclasses.asdict(self)
 
 
-def profile_ops(fn: Callable[[], Any]) -> tuple[Any, dict[str, float]]:
+def profile_ops(fn: Callable[[], Any]) -> tuple[Any, float, dict[str, float]]:
     """Run ``fn`` (which must wait for its result) under JAX's profiler.
 
     Returns:
-      ``fn``'s result, and the seconds each XLA operation (by instruction name) ran, summed over this
-      process's devices and divided by their number.
+      ``fn``'s result, the seconds ``fn`` took (starting and stopping the profiler and reading its trace
+      left out), and the seconds each XLA operation (by instruction name) ran, summed over this process's
+      devices and divided by their number.
     """
     with tempfile.TemporaryDirectory() as folder:
         with jax.profiler.trace(folder, create_perfetto_trace=True):
+            start = time.perf_counter()
             out = fn()
+            elapsed = time.perf_counter() - start
         traces = sorted(Path(folder).rglob("*.trace.json.gz"))
         if not traces:
             raise RuntimeError(f"JAX's profiler wrote no trace under {folder}")
@@ -75,7 +79,7 @@ def profile_ops(fn: Callable[[], Any]) -> tuple[Any, dict[str, float]]:
         if event.get("ph") == "X":
             total[event["name"]] += event.get("dur", 0.0) * 1e-6
     devices = len(jax.local_devices())
-    return out, {name: seconds / devices for name, seconds in total.items()}
+    return out, elapsed, {name: seconds / devices for name, seconds in total.items()}
 
 
 def collective_times(

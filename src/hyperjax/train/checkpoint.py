@@ -29,6 +29,7 @@ import numpy as np
 
 from hyperjax.errors import ConfigError
 from hyperjax.files import write_json
+from hyperjax.mpmd.transfer import from_process0
 
 PROGRESS = "progress.json"  # the last step any attempt completed (read by the supervising launcher)
 
@@ -106,11 +107,18 @@ class Checkpoints:
         return ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def latest_step(self) -> int | None:
-        """The step of the newest finished checkpoint, or ``None``."""
+        """The step of the newest finished checkpoint, or ``None``. With host arrays over several processes,
+        process 0's answer in every process (only it holds a manager; the others would read the folder), so
+        that all of them restore the same step; every process must call it then."""
         if self._manager is None:
             steps = saved_steps(self.directory)
-            return steps[-1] if steps else None
-        return self._manager.latest_step()
+            local = steps[-1] if steps else None
+        else:
+            local = self._manager.latest_step()
+        if not self.host:
+            return local
+        agreed = from_process0(-1 if local is None else local, f"hyperjax/checkpoint/latest/{self.directory}")
+        return None if agreed < 0 else agreed
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
         """Start writing ``state`` as checkpoint ``step``; returns once the arrays are copied off the devices.
@@ -150,17 +158,20 @@ class Checkpoints:
             abstract = jax.tree.map(_abstract, _arrays(like))
         _quiet_abandoned_reads()  # before any read starts: a failed one closes the others' loop at once
         try:
-            saved = reader.item_metadata(step)["state"]
-            saved_tree = saved.tree if hasattr(saved, "tree") else saved
-        except Exception as e:
-            raise ConfigError(f"{where} cannot be read ({_first_line(e)}); {_fix(self.directory, step)}") from None
-        _check_shapes(abstract, saved_tree, where)
-        try:
-            out = reader.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
-            )
-        except Exception as e:
-            raise ConfigError(f"{where} cannot be read ({_first_line(e)}); {_fix(self.directory, step)}") from None
+            try:
+                saved = reader.item_metadata(step)["state"]
+                saved_tree = saved.tree if hasattr(saved, "tree") else saved
+            except Exception as e:
+                raise ConfigError(f"{where} cannot be read ({_first_line(e)}); {_fix(self.directory, step)}") from None
+            _check_shapes(abstract, saved_tree, where)
+            try:
+                state = ocp.args.StandardRestore(abstract)
+                out = reader.restore(step, args=ocp.args.Composite(state=state, meta=ocp.args.JsonRestore()))
+            except Exception as e:
+                raise ConfigError(f"{where} cannot be read ({_first_line(e)}); {_fix(self.directory, step)}") from None
+        finally:
+            if reader is not self._manager:
+                reader.close()
         meta = dict(out["meta"] or {})
         records = meta.get("records")
         valid = (
@@ -172,8 +183,6 @@ class Checkpoints:
         )
         if not valid:
             raise ConfigError(f"{where} has no valid run record (meta); {_fix(self.directory, step)}")
-        if reader is not self._manager:
-            reader.close()
         state = jax.tree.map(
             lambda saved, old: saved if isinstance(old, (jax.Array, jax.ShapeDtypeStruct)) else type(old)(saved),
             out["state"],
@@ -208,8 +217,10 @@ def _check_shapes(abstract: Any, saved: Any, where: str) -> None:
     for path, want in sorted(expected.items(), key=lambda kv: not kv[0].startswith("params/")):
         if path not in found:
             raise ConfigError(
-                f"{where} has no tensor {path} (shape {tuple(want.shape)}): it was written for another model; "
-                "resume with the model config it was written with, or use a new --checkpoint-dir"
+                f"{where} has no tensor {path} (shape {tuple(want.shape)}): it was written for another model "
+                "or another pipeline layout (a pipeline's state is saved stage by stage: parallel.pipeline, "
+                "parallel.virtual_stages and parallel.stage_layers must match, and an SPMD checkpoint does not "
+                "resume as a pipeline); resume with the config it was written with, or use a new --checkpoint-dir"
             )
         if tuple(found[path].shape) != tuple(want.shape):
             raise ConfigError(

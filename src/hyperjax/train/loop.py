@@ -129,11 +129,12 @@ def train(
         for i in range(len(records), t.steps):
             start = time.perf_counter()
             if profile and lead and i + 1 == t.steps:
-                (state, metrics), timed = profile_ops(partial(_wait, step_fn, state, i))
+                (state, metrics), elapsed, timed = profile_ops(partial(_wait, step_fn, state, i))
+                loss = float(metrics["loss"])
             else:
                 state, metrics = step_fn(state, i)
-            loss = float(metrics["loss"])
-            elapsed = time.perf_counter() - start
+                loss = float(metrics["loss"])
+                elapsed = time.perf_counter() - start
             record = {
                 "step": i + 1,
                 "loss": loss,
