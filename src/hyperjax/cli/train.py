@@ -77,6 +77,11 @@ def run(args: argparse.Namespace) -> int:
         return _print_run(run, json_out=args.json)
     if run.processes is None:
         raise EmulationError(f"{run.emulation_limit}; hyperjax predict still prices this run")
+    if args.profile and run.pipelined:
+        raise ConfigError(
+            f"--profile: collectives are timed in one SPMD program, not in the {len(run.stages)} pipeline or MPMD "
+            "stages of this run (parallel.pipeline or mpmd.submeshes); drop --profile, or set parallel.pipeline=1"
+        )
     out_dir = args.out_dir or str(Path("runs") / Path(args.config).stem)
     if args.metrics_out:
         check_writable(args.metrics_out, "--metrics-out")
