@@ -168,9 +168,9 @@ def test_group_sizes_follow_the_mesh():
     ],
 )
 def test_replica_group_formats(text, size):
-    from hyperjax.cost.hlo import _group_size
+    from hyperjax.cost.hlo import _groups
 
-    assert _group_size(text, 8) == size
+    assert len(_groups(text, 8)[0]) == size
 
 
 @pytest.mark.parametrize(

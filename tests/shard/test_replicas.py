@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from hyperjax import ShardingError, Strategy, make_mesh
 from hyperjax.config.run import spans_processes as config_spans
-from hyperjax.shard.replicas import bucket_sum, host_blocks, manual_part, spans_processes
+from hyperjax.shard.replicas import bucket_sum, host_blocks, manual_part
 from hyperjax.train.step import check_replicas
 
 
@@ -29,6 +29,16 @@ class FakeMesh:
     @property
     def shape(self) -> dict[str, int]:
         return dict(zip(self.axis_names, self.devices.shape, strict=True))
+
+
+def spans_processes(mesh: FakeMesh, axes: list[str]) -> bool:
+    """Whether the groups along ``axes`` hold devices of several processes, read from the devices."""
+    if not axes:
+        return False
+    process = np.vectorize(lambda d: d.process_index)(mesh.devices)
+    moved = np.moveaxis(process, [mesh.axis_names.index(a) for a in axes], list(range(-len(axes), 0)))
+    along = moved.reshape(-1, int(np.prod([mesh.shape[a] for a in axes])))
+    return bool((along != along[:, :1]).any())
 
 
 def fake_mesh(shape: dict[str, int], per_process: int) -> FakeMesh:

@@ -78,10 +78,6 @@ def _shape_bytes(shape: str) -> int:
     )
 
 
-def _group_size(rest: str, devices: int) -> int:
-    return len(_groups(rest, devices)[0])
-
-
 def _groups(rest: str, devices: int) -> tuple[tuple[int, ...], ...]:
     """The replica groups an HLO collective's attributes (``rest``) name, in any of XLA's notations."""
     named = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(?(\S+?)\)?)?\s*\{([^}]*)\}", rest)

@@ -19,6 +19,7 @@ from hyperjax.models.layers import MLP, Attention, Constrain, make_norm, no_cons
 from hyperjax.models.mla import LatentAttention
 from hyperjax.models.moe import MoE, RouterStats, merge_stats
 from hyperjax.models.taps import product
+from hyperjax.shard.strategy import entry_axes
 
 BlockPolicy = tuple[tuple[str, ...], tuple[str, ...]] | None
 """What a block keeps for backward, by checkpoint name: ``(on the device, on the host (pinned_host))``;
@@ -182,8 +183,8 @@ def lookup(table: jax.Array, tokens: jax.Array, constrain: Constrain) -> jax.Arr
         return jnp.take(table, tokens, axis=0)
     table_spec, ids = constrain.spec(("act_vocab", "act_embed")), constrain.spec(("batch", "seq"))
     out = constrain.spec(("batch", "res_seq", "act_embed"))
-    vocab = names(table_spec[0])
-    scatter = tuple(a for a in vocab if a in names(out[1]))  # sequence parallelism: each keeps its share
+    vocab = entry_axes(table_spec[0])
+    scatter = tuple(a for a in vocab if a in entry_axes(out[1]))  # sequence parallelism: each keeps its share
 
     def body(rows: jax.Array, ids: jax.Array) -> jax.Array:
         n = rows.shape[0]
@@ -198,11 +199,6 @@ def lookup(table: jax.Array, tokens: jax.Array, constrain: Constrain) -> jax.Arr
         body, mesh=constrain.region_mesh(), in_specs=(table_spec, ids), out_specs=out, axis_names=constrain.auto_axes
     )
     return split(table, tokens)
-
-
-def names(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
-    """The mesh axes of one ``PartitionSpec`` entry."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def logits(m: nnx.Module, head: nnx.Param, x: jax.Array, constrain: Constrain) -> jax.Array:

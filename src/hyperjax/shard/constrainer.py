@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hyperjax.shard.strategy import Strategy
+from hyperjax.shard.strategy import Strategy, entry_axes, spec_entry
 
 LogicalAxes = Sequence[str | tuple[str, ...] | None]
 
@@ -93,9 +93,4 @@ def without(spec: P, axes: Sequence[str]) -> P:
     """``spec`` with the mesh axes ``axes`` left out of every dimension."""
     if not axes:
         return spec
-    kept = []
-    for entry in spec:
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        names = tuple(a for a in names if a not in axes)
-        kept.append(None if not names else names[0] if len(names) == 1 else names)
-    return P(*kept)
+    return P(*(spec_entry(tuple(a for a in entry_axes(entry) if a not in axes)) for entry in spec))

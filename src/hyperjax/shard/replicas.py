@@ -27,6 +27,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from hyperjax.shard.constrainer import without
+from hyperjax.shard.strategy import entry_axes, spec_entry
 
 
 def manual_part(spec: P, manual: Sequence[str]) -> P:
@@ -77,20 +78,10 @@ def bucket_sum(
                 out[i] = flat[start:end].reshape(local[i].shape[1:])
         return tuple(out)
 
-    in_specs = tuple(_split_spec(P(_entry(tuple(o)), *s), hosts) for o, s in zip(over, specs, strict=True))
+    in_specs = tuple(_split_spec(P(spec_entry(tuple(o)), *s), hosts) for o, s in zip(over, specs, strict=True))
     out_specs = tuple(_split_spec(s, hosts) for s in specs)
     split = _split_mesh(mesh, hosts)
     return list(jax.shard_map(body, mesh=split, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*values))
-
-
-def spans_processes(mesh: jax.sharding.Mesh, axes: Sequence[str]) -> bool:
-    """Whether the groups along ``axes`` hold devices of several processes."""
-    if not axes:
-        return False
-    process = np.vectorize(lambda d: d.process_index)(mesh.devices)
-    moved = np.moveaxis(process, [mesh.axis_names.index(a) for a in axes], list(range(-len(axes), 0)))
-    along = moved.reshape(-1, int(np.prod([mesh.shape[a] for a in axes])))
-    return bool((along != along[:, :1]).any())
 
 
 def host_blocks(mesh: jax.sharding.Mesh, axes: Sequence[str]) -> dict[str, int]:
@@ -144,18 +135,10 @@ def _split_mesh(mesh: jax.sharding.Mesh, hosts: dict[str, int]) -> jax.sharding.
 def _split_spec(spec: P, hosts: dict[str, int]) -> P:
     if not hosts:
         return spec
-    out = []
-    for entry in spec:
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        expanded = tuple(n for a in names for n in ((f"{a}@hosts", f"{a}@local") if a in hosts else (a,)))
-        out.append(_entry(expanded))
-    return P(*out)
+    split = lambda a: (f"{a}@hosts", f"{a}@local") if a in hosts else (a,)
+    return P(*(spec_entry(tuple(n for a in entry_axes(entry) for n in split(a))) for entry in spec))
 
 
 def axes_in(spec: P) -> tuple[str, ...]:
     """Every mesh axis ``spec`` names, in order."""
-    return tuple(a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e))
-
-
-def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
-    return None if not axes else axes[0] if len(axes) == 1 else axes
+    return tuple(a for entry in spec for a in entry_axes(entry))

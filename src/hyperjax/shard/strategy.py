@@ -117,7 +117,7 @@ class Strategy:
         Raises:
           ShardingError: a logical axis has no rule.
         """
-        return P(*(_entry(self.mesh_axes(name)) for name in logical_axes))
+        return P(*(spec_entry(self.mesh_axes(name)) for name in logical_axes))
 
     def logical_axes(self, tree: Any) -> Any:
         """The logical axes of every leaf of ``tree`` (a tuple per leaf; ``None`` where nothing names them).
@@ -235,7 +235,7 @@ class Strategy:
                 if size % (math.prod(mesh.shape[a] for a in axes) * mesh.shape[axis]) == 0:
                     axes.append(axis)
                     break
-        return P(*(_entry(tuple(axes)) for axes in per_dim))
+        return P(*(spec_entry(tuple(axes)) for axes in per_dim))
 
     def with_param_axes(self, state: Any) -> Strategy:
         """This strategy, plus a ``params`` pattern for every variable of an NNX ``state``.
@@ -343,8 +343,14 @@ def _context_mesh(x: Any) -> jax.sharding.Mesh | jax.sharding.AbstractMesh | Non
         return abstract
 
 
-def _entry(axes: tuple[str, ...]) -> MeshAxes:
+def spec_entry(axes: tuple[str, ...]) -> MeshAxes:
+    """A ``PartitionSpec`` entry for a dimension split over the mesh axes ``axes``."""
     return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def entry_axes(entry: MeshAxes) -> tuple[str, ...]:
+    """The mesh axes of one ``PartitionSpec`` entry."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _is_variable(x: Any) -> bool:

@@ -26,6 +26,7 @@ from hyperjax.offload.apply import DEVICE, HOST, on_device, place_kinds, to_kind
 from hyperjax.shard import Constrainer, Strategy, place
 from hyperjax.shard.constrainer import without
 from hyperjax.shard.replicas import axes_in, bucket_sum, host_blocks, manual_part
+from hyperjax.shard.strategy import spec_entry
 
 
 def make_optimizer(train: TrainConfig, *, clip: bool = True) -> optax.GradientTransformation:
@@ -192,7 +193,7 @@ def build_train_step(
             return loss[None], aux, shared, [g[None] for g in jax.tree.leaves(grads)]
 
         in_specs = (jax.tree.map(lambda s: manual_part(s, manual), grads_in_use), {k: P(manual) for k in batch})
-        grad_specs = [P(entry(o), *manual_part(s, manual)) for s, o in zip(specs, over, strict=True)]
+        grad_specs = [P(spec_entry(o), *manual_part(s, manual)) for s, o in zip(specs, over, strict=True)]
         out_specs = (P(manual), P(manual), P(), grad_specs)
         loss, aux, stats, stacked = jax.shard_map(
             body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(manual), check_vma=False
@@ -273,11 +274,6 @@ def inside(shardings: Any, manual: Sequence[str]) -> Any:
         return shardings
     mesh = jax.sharding.get_abstract_mesh()
     return jax.tree.map(lambda s: NamedSharding(mesh, without(s.spec, manual), memory_kind=s.memory_kind), shardings)
-
-
-def entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
-    """A ``PartitionSpec`` entry for a dimension split over ``axes``."""
-    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def init_state(param_state: Any, optimizer: optax.GradientTransformation, step: TrainStep) -> dict[str, Any]:
