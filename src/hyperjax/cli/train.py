@@ -19,6 +19,7 @@ from hyperjax.errors import ConfigError, EmulationError
 from hyperjax.files import write_json
 from hyperjax.resolver import elastic_overrides, resolve
 from hyperjax.train import Prepared, prepare
+from hyperjax.train.breakdown import check_profiled
 from hyperjax.train.checkpoint import last_progress, saved_steps
 
 
@@ -77,11 +78,8 @@ def run(args: argparse.Namespace) -> int:
         return _print_run(run, json_out=args.json)
     if run.processes is None:
         raise EmulationError(f"{run.emulation_limit}; hyperjax predict still prices this run")
-    if args.profile and run.pipelined:
-        raise ConfigError(
-            f"--profile: collectives are timed in one SPMD program, not in the {len(run.stages)} pipeline or MPMD "
-            "stages of this run (parallel.pipeline or mpmd.submeshes); drop --profile, or set parallel.pipeline=1"
-        )
+    if args.profile:  # before any process starts
+        check_profiled(run)
     out_dir = args.out_dir or str(Path("runs") / Path(args.config).stem)
     if args.metrics_out:
         check_writable(args.metrics_out, "--metrics-out")

@@ -25,7 +25,9 @@ from typing import Any
 
 import jax
 
+from hyperjax.config import Run
 from hyperjax.cost.hlo import Collective
+from hyperjax.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,6 +56,19 @@ class CollectiveTime:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready data."""
         return dataclasses.asdict(self)
+
+
+def check_profiled(run: Run) -> None:
+    """Refuse to profile a run whose step is not one SPMD program.
+
+    Raises:
+      ConfigError: a pipeline or MPMD run, naming the flag, its stages and the fix.
+    """
+    if run.pipelined:
+        raise ConfigError(
+            f"--profile: collectives are timed in one SPMD program, not in the {len(run.stages)} pipeline or MPMD "
+            "stages of this run (parallel.pipeline or mpmd.submeshes); drop --profile, or set parallel.pipeline=1"
+        )
 
 
 def profile_ops(fn: Callable[[], Any]) -> tuple[Any, float, dict[str, float]]:

@@ -21,7 +21,7 @@ from hyperjax.config import Run
 from hyperjax.errors import ConfigError
 from hyperjax.models import build_model, count_params
 from hyperjax.offload import block_policies
-from hyperjax.train.breakdown import CollectiveTime, collective_times, profile_ops
+from hyperjax.train.breakdown import CollectiveTime, check_profiled, collective_times, profile_ops
 from hyperjax.train.checkpoint import Checkpoints
 from hyperjax.train.prepare import Prepared, prepare
 from hyperjax.train.programs import build_program
@@ -96,8 +96,8 @@ def train(
     log = (sys.stdout if lead else None) if log is None else log
     policies = block_policies(ready.offload.placement, cfg.model.layers) if ready.offload is not None else None
     model = build_model(cfg.model, dtype=run.dtype, recompute=run.recompute, seed=t.seed, policies=policies)
-    if profile and run.pipelined:
-        raise ConfigError("profile: collectives are timed in one SPMD program, not in pipeline or MPMD stages")
+    if profile:
+        check_profiled(run)
     program = build_program(ready, model)
     step_fn, state = program.advance, program.state
     tokens = t.global_batch * cfg.model.seq_len
@@ -186,7 +186,7 @@ def train(
         params=count_params(model),
         expert_load=expert_load,
         records=records,
-        collectives=tuple(collective_times(program.collectives, timed, program.processes)) if timed else (),
+        collectives=tuple(collective_times(program.collectives(), timed, program.processes)) if timed else (),
     )
     if lead and out_dir is not None:
         plot_losses(result.losses, Path(out_dir) / "loss.png", title=f"{cfg.model.family}, {run.describe()}")

@@ -33,7 +33,8 @@ class Program:
       advance: ``(state, step index) -> (state, metrics)``.
       state: the initial training state on the devices.
       memory: bytes per device of the compiled step (or of a pipeline's fullest stage).
-      collectives: the compiled step's collectives (one SPMD program; ``None`` for a pipeline).
+      collectives: reads the compiled step's collectives (one SPMD program; ``None`` for a pipeline); read
+        only when asked, since the program's text of a large mesh is long.
       processes: the process of each device of that program, in its device order.
       host_checkpoints: checkpoints hold host arrays that process 0 writes (a pipeline's).
       to_saved: ``(state, step) -> what a checkpoint holds`` (``None`` in processes that do not write it).
@@ -44,7 +45,7 @@ class Program:
     advance: Callable[[Any, int], tuple[Any, dict[str, Any]]]
     state: Any
     memory: int
-    collectives: tuple[Collective, ...] | None
+    collectives: Callable[[], tuple[Collective, ...]] | None
     processes: list[int] | None
     host_checkpoints: bool
     to_saved: Callable[[Any, int], Any]
@@ -102,7 +103,7 @@ def _spmd(ready: Prepared, model: nnx.Module, data: Batches | CaptionBatches) ->
         advance=advance,
         state=state,
         memory=compiled_bytes(compiled),
-        collectives=read_compiled(compiled, run.devices).collectives,
+        collectives=lambda: tuple(read_compiled(compiled, run.devices).collectives),
         processes=[d.process_index for d in mesh.devices.flat],
         host_checkpoints=False,
         to_saved=lambda state, step: state,
