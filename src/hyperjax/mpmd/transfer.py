@@ -74,16 +74,14 @@ def transfer(value: Any, src: jax.sharding.Mesh, dst: NamedSharding, shape: Any,
     ``jax_cross_host_transfer_socket_address``) need equal device counts on both sides, and on CPU
     they matched concurrent copies between the same devices out of order, mixing micro-batches.
     """
-    client = distributed.global_state.client
     me = jax.process_index()
     if sending:
-        whole = relayout(value, NamedSharding(src, PartitionSpec()))  # every sending process takes part
+        whole = _whole(value, src)  # every sending process takes part
         if me == min(d.process_index for d in src.devices.flat):
-            client.key_value_set_bytes(key, np.asarray(whole.addressable_data(0)).tobytes())
+            _publish(key, whole)
     if me not in {d.process_index for d in dst.mesh.devices.flat}:
         return None
-    raw = client.blocking_key_value_get_bytes(key, _TRANSFER_TIMEOUT_MS)
-    return place(np.frombuffer(raw, dtype=shape.dtype).reshape(shape.shape), dst)
+    return place(_fetch(key, shape), dst)
 
 
 def to_process0(value: jax.Array | None, mesh: jax.sharding.Mesh, like: Any, key: str) -> np.ndarray | None:
@@ -96,17 +94,18 @@ def to_process0(value: jax.Array | None, mesh: jax.sharding.Mesh, like: Any, key
     """
     me = jax.process_index()
     owners = {d.process_index for d in mesh.devices.flat}
-    whole = None
     if me in owners:
-        whole = np.asarray(relayout(value, NamedSharding(mesh, PartitionSpec())).addressable_data(0))
+        whole = _whole(value, mesh)
+        if me == 0:
+            return np.asarray(whole.addressable_data(0))
         if 0 not in owners and me == min(owners):
-            distributed.global_state.client.key_value_set_bytes(key, whole.tobytes())
-    if me != 0 or whole is not None:
-        return whole if me == 0 else None
-    client = distributed.global_state.client
-    raw = client.blocking_key_value_get_bytes(key, _TRANSFER_TIMEOUT_MS)
-    client.key_value_delete(key)
-    return np.frombuffer(raw, dtype=like.dtype).reshape(like.shape).copy()
+            _publish(key, whole)
+        return None
+    if me != 0:
+        return None
+    host = _fetch(key, like).copy()
+    distributed.global_state.client.key_value_delete(key)
+    return host
 
 
 def from_process0(value: int, key: str) -> int:
@@ -119,6 +118,22 @@ def from_process0(value: int, key: str) -> int:
         client.key_value_set(key, str(value))
         return value
     return int(client.blocking_key_value_get(key, _TRANSFER_TIMEOUT_MS))
+
+
+def _whole(value: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
+    """``value`` gathered whole onto every device of ``mesh`` (every process holding some of them calls it)."""
+    return relayout(value, NamedSharding(mesh, PartitionSpec()))
+
+
+def _publish(key: str, whole: jax.Array) -> None:
+    """Put the bytes of ``whole`` (gathered by :func:`_whole`) in the key-value store under ``key``."""
+    distributed.global_state.client.key_value_set_bytes(key, np.asarray(whole.addressable_data(0)).tobytes())
+
+
+def _fetch(key: str, like: Any) -> np.ndarray:
+    """The array shaped as ``like`` published under ``key``, waiting for it (a read-only view of the bytes)."""
+    raw = distributed.global_state.client.blocking_key_value_get_bytes(key, _TRANSFER_TIMEOUT_MS)
+    return np.frombuffer(raw, dtype=like.dtype).reshape(like.shape)
 
 
 _TRANSFER_TIMEOUT_MS = 600_000  # a stage may compute for minutes on an emulated supernode
