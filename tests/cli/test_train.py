@@ -60,6 +60,14 @@ def test_explain(capsys):
         (["--metrics-out", "/nonexistent/m.jsonl"], r"folder '/nonexistent' does not exist"),
         (["--profile", "--plan-only"], r"--profile times the last training step"),
         (
+            ["--set", "parallel.gradient_buckets=true", "--set", "parallel.data=1", "--set", "parallel.tensor=8"],
+            r"parallel.gradient_buckets=true needs data-parallel replicas .* set it to null or false",
+        ),
+        (
+            ["--set", "parallel.gradient_buckets=true", "--set", "parallel.pipeline=2", "--set", "parallel.tensor=1"],
+            r"parallel.gradient_buckets=true: pipeline and MPMD stages .* set it to null or false",
+        ),
+        (
             ["--profile", "--steps", "1", "--set", "parallel.pipeline=2", "--set", "parallel.tensor=1"],
             r"--profile: collectives are timed in one SPMD program, not in the 2 pipeline .* drop --profile",
         ),
