@@ -12,6 +12,7 @@ import pytest
 from hyperjax.cli.main import main
 
 CLI = [sys.executable, "-m", "hyperjax"]
+CONFIGS = Path(__file__).parents[2] / "configs"
 
 
 def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -80,6 +81,14 @@ def test_topology_says_how_float32_products_run(capsys):
         (
             ["selftest", "--hardware", "cloudmatrix384", "--devices", "8", "--coordinator", "127.0.0.1:1"],
             r"--coordinator, --num-processes and --process-id must be given together",
+        ),
+        (
+            ["predict", str(CONFIGS / "quickstart.yaml"), "--set", "parallel.overlap=two-microbatch"],
+            r"parallel.overlap='two-microbatch' hides a mixture of experts' all-to-all, but the model has no MoE",
+        ),
+        (
+            ["train", str(CONFIGS / "moe-tiny.yaml"), "--set", "parallel.overlap=fb-pair"],
+            r"parallel.overlap='fb-pair' .* needs parallel.pipeline > 1",
         ),
     ],
 )
@@ -186,3 +195,13 @@ def test_selftest_384_devices_cloudmatrix(tmp_path: Path):
     assert data["devices"] == 384 and data["passed"]
     assert data["axes"] == {"data": 48, "tensor": 8}
     assert all(c["ok"] for c in data["checks"]) and len(data["checks"]) == 10
+
+
+def test_predict_reports_the_moe_all_to_all(capsys):
+    assert main(["predict", str(CONFIGS / "deepseek-v3-671b.yaml"), "--set", "parallel.overlap=fb-pair", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    a = d["all_to_all"]
+    assert 0 < a["hidden_fraction"] < 1 and a["exposed_s"] < a["total_s"]
+    assert d["run"]["overlap"] == "fb-pair"
+    assert main(["predict", str(CONFIGS / "deepseek-v3-671b.yaml")]) == 0
+    assert "MoE all-to-all (none overlap)" in capsys.readouterr().out

@@ -155,3 +155,40 @@ def test_split_backward_leaves_w_the_weight_gemms():
     g_split = split.weights(params, kept, x, douts, fed, acc_b)
     g_plain = plain.backward(pullback, None, zeros())[0]
     jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-7), g_split, g_plain)
+
+
+def test_paired_tasks_run_as_one_program_in_the_grids_order():
+    """What the emulation can show of F-B pairing: each pair runs as one program (its two tasks share one
+    interval of the timeline) and the tasks run in the grid's order; the timing of a real overlap it cannot."""
+    import jax
+
+    from hyperjax import build_model
+    from hyperjax.mpmd.chunks import model_chunks
+    from hyperjax.mpmd.runner import PipelineRunner
+    from hyperjax.train import Batches, make_optimizer, prepare
+
+    sets = ["model.layers=2", "parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4"]
+    run = resolve(load_config(QUICKSTART.parent / "moe-tiny.yaml", [*sets, "parallel.overlap=fb-pair"]))
+    t = run.config.train
+    chunks, _ = model_chunks(build_model(run.config.model, seed=t.seed, overlap=run.overlap), run)
+    runner = PipelineRunner(
+        chunks=chunks,
+        run=run,
+        strategy=prepare(run).strategy,
+        devices=jax.devices(),
+        optimizer=make_optimizer(t, clip=False),
+        grad_clip=t.grad_clip,
+    )
+    data = Batches(source=t.data, global_batch=t.global_batch, seq_len=run.config.model.seq_len, vocab=256, seed=0)
+    timeline: list = []
+    runner.step(runner.init_state(), data.batch(0), timeline=timeline)
+    sched = runner.sched
+    # after a warm-up of 2(stages - s) - 1 forwards, every forward pairs with a backward: 1 on stage 0, 3 on 1
+    assert len(sched.pairs) == 4
+    spans = {task: (start, end) for _, task, start, end in timeline}
+    assert set(spans) == {task for _, _, task in sched.starts()}
+    for f, b in sched.pairs:
+        assert spans[f] == spans[b]
+    later = {b for _, b in sched.pairs}  # a pair's backward runs with its forward, at the forward's place
+    ran = [task for _, task, _, _ in timeline if task not in later]
+    assert ran == [task for _, _, task in sched.starts() if task not in later]

@@ -29,6 +29,7 @@ def single_device() -> list[float]:
     return losses
 
 
+OVERLAP, FULL = "parallel.overlap=two-microbatch", "train.recompute=full"
 LAYOUTS = [
     ["parallel.expert=2"],
     ["parallel.expert=4"],  # with data=2
@@ -48,6 +49,14 @@ LAYOUTS = [
     ["parallel.expert=8", "parallel.gradient_buckets=true"],
     ["parallel.expert=2", "parallel.tensor=2", "parallel.gradient_buckets=true", "train.micro_batch=1"],
     ["parallel.expert=2", "parallel.fsdp=2", "parallel.gradient_buckets=true"],  # over data: fsdp stores
+    # overlap schedules: each micro-batch as two halves (DeepSeek-V3's two-micro-batch overlap) ...
+    ["parallel.expert=2", "parallel.overlap=two-microbatch"],
+    ["parallel.expert=4", "parallel.overlap=two-microbatch", "parallel.gradient_buckets=true"],
+    ["parallel.expert=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert_tensor=1", OVERLAP],
+    ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4", "parallel.overlap=two-microbatch"],
+    # ... and a pipeline's forwards and backwards of different micro-batches run as pairs (F-B pairing)
+    ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4", "parallel.overlap=fb-pair"],
+    ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=8", "parallel.overlap=fb-pair", FULL],
 ]
 
 
@@ -71,7 +80,8 @@ def test_layout_matches_single_device(single_device, sets):
 def test_moe_parts_match_single_device(model):
     reference, _ = run_moe(model, devices=1)
     assert reference[-1] < reference[0]
-    for sets in ([], ["parallel.gradient_buckets=true"]):  # the second sums the replicas' gradients in buckets
+    # the second sums the replicas' gradients in buckets; the third runs every micro-batch as two halves
+    for sets in ([], ["parallel.gradient_buckets=true"], ["parallel.overlap=two-microbatch"]):
         sharded, _ = run_moe([*model, "parallel.expert=4", "parallel.tensor=2", *sets])
         np.testing.assert_allclose(sharded, reference, rtol=1e-4, atol=0, err_msg=str(sets))
 

@@ -99,3 +99,9 @@ def print_estimate(est: Estimate) -> None:
     out.print(f"  {verdict} in device memory")
     comm = ", ".join(f"{k} {v:.3g} s" for k, v in est.communication_s.items() if v > 0) or "none"
     out.print(f"  communication per step (before overlap): {comm}")
+    if est.all_to_all is not None and est.all_to_all["total_s"] > 0:
+        a = est.all_to_all
+        out.print(
+            f"  MoE all-to-all ({run.overlap} overlap): {a['total_s']:.3g} s per step, {a['exposed_s']:.3g} s "
+            f"exposed, {a['hidden_fraction']:.0%} hidden behind compute"
+        )

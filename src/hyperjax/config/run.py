@@ -15,7 +15,7 @@ from types import MappingProxyType
 from typing import Any
 
 from hyperjax.config.sections import Config
-from hyperjax.config.types import DType, ModuleName, OffloadPolicy, Recompute, ScheduleName
+from hyperjax.config.types import DType, ModuleName, OffloadPolicy, Overlap, Recompute, ScheduleName
 from hyperjax.topology.hardware import Hardware
 
 
@@ -90,6 +90,7 @@ class Run:
       stages: the submeshes, in the order data flows through them.
       gradient_buckets: whether the training step computes each data-parallel replica's gradients apart and
         sums them in flat buffers (:attr:`replica_axes`), rather than leaving every reduction to XLA.
+      overlap: how a mixture of experts' all-to-all meets compute (``parallel.overlap``; ``none`` when dense).
       recompute: activation recomputation per block.
       dtype: compute dtype.
       offload: how the placement of tensor groups is chosen (``offload.policy``).
@@ -111,6 +112,7 @@ class Run:
     recompute: Recompute
     dtype: DType
     offload: OffloadPolicy
+    overlap: Overlap = "none"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "parallel", MappingProxyType(dict(self.parallel)))
@@ -188,6 +190,7 @@ class Run:
             "stages": [s.to_dict() for s in self.stages],
             "schedule": self.schedule,
             "gradient_buckets": self.gradient_buckets,
+            "overlap": self.overlap,
             "recompute": self.recompute,
             "dtype": self.dtype,
             "offload": self.offload,
@@ -203,6 +206,8 @@ class Run:
             extras.append(f"zero_stage={self.zero_stage}")
         if self.gradient_buckets:
             extras.append("gradient buckets over " + " x ".join(self.replica_axes))
+        if self.overlap != "none":
+            extras.append(f"{self.overlap} overlap")
         if self.config.model.moe is not None and not self.expert_tensor_split:
             extras.append("experts over expert x tensor")
         if not self.pipelined:

@@ -12,7 +12,16 @@ from typing import Any
 
 from hyperjax.config.checks import positive, vocabularies
 from hyperjax.config.model import ModelConfig
-from hyperjax.config.types import DataSource, DType, OffloadOption, OffloadPolicy, Recompute, ScheduleName, choices
+from hyperjax.config.types import (
+    DataSource,
+    DType,
+    OffloadOption,
+    OffloadPolicy,
+    Overlap,
+    Recompute,
+    ScheduleName,
+    choices,
+)
 from hyperjax.errors import ConfigError
 
 
@@ -84,6 +93,7 @@ class ParallelConfig:
     pipeline: int = 1  # pipeline stages
     virtual_stages: int = 1  # model chunks per pipeline stage (interleaved schedule when > 1)
     schedule: ScheduleName = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved or zero-bubble
+    overlap: Overlap = "none"  # MoE all-to-all behind compute: none, two-microbatch, or fb-pair (1f1b pipelines)
     stage_devices: tuple[int, ...] | None = None  # devices per pipeline stage; null: equal stages
     stage_layers: tuple[int, ...] | None = None  # layers per chunk (model order); null: balanced by predicted time
     zero_stage: int = 0  # 1: optimizer state sharded over data; 2: gradients too

@@ -18,6 +18,12 @@ Recompute = Literal["none", "selective", "full"]
 ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zero-bubble"]
 """Pipeline schedules (:mod:`hyperjax.mpmd.schedules`)."""
 
+Overlap = Literal["none", "two-microbatch", "fb-pair"]
+"""How a mixture of experts' all-to-all meets compute (:mod:`hyperjax.mpmd.lanes`): not at all (each dispatch
+and combine waits), two halves of every micro-batch whose exchanges hide behind each other's compute
+(DeepSeek-V3's two-micro-batch overlap), or a pipeline's forward and backward of different micro-batches
+paired so that each one's exchanges hide behind the other's compute (DualPipe's F-B pairing)."""
+
 TaskKind = Literal["F", "B", "W"]
 """Pipeline tasks: forward, backward (input gradient when split), weight gradient (split backward only)."""
 

@@ -19,18 +19,18 @@ from typing import Any
 
 from hyperjax.config import Run
 from hyperjax.cost.counts import count_params, model_flops_per_sequence
-from hyperjax.cost.stage import (
-    StageCore,
-    StageCost,
-    boundary_span,
-    in_flight,
-    peak_with,
-    price_stage,
-    stage_core,
-    with_in_flight,
+from hyperjax.cost.pipeline import boundary_span, in_flight, peak_with, with_in_flight
+from hyperjax.cost.stage import ChunkCost, StageCore, StageCost, price_stage, stage_core
+from hyperjax.mpmd.schedules import Schedule, Task, run_schedule
+from hyperjax.mpmd.timing import (
+    cached_schedule,
+    closed_form_idle,
+    paired_seconds,
+    replay,
+    replay_end,
+    task_seconds,
+    uniform_bubble,
 )
-from hyperjax.mpmd.schedules import Schedule, Task, make_schedule
-from hyperjax.mpmd.timing import cached_schedule, closed_form_idle, replay_end, task_seconds, uniform_bubble
 from hyperjax.topology import AxisSpan, Hardware, axis_spans
 
 GIB = 2**30
@@ -55,6 +55,9 @@ class Estimate:
       breakdown_s: ``compute``, ``exposed_communication``, ``pipeline_bubble``, ``recompute``,
         ``optimizer`` of the slowest stage (they add up to ``step_time_s``).
       communication_s: every collective's total time per step on the slowest stage, by name, exposed or not.
+      all_to_all: a mixture of experts' dispatch and combine on the slowest stage per step under the run's
+        overlap schedule: ``total_s``, ``exposed_s`` (what its compute waits for) and ``hidden_fraction``
+        (``1 - exposed / total``); ``None`` for a dense model.
       kinds: the distinct stage costs: stages alike but for the micro-batches they hold share one.
       kind_of: each stage's kind (an index into ``kinds``).
       in_flight: the micro-batches each stage holds at its peak.
@@ -74,6 +77,7 @@ class Estimate:
     overflow: str | None
     breakdown_s: dict[str, float]
     communication_s: dict[str, float]
+    all_to_all: dict[str, float] | None
     kinds: tuple[StageCost, ...]
     kind_of: tuple[int, ...]
     in_flight: tuple[int, ...]
@@ -125,6 +129,7 @@ class Estimate:
             "overflow": self.overflow,
             "breakdown_s": self.breakdown_s,
             "communication_s": self.communication_s,
+            **({"all_to_all": self.all_to_all} if self.all_to_all is not None else {}),
             "details": self.details(),
             "run": self.run.to_dict(),
         }
@@ -143,10 +148,16 @@ class Estimate:
         """The grid the step was priced on and each task's predicted length (exposed communication
         included): every stage at the slowest stage's lengths when combined in closed form."""
         run = self.run
-        sched = make_schedule(run.schedule or "1f1b", len(run.stages), run.microbatches, run.virtual_stages)
+        sched = run_schedule(run)
         if self.closed_form:
             return sched, task_seconds(sched, *self.task_lengths())
-        return sched, chunk_task_seconds(sched, self.stages)
+        seconds = chunk_task_seconds(sched, self.stages)
+        return sched, paired_seconds(sched, seconds, _savings(self.stages))
+
+
+def _savings(stages: tuple[StageCost, ...]) -> dict[int, float]:
+    """What pairing a forward with a backward saves, by chunk."""
+    return {c.chunk: c.exchange.pair_saving_s for s in stages for c in s.chunks}
 
 
 def chunk_task_seconds(sched: Schedule, stages: tuple[StageCost, ...]) -> dict[Task, float]:
@@ -187,6 +198,7 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
             run.sequence_parallel,
             run.expert_tensor_split,
             run.rows,
+            run.overlap,
             p2p,
         )
         core = cores.get(key)
@@ -199,23 +211,42 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
     m = run.microbatches
     critical = max(range(len(kind_of)), key=lambda i: kinds[kind_of[i]].per_microbatch_s)
     c = kinds[kind_of[critical]]
+    mine = with_in_flight(c, run.stages[critical], held[critical]).chunks  # its chunks, numbered as its own
     busy = m * c.per_microbatch_s
     equal = len({(s.devices, tuple(s.axes.items()), s.layers, s.modules) for s in run.stages}) == 1
+    paired: dict[int, int] = {}  # pairs per chunk (fb-pair)
     if len(kind_of) == 1:
         idle = 0.0
-    elif equal:
+    elif equal and run.overlap != "fb-pair":
         idle = _closed_form_idle(run, c)
     else:
-        sched = cached_schedule(run.schedule, len(kind_of), m, run.virtual_stages)
+        sched = cached_schedule(run.schedule, len(kind_of), m, run.virtual_stages, run.overlap == "fb-pair")
         lengths = {}
         for k, stage in zip(kind_of, run.stages, strict=True):
             for n, t in zip(stage.chunks, kinds[k].chunks, strict=True):
                 lengths |= {(n, "F"): t.forward_s, (n, "B"): t.backward_s, (n, "W"): t.weight_s}
-        idle = max(0.0, replay_end(sched, lengths) - busy)
+        if sched.pairs:
+            for f, _ in sched.pairs:
+                paired[f.chunk] = paired.get(f.chunk, 0) + 1
+            cost_of = {
+                n: t
+                for k, st in zip(kind_of, run.stages, strict=True)
+                for n, t in zip(st.chunks, kinds[k].chunks, strict=True)
+            }
+            seconds = {t: lengths[(t.chunk, t.kind)] for _, _, t in sched.starts()}
+            seconds = paired_seconds(sched, seconds, {n: t.exchange.pair_saving_s for n, t in cost_of.items()})
+            busy -= sum(paired.get(t.chunk, 0) * t.exchange.pair_saving_s for t in mine)
+            end = max(e for _, _, e in replay(sched, seconds).values())
+        else:
+            end = replay_end(sched, lengths)
+        idle = max(0.0, end - busy)
     step = busy + idle + c.data_parallel_exposed_s + c.optimizer_s
     fullest = max(range(len(kind_of)), key=lambda i: peak_with(kinds[kind_of[i]], held[i]))
     memory = dict(with_in_flight(kinds[kind_of[fullest]], run.stages[fullest], held[fullest]).memory)
     fits = memory["peak"] <= hw.device.hbm_bytes
+    # a pair's exchange hidden, and its compute slowed, against the two tasks apart (fb-pair)
+    pair_hidden = sum(paired.get(t.chunk, 0) * (t.exchange.total_s - t.exchange.pair_exposed_s) for t in mine)
+    pair_slowdown = sum(paired.get(t.chunk, 0) * t.exchange.pair_slowdown_s for t in mine)
     flops = model_flops_per_sequence(run.config.model) * run.global_batch
     return Estimate(
         run=run,
@@ -227,8 +258,8 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
         fits=fits,
         overflow=None if fits else max(MEMORY_TERMS, key=memory.__getitem__),
         breakdown_s={
-            "compute": m * c.compute_s,
-            "exposed_communication": m * (c.comm_s + c.p2p_s) + c.data_parallel_exposed_s,
+            "compute": m * (c.compute_s + c.slowdown_s) + pair_slowdown,
+            "exposed_communication": m * (c.comm_s + c.p2p_s) + c.data_parallel_exposed_s - pair_hidden,
             "pipeline_bubble": idle,
             "recompute": m * c.recompute_s,
             "optimizer": c.optimizer_s,
@@ -241,14 +272,30 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
             "pipeline_p2p": m * c.p2p_s,
             "data_parallel": c.data_parallel_s,
         },
+        all_to_all=_all_to_all(run, mine, m, paired),
         kinds=tuple(kinds),
         kind_of=tuple(kind_of),
         in_flight=tuple(held),
         critical=critical,
         fullest=fullest,
         bubble_ratio=idle / busy if busy else 0.0,
-        closed_form=equal,
+        closed_form=equal and run.overlap != "fb-pair",
     )
+
+
+def _all_to_all(run: Run, chunks: tuple[ChunkCost, ...], m: int, paired: Mapping[int, int]) -> dict[str, float] | None:
+    """The ``all_to_all`` of an estimate: the slowest stage's ``chunks``' exchanges per step, and what its
+    compute waits for (a paired task's exchange as the pair leaves it exposed)."""
+    if run.config.model.moe is None:
+        return None
+    total = m * sum(t.exchange.total_s for t in chunks)
+    exposed = m * sum(t.exchange.exposed_s for t in chunks)
+    exposed -= sum(paired.get(t.chunk, 0) * (t.exchange.exposed_s - t.exchange.pair_exposed_s) for t in chunks)
+    return {
+        "total_s": total,
+        "exposed_s": exposed,
+        "hidden_fraction": min(1.0, max(0.0, 1 - exposed / total)) if total > 0 else 0.0,
+    }
 
 
 def _closed_form_idle(run: Run, c: StageCost) -> float:

@@ -43,6 +43,7 @@ class LayerCost:
       context_comm_s: context-parallel key/value gathers.
       expert_comm_s: a mixture of experts' dispatch and combine all-to-alls of forward, backward and
         recomputation (0 for a dense block).
+      exchange_s: one of those all-to-alls (a dispatch, or a combine).
       fsdp_gather_s: one all-gather of the layer's parameters over the fsdp axis.
       fsdp_scatter_s: one reduce-scatter of its gradients.
       fsdp_exposed_s: what two gathers and a scatter add beyond the layer's compute.
@@ -71,6 +72,7 @@ class LayerCost:
     params: float
     param_transfer_bytes: float
     expert_comm_s: float = 0.0
+    exchange_s: float = 0.0
     expert_params: float = 0.0
 
     @property
@@ -217,7 +219,7 @@ def _price_layer(
     tensor_comm = 2 * passes * collective_time("all_reduce", act_bytes, spans["tensor"], hardware)
     kv_bytes = 2 * micro * s * m.kv_heads * hd * e / tp
     context_comm = passes * collective_time("all_gather", kv_bytes, spans["context"], hardware)
-    expert_comm = 0.0
+    expert_comm = one = 0.0
     if routed is not None:  # dispatch and combine in each pass, the busiest device's receive deciding
         exchange = spans["+".join(routed.exchange)]
         one = exchange_time(m, routed, exchange, bytes_per_element=e, hardware=hardware)
@@ -236,6 +238,7 @@ def _price_layer(
         tensor_comm_s=tensor_comm,
         context_comm_s=context_comm,
         expert_comm_s=expert_comm,
+        exchange_s=one,
         fsdp_gather_s=gather,
         fsdp_scatter_s=scatter,
         fsdp_exposed_s=exposed,

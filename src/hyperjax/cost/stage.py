@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Mapping
 
 from hyperjax.config import ModelConfig, Run, Stage
@@ -19,7 +18,8 @@ from hyperjax.cost.collectives import collective_time
 from hyperjax.cost.compute import gemm_time, stream_time
 from hyperjax.cost.counts import Tensor, decoder_tensors, encoder_tensors
 from hyperjax.cost.layer import LayerCost, price_layer
-from hyperjax.topology import AxisSpan, Hardware
+from hyperjax.cost.overlap import Exchange, chunk_exchange
+from hyperjax.topology import AxisSpan
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,7 +60,8 @@ class ChunkCost:
       forward_s: its ``F`` task.
       backward_s: its ``B`` task (the input-gradient part only when the backward is split).
       weight_s: its ``W`` task (the weight-gradient GEMMs; 0 unless the backward is split).
-      comm_s: the exposed communication inside ``F`` and ``B``, half in each.
+      comm_s: the exposed communication inside ``F`` and ``B`` (the exposed all-to-all included).
+      exchange: its MoE all-to-all under the run's overlap schedule.
     """
 
     chunk: int
@@ -68,6 +69,7 @@ class ChunkCost:
     backward_s: float
     weight_s: float
     comm_s: float
+    exchange: Exchange = dataclasses.field(default_factory=Exchange)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,7 +82,8 @@ class StageCost:
       chunks: its chunks' tasks.
       compute_s: forward and backward of every part (no recomputation, no communication).
       recompute_s: recomputation.
-      comm_s: exposed tensor, context and FSDP communication.
+      comm_s: exposed tensor, context, expert and FSDP communication.
+      slowdown_s: what the compute loses to all-to-alls running beside it (overlap schedules).
       p2p_s: point-to-point hand-overs to the neighbouring stages.
       data_parallel_s: the gradient reduction (and ZeRO gathers) over the data axis, whole.
       data_parallel_exposed_s: the part of it not hidden behind the last micro-batch's backward.
@@ -97,6 +100,7 @@ class StageCost:
     recompute_s: float
     comm_s: float
     p2p_s: float
+    slowdown_s: float
     data_parallel_s: float
     data_parallel_exposed_s: float
     optimizer_s: float
@@ -107,7 +111,7 @@ class StageCost:
     @property
     def per_microbatch_s(self) -> float:
         """Everything the stage does for one micro-batch."""
-        return self.compute_s + self.recompute_s + self.comm_s + self.p2p_s
+        return self.compute_s + self.recompute_s + self.comm_s + self.p2p_s + self.slowdown_s
 
     @property
     def layers(self) -> int:
@@ -183,8 +187,9 @@ class StageCore:
 
     Attributes:
       parts: the stage's parts, chunk by chunk.
-      tasks: per chunk ``(chunk, forward, whole backward, weight-gradient GEMMs, exposed communication)``.
-      compute_s, recompute_s, comm_s, p2p_s: as in :class:`StageCost`.
+      tasks: per chunk ``(chunk, forward, whole backward, weight-gradient GEMMs, exposed communication,
+        all-to-all)``.
+      compute_s, recompute_s, comm_s, p2p_s, slowdown_s: as in :class:`StageCost`.
       held_params, trained_params: parameters one device holds, and those its optimizer updates.
       expert_params: those of them that are routed experts' (reduced over the data axes only).
       kept_bytes: activations one micro-batch leaves on the device for the backward (blocks only).
@@ -194,11 +199,12 @@ class StageCore:
     """
 
     parts: tuple[PartCost, ...]
-    tasks: tuple[tuple[int, float, float, float, float], ...]
+    tasks: tuple[tuple[int, float, float, float, float, Exchange], ...]
     compute_s: float
     recompute_s: float
     comm_s: float
     p2p_s: float
+    slowdown_s: float
     held_params: float
     trained_params: float
     kept_bytes: float
@@ -248,24 +254,34 @@ def stage_core(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: AxisS
         chunk_parts.append(here)
         parts += here
     first_gather = parts[0].layer.fsdp_gather_s if axes["fsdp"] > 1 else 0.0
-    layer_comm = [sum(p.layers * p.layer.on_path_comm_s for p in ps) for ps in chunk_parts]
+    # the all-to-all is exposed as the overlap schedule leaves it; the rest of the blocks' on the path
+    layer_comm = [sum(p.layers * (p.layer.on_path_comm_s - p.layer.expert_comm_s) for p in ps) for ps in chunk_parts]
+    share = hw.device.comm_compute_share
+    exchanges = [
+        chunk_exchange([p.layer for p in ps if p.moe for _ in range(p.layers)], run.overlap, share)
+        for ps in chunk_parts
+    ]
     hand_over = [
         2 * collective_time("send", ps[-1].boundary_bytes, p2p, hw) if p2p is not None else 0.0 for ps in chunk_parts
     ]
     tasks = []
     for i, (c, ps) in enumerate(zip(stage.chunks, chunk_parts, strict=True)):
         half = (layer_comm[i] + first_gather / len(stage.chunks) + hand_over[i]) / 2
+        ex = exchanges[i]
         fwd = sum(p.layers * p.layer.forward_s + p.head_s / 3 for p in ps) + half
+        fwd += ex.forward_exposed_s + ex.forward_slowdown_s
         bwd = sum(p.layers * (p.layer.backward_s + p.layer.recompute_s) + 2 * p.head_s / 3 for p in ps) + half
+        bwd += ex.backward_exposed_s + ex.backward_slowdown_s
         weight = sum(p.layers * p.layer.weight_s + p.head_s / 3 for p in ps)
-        tasks.append((c, fwd, bwd, weight, 2 * half))
+        tasks.append((c, fwd, bwd, weight, 2 * half + ex.exposed_s, ex))
     return StageCore(
         parts=tuple(parts),
         tasks=tuple(tasks),
         compute_s=sum(p.layers * (p.layer.forward_s + p.layer.backward_s) + p.head_s for p in parts),
         recompute_s=sum(p.layers * p.layer.recompute_s for p in parts),
-        comm_s=sum(layer_comm) + first_gather,
+        comm_s=sum(layer_comm) + first_gather + sum(ex.exposed_s for ex in exchanges),
         p2p_s=sum(hand_over),
+        slowdown_s=sum(ex.slowdown_s for ex in exchanges),
         held_params=sum(p.layers * p.layer.params + p.held_params for p in parts),
         trained_params=sum(p.layers * p.layer.params + p.trained_params for p in parts),
         expert_params=sum(p.layers * p.layer.expert_params for p in parts),
@@ -284,8 +300,15 @@ def price_stage(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> S
     e = 2 if run.dtype == "bfloat16" else 4
     split = run.schedule == "zero-bubble"
     chunks = tuple(
-        ChunkCost(chunk=c, forward_s=f, backward_s=b - (w if split else 0.0), weight_s=w if split else 0.0, comm_s=x)
-        for c, f, b, w, x in core.tasks
+        ChunkCost(
+            chunk=c,
+            forward_s=f,
+            backward_s=b - (w if split else 0.0),
+            weight_s=w if split else 0.0,
+            comm_s=x,
+            exchange=ex,
+        )
+        for c, f, b, w, x, ex in core.tasks
     )
     trained, held = core.trained_params, core.held_params
     kind = "all_reduce" if run.zero_stage == 0 else "reduce_scatter"
@@ -307,7 +330,7 @@ def price_stage(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> S
         "params": held * (4 + (2 if e == 2 else 0)) + whole * (2 * e + 4),
         "optimizer": opt_params * 8,
         "gradients": (zero(held) if run.zero_stage >= 2 else held) * 4,
-        "activations": in_flight * core.kept_bytes + core.head_bytes,
+        "activations": in_flight * core.kept_bytes + core.head_bytes + _halves_bytes(run, stage, core),
     }
     memory["peak"] = sum(memory.values()) * FRAGMENTATION
     return StageCost(
@@ -318,6 +341,7 @@ def price_stage(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> S
         recompute_s=core.recompute_s,
         comm_s=core.comm_s,
         p2p_s=core.p2p_s,
+        slowdown_s=core.slowdown_s,
         data_parallel_s=dp_time,
         data_parallel_exposed_s=dp_exposed,
         optimizer_s=stream_time(opt_params * (30 if e == 2 else 28), ops=8, hardware=hw),
@@ -380,42 +404,12 @@ def _part(
     )
 
 
-def with_in_flight(cost: StageCost, stage: Stage, held: int) -> StageCost:
-    """``cost`` (of a stage alike in all but the micro-batches it holds) for ``stage`` holding ``held``."""
-    if stage is cost.stage and held == cost.in_flight:
-        return cost
-    kept = sum(p.layers * p.layer.stored_bytes for p in cost.parts)
-    memory = dict(cost.memory)
-    memory["activations"] += (held - cost.in_flight) * kept
-    memory["peak"] = peak_with(cost, held)
-    chunks = tuple(dataclasses.replace(c, chunk=n) for c, n in zip(cost.chunks, stage.chunks, strict=True))
-    return dataclasses.replace(cost, stage=stage, in_flight=held, memory=memory, chunks=chunks)
-
-
-def peak_with(cost: StageCost, held: int) -> float:
-    """The peak memory of ``cost`` had its stage held ``held`` micro-batches."""
-    kept = sum(p.layers * p.layer.stored_bytes for p in cost.parts)
-    return cost.memory["peak"] + (held - cost.in_flight) * kept * FRAGMENTATION
-
-
-def in_flight(run: Run, s: int) -> int:
-    """Micro-batches whose activations stage ``s`` holds at its peak: all of them under GPipe; under 1F1B the
-    first stage holds ``p`` and each later one one fewer; interleaving adds ``(p - 1) / (p v)`` (Korthikanti
-    et al., 4.2.3)."""
-    p, m, v = len(run.stages), run.microbatches, run.virtual_stages
-    if p == 1:
-        return 1
-    if run.schedule == "gpipe":
-        return m
-    interleave = 1 + (p - 1) / (p * v) if v > 1 else 1.0
-    return min(m, math.ceil((p - s) * interleave))
-
-
-def boundary_span(hw: Hardware, first: int, second: int) -> AxisSpan:
-    """The span of a hand-over between device ``first`` and device ``second`` (the innermost tier whose
-    group holds both)."""
-    for tier in hw.tiers:
-        if tier.group_size is None or first // tier.group_size == second // tier.group_size:
-            return AxisSpan(axis="pipeline", size=2, tier=tier.name, levels=((tier.name, 2),))
-    last = hw.tiers[-1]
-    return AxisSpan(axis="pipeline", size=2, tier=last.name, levels=((last.name, 2),))
+def _halves_bytes(run: Run, stage: Stage, core: StageCore) -> float:
+    """What ``two-microbatch`` overlap adds to a stage's memory: while one half's exchange runs the other
+    half's is in flight too, so one MoE layer holds a second send and receive buffer of a half's routed
+    copies (``tokens / 2 x top_k`` rows of the hidden width each); 0 for other schedules."""
+    m = run.config.model
+    if run.overlap != "two-microbatch" or not any(p.moe for p in core.parts):
+        return 0.0
+    tokens = run.rows / stage.data_parallel * m.seq_len / stage.axes["context"]
+    return 2 * (tokens / 2) * m.moe.top_k * m.d_model * (2 if run.dtype == "bfloat16" else 4)

@@ -6,6 +6,8 @@ as the stage is free and its inputs have arrived, so bubbles appear where they o
 pipeline stage, with a compute track (forward ``F``, backward ``B`` and, when the backward is split,
 weight-gradient ``W`` tasks of each micro-batch and chunk, recomputation included) and a communication
 track (each task's exposed collectives, the data-parallel gradient reduction, then the optimizer step).
+A mixture of experts adds an all-to-all track: the communication lane of :mod:`hyperjax.mpmd.lanes`,
+every dispatch and combine where the run's overlap schedule runs it inside its task (or its pair).
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from hyperjax.cost.estimate import Estimate
+from hyperjax.cost.overlap import lane_events
 from hyperjax.files import write_json
 from hyperjax.mpmd.schedules import Task
 from hyperjax.mpmd.timing import replay
 
-COMPUTE, COMMUNICATION = 0, 1
+COMPUTE, COMMUNICATION, ALL_TO_ALL = 0, 1, 2
 
 
 def task_events(
@@ -50,7 +53,39 @@ def stage_metadata(stages: int, *, pid: int = 0, label: str = "stage") -> list[d
         meta.append(
             {"name": "thread_name", "ph": "M", "pid": pid + i, "tid": COMMUNICATION, "args": {"name": "communication"}}
         )
+        meta.append(
+            {"name": "thread_name", "ph": "M", "pid": pid + i, "tid": ALL_TO_ALL, "args": {"name": "all-to-all"}}
+        )
     return meta
+
+
+def exchange_events(est: Estimate, times: dict[Task, tuple[int, float, float]], *, pid: int = 0) -> list[dict]:
+    """The all-to-all track: each ``F`` and ``B`` task's dispatches and combines as its lanes run them, a
+    pair's (``fb-pair``) from the pair's start."""
+    run = est.run
+    if run.config.model.moe is None:
+        return []
+    sched, _ = est.schedule()
+    share = run.hardware.device.comm_compute_share
+    partner = {f: b for f, b in sched.pairs}
+    paired = set(partner) | set(partner.values())
+    layers = {}  # stage -> the MoE layers of one of its chunks
+    for i, cost in enumerate(est.stages):
+        moe = [p.layer for p in cost.parts if p.moe for _ in range(p.layers)]
+        layers[i] = moe[: len(moe) // max(len(cost.chunks), 1)]
+    events = []
+    for task, (stage, start, _) in times.items():
+        if task.kind == "W" or (task in paired and task.kind == "B"):
+            continue
+        if task in partner:
+            kinds, overlap = ("F", "B"), "fb-pair"
+        else:
+            kinds = (task.kind,) * (2 if run.overlap == "two-microbatch" else 1)
+            overlap = "two-microbatch" if run.overlap == "two-microbatch" else "none"
+        for lane_task, s, e in lane_events(layers[stage], overlap, kinds, share):
+            args = {"task": str(task), "lane task": str(lane_task)}
+            events.append(_event(lane_task.name, start + s, e - s, pid + stage, ALL_TO_ALL, args))
+    return events
 
 
 def simulate(est: Estimate, *, pid: int = 0) -> list[dict[str, Any]]:
@@ -61,7 +96,7 @@ def simulate(est: Estimate, *, pid: int = 0) -> list[dict[str, Any]]:
     if est.closed_form:
         share = est.stages[est.critical].chunks
         comm = dict.fromkeys(comm, sum(c.comm_s for c in share) / len(share) / 2)
-    events = task_events(times, pid=pid, comm_s=comm)
+    events = task_events(times, pid=pid, comm_s=comm) + exchange_events(est, times, pid=pid)
     end = max(e for _, _, e in times.values())
     stage = est.stages[est.critical]  # the step ends with the slowest stage's reduction and update
     for i in range(sched.stages):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from hyperjax.config import DType, ModelConfig, Recompute, choices
+from hyperjax.config import DType, ModelConfig, Overlap, Recompute, choices
 from hyperjax.errors import ConfigError
 from hyperjax.models.transformer import BlockPolicy, Transformer
 from hyperjax.models.vlm import VisionLanguageModel
@@ -17,15 +17,18 @@ def build_model(
     recompute: Recompute = "none",
     seed: int = 0,
     policies: tuple[BlockPolicy, ...] | None = None,
+    overlap: Overlap = "none",
 ) -> Transformer | VisionLanguageModel:
     """Initialise a model of ``cfg`` from ``seed`` (the same parameters on any mesh).
 
     A :class:`Transformer`, or with ``cfg.vision`` a :class:`VisionLanguageModel`. ``policies`` (one per
     block, e.g. from an offload placement) say what a decoder's blocks keep for backward; ``None``: what
-    ``recompute`` says.
+    ``recompute`` says. ``overlap`` (``parallel.overlap``): ``two-microbatch`` runs a decoder's micro-batches
+    as two halves.
 
     Raises:
-      ConfigError: a ``recompute`` or ``dtype`` outside its vocabulary.
+      ConfigError: a ``recompute`` or ``dtype`` outside its vocabulary, or an overlap a vision-language
+        model cannot run.
     """
     if recompute not in choices(Recompute):
         raise ConfigError(f"train.recompute={recompute!r} is not one of {choices(Recompute)}")
@@ -33,5 +36,10 @@ def build_model(
         raise ConfigError(f"train.dtype={dtype!r} is not one of {choices(DType)}")
     rngs = nnx.Rngs(params=seed)
     if cfg.vision is not None:
+        if overlap == "two-microbatch":
+            raise ConfigError(
+                "parallel.overlap='two-microbatch' runs a decoder's micro-batch as two halves; a vision-language "
+                "model does not split its micro-batches; set parallel.overlap: none"
+            )
         return VisionLanguageModel(cfg, dtype=dtype, recompute=recompute, rngs=rngs)
-    return Transformer(cfg, dtype=dtype, recompute=recompute, rngs=rngs, policies=policies)
+    return Transformer(cfg, dtype=dtype, recompute=recompute, rngs=rngs, policies=policies, overlap=overlap)

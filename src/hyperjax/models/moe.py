@@ -55,12 +55,15 @@ class RouterStats(NamedTuple):
       load: routed copies per expert, one row per MoE layer in model order, before any capacity drop.
       dropped: routed copies dropped for capacity.
       routed: routed copies (tokens x top_k, per layer, summed).
+      probs: each layer's mean routing probability per expert over the tokens (one row per layer), from
+        which two halves' balancing loss is the whole micro-batch's (:func:`combine_halves`).
     """
 
     aux_loss: jax.Array
     load: jax.Array
     dropped: jax.Array
     routed: jax.Array
+    probs: jax.Array
 
 
 def merge_stats(stats: list[RouterStats | None]) -> RouterStats | None:
@@ -73,7 +76,21 @@ def merge_stats(stats: list[RouterStats | None]) -> RouterStats | None:
         load=jnp.concatenate([s.load for s in found]),
         dropped=sum(s.dropped for s in found),
         routed=sum(s.routed for s in found),
+        probs=jnp.concatenate([s.probs for s in found]),
     )
+
+
+def combine_halves(a: RouterStats | None, b: RouterStats | None, experts: int) -> RouterStats | None:
+    """The stats of a micro-batch from those of its two equal halves (``parallel.overlap: two-microbatch``):
+    loads and counts add, and the balancing loss is the micro-batch's, ``E x sum_e (share of copies routed
+    to e) x (mean probability of e)`` per layer from the halves' loads and mean probabilities (a half's
+    own loss would weigh its probabilities by its own loads)."""
+    if a is None or b is None:
+        return None
+    load, routed = a.load + b.load, a.routed + b.routed
+    probs = (a.probs + b.probs) / 2
+    aux = experts * jnp.sum(load / (routed / load.shape[0]) * probs)
+    return RouterStats(aux_loss=aux, load=load, dropped=a.dropped + b.dropped, routed=routed, probs=probs)
 
 
 def aux_term(moe: MoEConfig | None, stats: RouterStats | None) -> jax.Array:
@@ -160,7 +177,8 @@ class MoE(nnx.Module):
         # Switch / GShard: E x sum_e (share of copies routed to e) x (mean routing probability of e); a
         # replica's term uses its own tokens' probabilities, so the replicas' mean is the micro-batch's
         probs = scores if moe.router == "softmax" else scores / scores.sum(-1, keepdims=True)
-        aux = moe.experts * jnp.sum(load / routed * probs.mean((0, 1)))
+        mean_probs = probs.mean((0, 1))
+        aux = moe.experts * jnp.sum(load / routed * mean_probs)
         keep = jnp.ones(idx.shape, bool)
         capacity = expert_capacity(moe, b * s * _replicas(constrain))
         if capacity is not None:
@@ -170,6 +188,7 @@ class MoE(nnx.Module):
             load=load[None],
             dropped=routed - _replica_sum(constrain, keep.sum().astype(jnp.float32)),
             routed=routed,
+            probs=mean_probs[None],
         )
         return idx, weights, keep, stats
 

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from hyperjax.config import ACTIVATIONS, DType, ModelConfig, Recompute
+from hyperjax.config import ACTIVATIONS, DType, ModelConfig, Overlap, Recompute
 from hyperjax.models.layers import MLP, Attention, Constrain, make_norm, no_constraint, param, use
 from hyperjax.models.mla import LatentAttention
-from hyperjax.models.moe import MoE, RouterStats, merge_stats
+from hyperjax.models.moe import MoE, RouterStats, combine_halves, merge_stats
 from hyperjax.models.taps import product
 from hyperjax.shard.strategy import entry_axes
 
@@ -53,14 +53,45 @@ def run_block(
 
 
 def run_blocks(
-    blocks: list[Block], policies: tuple[BlockPolicy, ...], x: jax.Array, constrain: Constrain
+    blocks: list[Block],
+    policies: tuple[BlockPolicy, ...],
+    x: jax.Array,
+    constrain: Constrain,
+    *,
+    halves: bool = False,
 ) -> tuple[jax.Array, RouterStats | None]:
-    """The blocks in order, and the router stats of their MoE layers (``None`` when all are dense)."""
+    """The blocks in order, and the router stats of their MoE layers (``None`` when all are dense).
+
+    With ``halves`` (``parallel.overlap: two-microbatch``) the micro-batch runs as two halves, every
+    block on one half and then on the other: the halves share no data inside a block, so one half's
+    all-to-all can run while the other half computes (XLA's scheduler places the asynchronous exchanges;
+    the cost model prices the lanes of :mod:`hyperjax.mpmd.lanes`). Each device's rows split alternately
+    (the batch axis stays where it is), and the halves are put back in order after the last block: the
+    logits, and so the losses, are the whole micro-batch's.
+    """
+    if halves:
+        return _run_halves(blocks, policies, x, constrain)
     stats = []
     for block, policy in zip(blocks, policies, strict=True):
         x, routed = run_block(block, x, constrain, policy)
         stats.append(routed)
     return x, merge_stats(stats)
+
+
+def _run_halves(
+    blocks: list[Block], policies: tuple[BlockPolicy, ...], x: jax.Array, constrain: Constrain
+) -> tuple[jax.Array, RouterStats | None]:
+    layout = ("batch", "res_seq", "act_embed")
+    b = x.shape[0]
+    pairs = x.reshape(b // 2, 2, *x.shape[1:])  # each device's consecutive rows, two by two
+    one, two = constrain(pairs[:, 0], layout), constrain(pairs[:, 1], layout)
+    stats = []
+    for block, policy in zip(blocks, policies, strict=True):
+        one, first = run_block(block, one, constrain, policy)
+        two, second = run_block(block, two, constrain, policy)
+        stats.append(combine_halves(first, second, block.mlp.moe.experts) if block.sparse else None)
+    x = jnp.stack([one, two], axis=1).reshape(b, *x.shape[1:])
+    return constrain(x, layout), merge_stats(stats)
 
 
 class Block(nnx.Module):
@@ -124,6 +155,7 @@ class Transformer(nnx.Module):
       rngs: parameter initialisation randomness.
       policies: what each block keeps for backward (:data:`BlockPolicy`, one per layer, e.g. from an
         offload placement); ``None``: what ``recompute`` says.
+      overlap: ``two-microbatch`` runs each micro-batch as two halves (:func:`run_blocks`).
     """
 
     def __init__(
@@ -134,8 +166,9 @@ class Transformer(nnx.Module):
         recompute: Recompute = "none",
         rngs: nnx.Rngs,
         policies: tuple[BlockPolicy, ...] | None = None,
+        overlap: Overlap = "none",
     ) -> None:
-        self.cfg, self.dtype, self.recompute = cfg, dtype, recompute
+        self.cfg, self.dtype, self.recompute, self.overlap = cfg, dtype, recompute, overlap
         self.policies = policies if policies is not None else (recompute_policy(recompute),) * cfg.layers
         self.embed = param(rngs, (cfg.vocab, cfg.d_model), ("vocab", "embed"))
         if cfg.positions == "learned":
@@ -156,7 +189,8 @@ class Transformer(nnx.Module):
 
     def forward(self, tokens: jax.Array, constrain: Constrain = no_constraint) -> tuple[jax.Array, RouterStats | None]:
         """The logits and the router stats of the MoE layers (``None`` for a dense model)."""
-        x, stats = run_blocks(self.blocks, self.policies, embed_tokens(self, tokens, constrain), constrain)
+        x = embed_tokens(self, tokens, constrain)
+        x, stats = run_blocks(self.blocks, self.policies, x, constrain, halves=self.overlap == "two-microbatch")
         return logits(self, self.head, x, constrain), stats
 
 

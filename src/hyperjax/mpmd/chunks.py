@@ -28,7 +28,7 @@ class Chunk(nnx.Module):
     """
 
     def __init__(self, model: Transformer, layers: range, *, first: bool, last: bool) -> None:
-        self.cfg, self.dtype, self.recompute = model.cfg, model.dtype, model.recompute
+        self.cfg, self.dtype, self.recompute, self.overlap = model.cfg, model.dtype, model.recompute, model.overlap
         self.first, self.last = first, last
         self.policies = tuple(model.policies[i] for i in layers)
         if first:
@@ -53,7 +53,7 @@ class Chunk(nnx.Module):
         """:meth:`__call__` and the router stats of the chunk's MoE layers."""
         if self.first:
             x = embed_tokens(self, x, constrain)
-        x, stats = run_blocks(self.blocks, self.policies, x, constrain)
+        x, stats = run_blocks(self.blocks, self.policies, x, constrain, halves=self.overlap == "two-microbatch")
         return (logits(self, self.head, x, constrain) if self.last else x), stats
 
 

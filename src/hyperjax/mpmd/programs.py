@@ -1,4 +1,5 @@
-"""The jitted programs of one pipeline chunk: forward, backward, and a split backward's two halves."""
+"""One pipeline chunk at run time: its jitted programs (forward, backward, a split backward's two halves, a
+forward paired with a backward) and where its arrays live."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 
-from hyperjax.config import MoEConfig
+from hyperjax.config import MoEConfig, Recompute
 from hyperjax.models.layers import Constrain, cross_entropy
 from hyperjax.models.moe import aux_term
 from hyperjax.models.taps import output_shapes, split, weights_only
+from hyperjax.shard import Strategy
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,6 +32,9 @@ class Programs:
       inputs: ``B``: the input gradient (with ``taps``: ``(acc, dx, product gradients)``).
       weights: ``W``: the weight gradients added to the accumulator.
       taps: whether the backward is split at the weight products (:mod:`hyperjax.models.taps`).
+      pair: ``(params, x, feeds, pullback, dy, acc) -> (forward's outputs, backward's outputs)``: one
+        micro-batch's forward and another's backward as one program (``parallel.overlap: fb-pair``), so
+        that each one's all-to-all can run beside the other's compute (plain backward only).
     """
 
     forward: Callable[..., Any]
@@ -36,6 +42,7 @@ class Programs:
     weights: Callable[..., Any]
     taps: bool
     backward: Callable[..., Any] | None = None
+    pair: Callable[..., Any] | None = None
 
 
 def chunk_programs(
@@ -141,10 +148,62 @@ def chunk_programs(
             weights=jax.jit(weights_split, donate_argnums=5),
             taps=True,
         )
+
+    def pair(params: Any, x: jax.Array, fed: dict[str, jax.Array], pullback: Any, dy: Any, acc: Any) -> Any:
+        return forward(params, x, fed), backward(pullback, dy, acc)
+
     return Programs(
         forward=jax.jit(forward),
+        pair=jax.jit(pair, donate_argnums=5),
         backward=jax.jit(backward, donate_argnums=2),
         weights=jax.jit(weights, donate_argnums=2),
         inputs=jax.jit(inputs),
         taps=False,
     )
+
+
+@dataclasses.dataclass(kw_only=True)
+class ChunkRuntime:
+    """One chunk on its submesh: its structure, where its arrays live, and its programs.
+
+    Attributes:
+      graphdef: the chunk's NNX structure.
+      recompute: whether its blocks are rematerialised (a split backward cannot tap them); ``None``
+        where the chunk does not say.
+      mesh: its stage's submesh.
+      mine: this process holds some of the submesh's devices.
+      lead: ... and is the one that reports the chunk's values.
+      local: ... all of them.
+      strategy: the SPMD rules on the submesh, with a pattern per parameter path.
+      constrain: the activation constraint the chunk is called with.
+      param_sh, opt_sh: where its parameters and optimizer state live.
+      host_params: its initial parameters on the host.
+      act_sh: where its output (and its output's gradient) lives.
+      scalar_sh: a replicated scalar on the submesh.
+      programs: its jitted programs (built once the runner knows the schedule).
+      zeros, sumsq, update: a zero gradient accumulator, the squared gradient norm, the optimizer update.
+      moe: the model's mixture of experts (``None`` when dense).
+      moe_layers: the chunk's MoE layers.
+      rebias: moves the chunk's routing biases by its step's load (``balance: bias``).
+    """
+
+    graphdef: Any
+    recompute: Recompute | None
+    mesh: jax.sharding.Mesh
+    mine: bool
+    lead: bool
+    local: bool
+    strategy: Strategy
+    constrain: Any
+    param_sh: Any
+    host_params: Any
+    act_sh: NamedSharding
+    scalar_sh: NamedSharding
+    opt_sh: Any
+    programs: Programs | None = None
+    zeros: Any = None
+    sumsq: Any = None
+    update: Any = None
+    moe: MoEConfig | None = None
+    moe_layers: int = 0
+    rebias: Any = None

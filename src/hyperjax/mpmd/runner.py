@@ -18,7 +18,6 @@ Gradient clipping uses the global norm over every stage.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import time
@@ -32,61 +31,14 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hyperjax.config import MoEConfig, Recompute, Run
+from hyperjax.config import Run
 from hyperjax.models.moe import MoE, update_router_biases
 from hyperjax.mpmd.chunks import Chunk
-from hyperjax.mpmd.programs import Programs, chunk_programs
-from hyperjax.mpmd.schedules import Task, make_schedule
+from hyperjax.mpmd.programs import ChunkRuntime, chunk_programs
+from hyperjax.mpmd.schedules import Task, run_schedule
 from hyperjax.mpmd.transfer import forget, scalar, split_devices, sum_over_processes, transfer
 from hyperjax.shard import Constrainer, Strategy, place
 from hyperjax.topology import make_mesh
-
-
-@dataclasses.dataclass(kw_only=True)
-class ChunkRuntime:
-    """One chunk on its submesh: its structure, where its arrays live, and its programs.
-
-    Attributes:
-      graphdef: the chunk's NNX structure.
-      recompute: whether its blocks are rematerialised (a split backward cannot tap them); ``None``
-        where the chunk does not say.
-      mesh: its stage's submesh.
-      mine: this process holds some of the submesh's devices.
-      lead: ... and is the one that reports the chunk's values.
-      local: ... all of them.
-      strategy: the SPMD rules on the submesh, with a pattern per parameter path.
-      constrain: the activation constraint the chunk is called with.
-      param_sh, opt_sh: where its parameters and optimizer state live.
-      host_params: its initial parameters on the host.
-      act_sh: where its output (and its output's gradient) lives.
-      scalar_sh: a replicated scalar on the submesh.
-      programs: its jitted programs (built once the runner knows the schedule).
-      zeros, sumsq, update: a zero gradient accumulator, the squared gradient norm, the optimizer update.
-      moe: the model's mixture of experts (``None`` when dense).
-      moe_layers: the chunk's MoE layers.
-      rebias: moves the chunk's routing biases by its step's load (``balance: bias``).
-    """
-
-    graphdef: Any
-    recompute: Recompute | None
-    mesh: jax.sharding.Mesh
-    mine: bool
-    lead: bool
-    local: bool
-    strategy: Strategy
-    constrain: Any
-    param_sh: Any
-    host_params: Any
-    act_sh: NamedSharding
-    scalar_sh: NamedSharding
-    opt_sh: Any
-    programs: Programs | None = None
-    zeros: Any = None
-    sumsq: Any = None
-    update: Any = None
-    moe: MoEConfig | None = None
-    moe_layers: int = 0
-    rebias: Any = None
 
 
 class PipelineRunner:
@@ -117,7 +69,7 @@ class PipelineRunner:
         entry: str = "inputs",
     ) -> None:
         self.optimizer, self.grad_clip, self.entry = optimizer, grad_clip, entry
-        sched = make_schedule(run.schedule or "1f1b", len(run.stages), run.microbatches, run.virtual_stages)
+        sched = run_schedule(run)
         self.sched = sched
         groups = split_devices(list(devices), [s.devices for s in run.stages])
         self.meshes = [
@@ -265,12 +217,21 @@ class PipelineRunner:
                 feeds[(j, c)] = {key: put(key, j, c) for key in self.feeds[c]}
             feeds[(j, last)]["targets"] = put("targets", j, last)
         origin = time.perf_counter()
+        partner = dict(sched.pairs)  # a pair's forward -> its backward (fb-pair)
+        later = set(partner.values())
         for _, s, task in sched.starts():
+            if task in later:
+                continue  # it ran with its forward
             start = time.perf_counter()
-            out = self._run(task, params, grads, xs, dys, feeds, losses, routers)
+            if task in partner:
+                out = self._run_pair(task, partner[task], params, grads, xs, dys, feeds, losses, routers)
+            else:
+                out = self._run(task, params, grads, xs, dys, feeds, losses, routers)
             if timeline is not None and chunks[task.chunk].mine:
                 jax.block_until_ready(out)
-                timeline.append((s, task, start - origin, time.perf_counter() - origin))
+                end = time.perf_counter() - origin
+                for t in (task, partner[task]) if task in partner else (task,):
+                    timeline.append((s, t, start - origin, end))
         if self.tied:  # the head's gradient joins the embedding's, on the first stage
             table = jax.ShapeDtypeStruct(chunks[0].host_params["embed"].shape, np.float32)
             g_head = grads[last]["head"] if chunks[last].mine else None
@@ -417,6 +378,33 @@ class PipelineRunner:
         grads[c] = ch.programs.weights(pullback, dy, grads[c])
         self._forget(j, c, xs, dys)
         return grads[c]
+
+    def _run_pair(self, f: Task, b: Task, params, grads, xs, dys, feeds, losses, routers) -> Any:
+        """Forward ``f`` and backward ``b`` (another micro-batch, same chunk) as one program; then ``f``'s
+        output is handed on and ``b``'s input gradient back, in that order on every process."""
+        c, ch = f.chunk, self.chunks[f.chunk]
+        last = c == len(self.chunks) - 1
+        y = dx = None
+        if ch.mine:
+            x, dy = xs.pop(("in", f.microbatch, c)), None if last else dys[(b.microbatch, c)]
+            forward, backward = ch.programs.pair(
+                params[c], x, feeds[(f.microbatch, c)], xs[(b.microbatch, c)], dy, grads[c]
+            )
+            y, xs[(f.microbatch, c)], (ce, stats) = forward
+            grads[c], dx = backward
+            if stats is not None:
+                routers[c] = stats if routers[c] is None else jax.tree.map(jnp.add, routers[c], stats)
+            if last:
+                losses.append(ce)
+        if not last:
+            xs[("in", f.microbatch, c + 1)] = self._hand_over(y, c, c + 1, self.chunks[c + 1].act_sh, self.shapes[c])
+        if ch.mine:
+            self._send_back(b.microbatch, c, dx, dys)
+            self._forget(b.microbatch, c, xs, dys)
+            return grads[c]
+        if c > 0:
+            self._send_back(b.microbatch, c, None, dys)
+        return None
 
     def _send_back(self, j: int, c: int, dx: Any, dys: dict) -> Any:
         if c == 0:

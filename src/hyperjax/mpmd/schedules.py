@@ -22,7 +22,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
-from hyperjax.config import ScheduleName, TaskKind, choices
+from hyperjax.config import Run, ScheduleName, TaskKind, choices
 from hyperjax.errors import ConfigError
 
 SCHEDULES: tuple[ScheduleName, ...] = choices(ScheduleName)
@@ -66,6 +66,9 @@ class Schedule:
       virtual_stages: model chunks per stage.
       split_backward: whether the backward is split into ``B`` and ``W``.
       grid: ``grid[stage][slot]``.
+      pairs: ``(F, B)`` tasks of different micro-batches that run together on their stage as one program,
+        F's slot then B's, both tasks' inputs ready at its start (``parallel.overlap: fb-pair``: each
+        one's all-to-all hides behind the other's compute, :mod:`hyperjax.mpmd.lanes`); empty otherwise.
     """
 
     name: ScheduleName
@@ -74,6 +77,7 @@ class Schedule:
     virtual_stages: int
     split_backward: bool
     grid: Grid
+    pairs: tuple[tuple[Task, Task], ...] = ()
 
     @property
     def chunks(self) -> int:
@@ -119,9 +123,18 @@ class Schedule:
         out = []
         for i, (_, s, task) in enumerate(self._starts):
             position[task] = i
-            deps = tuple(position[d] for d in dependencies(task, self.chunks, self.split_backward))
+            deps = tuple(position[d] for d in self.dependencies(task))
             out.append((s, task, deps))
         return tuple(out)
+
+    @functools.cached_property
+    def partner(self) -> dict[Task, Task]:
+        """Each paired task's partner."""
+        return {**dict(self.pairs), **{b: f for f, b in self.pairs}}
+
+    def dependencies(self, task: Task) -> list[Task]:
+        """What ``task`` waits for in this grid (:func:`pair_dependencies`)."""
+        return pair_dependencies(task, self.chunks, self.split_backward, self.partner)
 
     def render(self) -> str:
         """The grid as text, one line per stage (``.`` for a bubble)."""
@@ -175,6 +188,18 @@ def _one_f_one_b_order(stage: int, stages: int, m: int, v: int, *, backward: tup
     return order
 
 
+def _paired_order(stage: int, stages: int, m: int, v: int) -> list[Task]:
+    # 1F1B with 2(p - s) - 1 forwards in the warm-up: a pair starts only once its backward's gradient has
+    # come back and hands its output on only at its end, so the round trip through the later stages takes
+    # twice as long as 1F1B's, and the warm-up covers it (the last stage pairs too)
+    return _one_f_one_b_order(stage, 2 * stages - stage, m, v)
+
+
+def paired_warm_up(stage: int, stages: int, microbatches: int) -> int:
+    """Forwards stage ``stage`` runs before its first pair: ``2(p - s) - 1`` (at most the micro-batches)."""
+    return min(2 * (stages - stage) - 1, microbatches)
+
+
 def _interleaved_order(stage: int, stages: int, m: int, v: int) -> list[Task]:
     # Megatron-LM's interleaved 1F1B: micro-batches advance in groups of `stages` through the chunks
     p, total = stages, m * v
@@ -212,15 +237,32 @@ _ORDERS: dict[str, Callable[[int, int, int, int], list[Task]]] = {
 }
 
 
-def make_schedule(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+def make_schedule(
+    name: str, stages: int, microbatches: int, virtual_stages: int = 1, *, pair: bool = False
+) -> Schedule:
     """The grid of schedule ``name`` for ``stages`` stages and ``microbatches`` micro-batches.
+
+    With ``pair`` (1F1B only), stage ``s`` warms up with ``2(p - s) - 1`` forwards, and every later forward
+    runs as one program with the backward after it in the stage's order (:attr:`Schedule.pairs`): the pair
+    starts once both tasks' inputs are ready and hands both outputs on at its end
+    (:func:`pair_dependencies`).
 
     Raises:
       ConfigError: an unknown schedule or sizes it cannot take, naming the config key.
     """
     check_sizes(name, stages, microbatches, virtual_stages)
+    if pair and name != "1f1b":
+        raise ConfigError(f"parallel.overlap='fb-pair' pairs tasks of the 1f1b schedule, not of {name!r}")
     split = name == "zero-bubble"
-    orders = [_ORDERS[name](s, stages, microbatches, virtual_stages) for s in range(stages)]
+    order_of = _paired_order if pair else _ORDERS[name]
+    orders = [order_of(s, stages, microbatches, virtual_stages) for s in range(stages)]
+    partner: dict[Task, Task] = {}
+    if pair:  # each forward after the warm-up with the backward that follows it
+        for s, order in enumerate(orders):
+            warm = paired_warm_up(s, stages, microbatches)
+            for f, b in zip(order[warm:], order[warm + 1 :], strict=False):
+                if f.kind == "F" and b.kind == "B" and f not in partner and b not in partner:
+                    partner[f], partner[b] = b, f
     chunks = stages * virtual_stages
     slots_of = (lambda t: 1) if split else (lambda t: _SLOTS[t.kind])
     done: dict[Task, int] = {}  # task -> first free slot after it
@@ -229,7 +271,7 @@ def make_schedule(name: str, stages: int, microbatches: int, virtual_stages: int
     pending_w: list[list[Task]] = [[] for _ in range(stages)]
 
     def ready_at(task: Task) -> int | None:
-        deps = dependencies(task, chunks, split)
+        deps = pair_dependencies(task, chunks, split, partner)
         if any(d not in done for d in deps):
             return None
         return max((done[d] for d in deps), default=0)
@@ -251,6 +293,9 @@ def make_schedule(name: str, stages: int, microbatches: int, virtual_stages: int
             if task is not None and at is not None and at <= t:
                 place(s, task)
                 position[s] += 1
+                if task.kind == "F" and task in partner:
+                    place(s, partner[task])
+                    position[s] += 1
                 if split and task.kind == "B":
                     pending_w[s].append(Task("W", task.microbatch, task.chunk))
             elif pending_w[s]:
@@ -267,9 +312,33 @@ def make_schedule(name: str, stages: int, microbatches: int, virtual_stages: int
         virtual_stages=virtual_stages,
         split_backward=split,
         grid=grid,
+        pairs=tuple((f, b) for f, b in partner.items() if f.kind == "F"),
     )
     validate(sched)
     return sched
+
+
+def run_schedule(run: Run) -> Schedule:
+    """The grid a resolved run's stages execute: its schedule (1F1B for MPMD submeshes without one), with
+    forwards and backwards paired under ``parallel.overlap: fb-pair``."""
+    return make_schedule(
+        run.schedule or "1f1b",
+        len(run.stages),
+        run.microbatches,
+        run.virtual_stages,
+        pair=run.overlap == "fb-pair",
+    )
+
+
+def pair_dependencies(task: Task, chunks: int, split: bool, partner: dict[Task, Task]) -> list[Task]:
+    """What ``task`` waits for when the tasks in ``partner`` run in pairs, each pair one program: a pair
+    starts once the inputs of both its tasks are ready, and hands its outputs on at its end (its
+    backward's)."""
+    deps = dependencies(task, chunks, split)
+    mate = partner.get(task)
+    if mate is not None and task.kind == "F":
+        deps += [d for d in dependencies(mate, chunks, split) if d != task]
+    return [partner[d] if d.kind == "F" and d in partner and partner[d] != task else d for d in deps]
 
 
 def dependencies(task: Task, chunks: int, split: bool) -> list[Task]:
@@ -320,9 +389,16 @@ def validate(sched: Schedule) -> None:
     missing = expected - set(span)
     if missing:
         raise ScheduleError(f"schedule {sched.name!r}: {min(missing)} never runs ({len(missing)} tasks missing)")
-    chunks = p * v
+    for f, b in sched.pairs:  # a pair: F, then at once B (the dependencies below hold its inputs to its start)
+        if f.kind != "F" or b.kind != "B" or f.microbatch == b.microbatch or f.chunk != b.chunk:
+            raise ScheduleError(
+                f"schedule {sched.name!r}: a pair is a forward and a backward of one chunk and two micro-batches, "
+                f"not {f} and {b}"
+            )
+        if span[b][0] != span[f][1]:
+            raise ScheduleError(f"schedule {sched.name!r}: paired {f} and {b} do not run back to back")
     for task, (start, _) in span.items():
-        for dep in dependencies(task, chunks, split):
+        for dep in sched.dependencies(task):
             if span[dep][1] > start:
                 raise ScheduleError(
                     f"schedule {sched.name!r}: {task} starts at slot {start} before {dep} ends at slot {span[dep][1]}"

@@ -110,6 +110,7 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
         processes, limit = None, str(e)
     first = stages[0].axes
     pipelined = len(stages) > 1
+    _check_overlap(config, stages, rows, microbatches, split)
     buckets = _gradient_buckets(config, first, pipelined, n // (processes or 1))
     return Run(
         config=config,
@@ -133,7 +134,64 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
         recompute=t.recompute,
         dtype=t.dtype,
         offload=config.offload.policy,
+        overlap=p.overlap,
     )
+
+
+def _check_overlap(cfg: Config, stages: tuple[Stage, ...], rows: int, microbatches: int, split: bool) -> None:
+    """``parallel.overlap`` can be honoured: an all-to-all to hide, and the sizes its schedule needs.
+
+    Raises:
+      ConfigError: naming the key, the sizes and the fix.
+    """
+    p, moe, overlap = cfg.parallel, cfg.model.moe, cfg.parallel.overlap
+    if overlap == "none":
+        return
+    if moe is None:
+        raise ConfigError(
+            f"parallel.overlap={overlap!r} hides a mixture of experts' all-to-all, but the model has no MoE "
+            "layers (model.moe is null); set parallel.overlap: none"
+        )
+    exchanged = [s for s in stages if s.axes.get("expert", 1) > 1 or (not split and s.axes["tensor"] > 1)]
+    if not exchanged:
+        raise ConfigError(
+            f"parallel.overlap={overlap!r}: with parallel.expert=1 every device holds every expert, so there is "
+            "no all-to-all to hide; set parallel.expert > 1 or parallel.overlap: none"
+        )
+    if overlap == "two-microbatch":
+        if cfg.model.vision is not None:
+            raise ConfigError(
+                "parallel.overlap='two-microbatch' runs a decoder's micro-batch as two halves; a vision-language "
+                "model does not split its micro-batches; set parallel.overlap: none"
+            )
+        if moe.capacity_factor is not None:
+            raise ConfigError(
+                f"parallel.overlap='two-microbatch' with model.moe.capacity_factor={moe.capacity_factor}: which "
+                "copies a capacity drops depends on the whole micro-batch's routing, so one half's dispatch "
+                "would wait for the other half's attention; use a dropless MoE (capacity_factor: null) or "
+                "parallel.overlap: none"
+            )
+        for s in stages:
+            if (rows // s.data_parallel) % 2:
+                raise ConfigError(
+                    f"parallel.overlap='two-microbatch' splits each replica's micro-batch in two halves, but "
+                    f"{s.name} has {rows // s.data_parallel} sequences per replica per micro-batch (train."
+                    f"global_batch={cfg.train.global_batch} / {microbatches} micro-batches / {s.data_parallel} "
+                    "replicas); use an even number (a larger global batch or fewer micro-batches)"
+                )
+    if overlap == "fb-pair":
+        if len(stages) < 2 or cfg.mpmd.submeshes or p.schedule != "1f1b":
+            raise ConfigError(
+                f"parallel.overlap='fb-pair' pairs a pipeline's forward and backward tasks in 1F1B's steady state; "
+                f"it needs parallel.pipeline > 1 and parallel.schedule: 1f1b (got pipeline={p.pipeline}, "
+                f"schedule={p.schedule!r}{', mpmd submeshes' if cfg.mpmd.submeshes else ''})"
+            )
+        if microbatches < 2 * len(stages):
+            raise ConfigError(
+                f"parallel.overlap='fb-pair' with {microbatches} micro-batches on {len(stages)} stages leaves the "
+                f"first stage no forward to pair after its warm-up of {2 * len(stages) - 1}; set "
+                f"train.microbatches >= {2 * len(stages)}"
+            )
 
 
 def _gradient_buckets(cfg: Config, axes: Mapping[str, int], pipelined: bool, per_process: int) -> bool:

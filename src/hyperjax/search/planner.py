@@ -1,7 +1,8 @@
 """Search every valid strategy for a model on N devices and rank them by predicted step time.
 
 The search space: data, fsdp, tensor (with sequence parallelism), context, pipeline (with schedule and
-virtual stages), ZeRO stage, micro-batch size and recomputation; for a vision-language model under
+virtual stages), ZeRO stage, micro-batch size, recomputation and, for a mixture of experts, the schedule
+that hides its all-to-all; for a vision-language model under
 ``mpmd:`` also the split of the devices between its submeshes. Every answer is a resolved run
 (:func:`hyperjax.resolve`) priced by :func:`hyperjax.estimate`; those that do not fit the device-memory
 budget (``offload.device_memory_gib``, default the preset's HBM) are dropped. Under ``offload.policy:
@@ -10,7 +11,8 @@ auto`` or ``greedy`` the fastest strategies that do not fit are also given to th
 
 It answers in seconds at the scale of the machines people size:
 
-- Candidates that differ only in ZeRO stage, recomputation, or 1F1B against zero-bubble resolve to the
+- Candidates that differ only in ZeRO stage, recomputation, MoE overlap schedule, or 1F1B against
+  zero-bubble resolve to the
   same stages, so each such *base* is resolved once and its variants priced from it, sharing the cost of
   their stages (:class:`hyperjax.cost.StageCore`); pipeline idle time is in closed form.
 - Bases are priced in order of a lower bound on their step (:func:`hyperjax.search.bounds.lower_bound`);
@@ -36,7 +38,7 @@ from hyperjax.search.bounds import lower_bound
 from hyperjax.search.strategies import RECOMPUTE, candidate, strategies, submesh_strategies
 from hyperjax.topology import Hardware, load_hardware
 
-VARIES = ("parallel.zero_stage", "train.recompute")
+VARIES = ("parallel.zero_stage", "train.recompute", "parallel.overlap")
 """What a base's variants change (and, between 1F1B and zero-bubble, ``parallel.schedule``)."""
 
 
@@ -175,7 +177,10 @@ def plan(
         if prune and len(fastest) == keep and bound[g] > -fastest[0]:
             break  # bases come in bound order: none after this one can enter the answer
         try:
-            base = resolve(candidate(cfg, {**groups[g][0], "train.recompute": "none"}), devices, hardware=hw)
+            plain = {**groups[g][0], "train.recompute": "none"} | (
+                {"parallel.overlap": "none"} if cfg.model.moe else {}
+            )
+            base = resolve(candidate(cfg, plain), devices, hardware=hw)
         except HyperjaxError:
             continue
         pending = list(groups[g])
@@ -187,6 +192,7 @@ def plan(
                     recompute=recompute,
                     zero_stage=combo.get("parallel.zero_stage", base.zero_stage),
                     schedule=combo["parallel.schedule"] if base.pipelined else None,
+                    overlap=combo.get("parallel.overlap", "none"),
                 )
                 est = estimate(run, cores=cores)
                 priced += 1

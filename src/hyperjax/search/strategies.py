@@ -55,7 +55,8 @@ def strategies(cfg: Config, devices: int) -> Iterator[dict[str, Any]]:
     Recomputation is not part of the combination: the search tries :data:`RECOMPUTE` in order and keeps
     the first that fits. A mixture of experts adds the expert degree (carved, like data and fsdp, out of
     the devices the other degrees leave: it carries batch outside the experts) and, with tensor
-    parallelism, whether the experts spread over the tensor axis too (``parallel.expert_tensor: 1``). A
+    parallelism, whether the experts spread over the tensor axis too (``parallel.expert_tensor: 1``), and
+    where an all-to-all runs, the overlap schedules that can hide it (``parallel.overlap``). A
     vision-language model is searched as one SPMD program (no pipeline stages, which would cut through
     both modules); :func:`submesh_strategies` gives its MPMD splits.
     """
@@ -96,9 +97,16 @@ def strategies(cfg: Config, devices: int) -> Iterator[dict[str, Any]]:
                     spread_ok = m.moe is not None and tensor > 1 and experts % (expert * tensor) == 0
                     spreads = [None, 1] if spread_ok else [None]
                     for micro, (schedule, virtual), spread in itertools.product(micro_options, schedules, spreads):
+                        exchanged = m.moe is not None and (expert > 1 or (spread == 1 and tensor > 1))
+                        rows = micro or per_replica
+                        overlaps = ["none"]
+                        if exchanged and not vision and m.moe.capacity_factor is None and rows % 2 == 0:
+                            overlaps.append("two-microbatch")
+                        if exchanged and pipeline > 1 and schedule == "1f1b" and per_replica // rows >= 2 * pipeline:
+                            overlaps.append("fb-pair")
                         # sequence parallelism moves the same bytes as plain tensor parallelism and
                         # stores less, so it is never worse: only the sequence-parallel variant is priced
-                        for zero in (0, 1, 2) if data > 1 else (0,):
+                        for zero, overlap in itertools.product((0, 1, 2) if data > 1 else (0,), overlaps):
                             yield {
                                 "parallel.data": data,
                                 "parallel.fsdp": fsdp,
@@ -110,7 +118,15 @@ def strategies(cfg: Config, devices: int) -> Iterator[dict[str, Any]]:
                                 "parallel.schedule": schedule,
                                 "parallel.zero_stage": zero,
                                 "train.micro_batch": micro,
-                                **({"parallel.expert": expert, "parallel.expert_tensor": spread} if m.moe else {}),
+                                **(
+                                    {
+                                        "parallel.expert": expert,
+                                        "parallel.expert_tensor": spread,
+                                        "parallel.overlap": overlap,
+                                    }
+                                    if m.moe
+                                    else {}
+                                ),
                                 **({"mpmd.submeshes": ()} if vision else {}),
                             }
 

@@ -42,6 +42,9 @@ class DeviceSpec:
         TF32); a dtype not listed runs at its own ``peak_flops``.
       grouped_gemm_rows: the rows a grouped product (a mixture of experts' experts, one kernel) gives each
         group, rounded up to a multiple of this: its tile height (1: no rounding).
+      comm_compute_share: the share of the device's compute units an all-to-all holds while it runs beside
+        compute (DeepEP's dispatch and combine kernels run on SMs of their own); compute running beside
+        one slows by it (:func:`hyperjax.mpmd.lanes.replay_lanes`).
     """
 
     name: str
@@ -54,8 +57,11 @@ class DeviceSpec:
     source: str
     matmul_precision: Mapping[str, str] = dataclasses.field(default_factory=dict)
     grouped_gemm_rows: int = 1
+    comm_compute_share: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.comm_compute_share < 1:
+            raise PresetError(f"device.comm_compute_share={self.comm_compute_share} must be in [0, 1)")
         if not isinstance(self.grouped_gemm_rows, int) or self.grouped_gemm_rows < 1:
             raise PresetError(f"device.grouped_gemm_rows={self.grouped_gemm_rows!r} must be a positive integer")
         if not self.peak_flops:
@@ -96,6 +102,7 @@ class DeviceSpec:
                 self.kernel_overhead,
                 tuple(sorted(self.matmul_precision.items())),
                 self.grouped_gemm_rows,
+                self.comm_compute_share,
             )
         )
 

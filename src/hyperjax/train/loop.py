@@ -95,7 +95,9 @@ def train(
     lead = jax.process_index() == 0
     log = (sys.stdout if lead else None) if log is None else log
     policies = block_policies(ready.offload.placement, cfg.model.layers) if ready.offload is not None else None
-    model = build_model(cfg.model, dtype=run.dtype, recompute=run.recompute, seed=t.seed, policies=policies)
+    model = build_model(
+        cfg.model, dtype=run.dtype, recompute=run.recompute, seed=t.seed, policies=policies, overlap=run.overlap
+    )
     if profile:
         check_profiled(run)
     program = build_program(ready, model)

@@ -1,0 +1,55 @@
+"""How a stage sits in its pipeline: the micro-batches whose activations it holds, what they add to its
+memory, and the tier its hand-overs to a neighbouring stage cross."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from hyperjax.config import Run, Stage
+from hyperjax.cost.stage import FRAGMENTATION, StageCost
+from hyperjax.topology import AxisSpan, Hardware
+
+
+def with_in_flight(cost: StageCost, stage: Stage, held: int) -> StageCost:
+    """``cost`` (of a stage alike in all but the micro-batches it holds) for ``stage`` holding ``held``."""
+    if stage is cost.stage and held == cost.in_flight:
+        return cost
+    kept = sum(p.layers * p.layer.stored_bytes for p in cost.parts)
+    memory = dict(cost.memory)
+    memory["activations"] += (held - cost.in_flight) * kept
+    memory["peak"] = peak_with(cost, held)
+    chunks = tuple(dataclasses.replace(c, chunk=n) for c, n in zip(cost.chunks, stage.chunks, strict=True))
+    return dataclasses.replace(cost, stage=stage, in_flight=held, memory=memory, chunks=chunks)
+
+
+def peak_with(cost: StageCost, held: int) -> float:
+    """The peak memory of ``cost`` had its stage held ``held`` micro-batches."""
+    kept = sum(p.layers * p.layer.stored_bytes for p in cost.parts)
+    return cost.memory["peak"] + (held - cost.in_flight) * kept * FRAGMENTATION
+
+
+def in_flight(run: Run, s: int) -> int:
+    """Micro-batches whose activations stage ``s`` holds at its peak: all of them under GPipe; under 1F1B the
+    first stage holds ``p`` and each later one one fewer; interleaving adds ``(p - 1) / (p v)`` (Korthikanti
+    et al., 4.2.3). Pairing forwards with backwards (``fb-pair``) warms up with ``2(p - s) - 1`` forwards
+    and holds one more while its first pair runs: ``2(p - s)``."""
+    p, m, v = len(run.stages), run.microbatches, run.virtual_stages
+    if p == 1:
+        return 1
+    if run.schedule == "gpipe":
+        return m
+    if run.overlap == "fb-pair":
+        return min(m, 2 * (p - s))
+    interleave = 1 + (p - 1) / (p * v) if v > 1 else 1.0
+    return min(m, math.ceil((p - s) * interleave))
+
+
+def boundary_span(hw: Hardware, first: int, second: int) -> AxisSpan:
+    """The span of a hand-over between device ``first`` and device ``second`` (the innermost tier whose
+    group holds both)."""
+    for tier in hw.tiers:
+        if tier.group_size is None or first // tier.group_size == second // tier.group_size:
+            return AxisSpan(axis="pipeline", size=2, tier=tier.name, levels=((tier.name, 2),))
+    last = hw.tiers[-1]
+    return AxisSpan(axis="pipeline", size=2, tier=last.name, levels=((last.name, 2),))

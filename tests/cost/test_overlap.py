@@ -1,0 +1,130 @@
+"""The all-to-all under overlap schedules in the cost model: what each hides, what it costs, the trace's
+lane, the checks that refuse what cannot run, and the search choosing an overlap when it wins."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from hyperjax import estimate, load_config, plan, resolve
+from hyperjax.cost import simulate
+from hyperjax.errors import ConfigError
+from hyperjax.mpmd.timing import replay
+
+ROOT = Path(__file__).parents[2]
+DEEPSEEK = ROOT / "configs" / "deepseek-v3-671b.yaml"
+# on 8-device nodes joined by a scale-out network, DeepSeek-V3's all-to-all is a large part of the step
+CLUSTER = ["hardware=ascend910c-cluster", "train.micro_batch=2"]
+
+
+def priced(*sets: str, devices: int = 384):
+    return estimate(resolve(load_config(DEEPSEEK, [*CLUSTER, *sets]), devices))
+
+
+@pytest.fixture(scope="module")
+def by_overlap():
+    return {o: priced(f"parallel.overlap={o}") for o in ("none", "two-microbatch", "fb-pair")}
+
+
+def test_without_overlap_the_whole_all_to_all_is_exposed(by_overlap):
+    a = by_overlap["none"].all_to_all
+    assert a["total_s"] > 0 and a["exposed_s"] == pytest.approx(a["total_s"]) and a["hidden_fraction"] == 0
+    # the same exchange the communication summary lists (per step on the slowest stage)
+    assert a["total_s"] == pytest.approx(by_overlap["none"].communication_s["expert_parallel"])
+
+
+@pytest.mark.parametrize("overlap", ["two-microbatch", "fb-pair"])
+def test_an_overlap_hides_part_of_it_and_shortens_the_step(by_overlap, overlap):
+    plain, est = by_overlap["none"], by_overlap[overlap]
+    a = est.all_to_all
+    assert a["total_s"] == pytest.approx(plain.all_to_all["total_s"])  # the same exchanges, hidden or not
+    assert 0 < a["hidden_fraction"] < 1 and 0 < a["exposed_s"] < a["total_s"]
+    assert est.step_time_s < plain.step_time_s
+    assert sum(est.breakdown_s.values()) == pytest.approx(est.step_time_s)
+    # what it costs: two halves' exchange buffers in flight, or one more micro-batch held
+    assert est.memory_per_device_gib["activations"] > plain.memory_per_device_gib["activations"]
+
+
+def test_two_halves_hide_more_than_pairs_here_but_lose_compute_to_the_exchanges(by_overlap):
+    two, pair = by_overlap["two-microbatch"], by_overlap["fb-pair"]
+    assert two.all_to_all["hidden_fraction"] > pair.all_to_all["hidden_fraction"]
+    assert two.breakdown_s["compute"] > by_overlap["none"].breakdown_s["compute"]  # the slowdown
+
+
+def test_a_larger_compute_share_taken_by_the_exchanges_slows_the_overlapped_step(by_overlap):
+    est = by_overlap["two-microbatch"]
+    run = est.run
+    device = dataclasses.replace(run.hardware.device, comm_compute_share=0.4)
+    slower = estimate(dataclasses.replace(run, hardware=dataclasses.replace(run.hardware, device=device)))
+    assert slower.step_time_s > est.step_time_s
+    plain = by_overlap["none"].run
+    device0 = dataclasses.replace(plain.hardware.device, comm_compute_share=0.4)
+    same = estimate(dataclasses.replace(plain, hardware=dataclasses.replace(plain.hardware, device=device0)))
+    assert same.step_time_s == pytest.approx(by_overlap["none"].step_time_s)  # nothing runs beside it
+
+
+def test_paired_step_is_the_replay_of_the_paired_grid(by_overlap):
+    est = by_overlap["fb-pair"]
+    sched, seconds = est.schedule()
+    assert sched.pairs
+    end = max(e for _, _, e in replay(sched, seconds).values())
+    stage = est.stages[est.critical]
+    assert est.step_time_s == pytest.approx(end + stage.data_parallel_exposed_s + stage.optimizer_s, rel=1e-9)
+
+
+def test_paired_equal_stages_are_replayed_and_read_as_such():
+    sets = ["model.layers=8", "model.moe.first_dense=0", "parallel.pipeline=4", "parallel.expert=2"]
+    est = estimate(resolve(load_config(ROOT / "configs" / "moe-tiny.yaml", [*sets, "train.microbatches=8"])))
+    paired = estimate(dataclasses.replace(est.run, overlap="fb-pair"))
+    assert est.closed_form and not paired.closed_form
+    sched, seconds = paired.schedule()
+    end = max(e for _, _, e in replay(sched, seconds).values())
+    stage = paired.stages[paired.critical]
+    assert paired.step_time_s == pytest.approx(end + stage.data_parallel_exposed_s + stage.optimizer_s, rel=1e-9)
+
+
+def test_the_trace_draws_the_all_to_all_lane(by_overlap):
+    events = simulate(by_overlap["fb-pair"])
+    lane = [e for e in events if e.get("tid") == 2]
+    names = {e["name"].split()[0] for e in lane}
+    assert {"dispatch", "combine", "dispatch'", "combine'"} <= names
+    assert all(e["dur"] > 0 for e in lane)
+
+
+def test_predict_json_reports_the_all_to_all_for_moe_only():
+    for name in ("moe-tiny", "deepseek-v3-671b", "mixtral-8x7b", "qwen3-235b-a22b", "switch-style"):
+        d = estimate(resolve(load_config(ROOT / "configs" / f"{name}.yaml"))).to_dict()
+        assert set(d["all_to_all"]) == {"total_s", "exposed_s", "hidden_fraction"}, name
+        assert d["run"]["overlap"] == "none"
+        json.dumps(d)
+    assert "all_to_all" not in estimate(resolve(load_config(ROOT / "configs" / "quickstart.yaml"))).to_dict()
+
+
+@pytest.mark.parametrize(
+    ("config", "sets", "words"),
+    [
+        ("quickstart", ["parallel.overlap=two-microbatch"], "model has no MoE layers"),
+        ("moe-tiny", ["parallel.overlap=two-microbatch", "parallel.expert=1"], "no all-to-all to hide"),
+        ("moe-tiny", ["parallel.overlap=two-microbatch", "model.moe.capacity_factor=1.25"], "dropless"),
+        ("moe-tiny", ["parallel.overlap=two-microbatch", "train.micro_batch=1"], "even number"),
+        ("moe-tiny", ["parallel.overlap=fb-pair"], "parallel.pipeline > 1"),
+        ("moe-tiny", ["parallel.overlap=fb-pair", "parallel.pipeline=2", "parallel.schedule=zero-bubble"], "1f1b"),
+        ("moe-tiny", ["parallel.overlap=fb-pair", "parallel.pipeline=2", "train.microbatches=2"], "microbatches >= 4"),
+        ("moe-tiny", ["parallel.overlap=both"], "parallel.overlap='both' is not one of"),
+    ],
+)
+def test_overlaps_that_cannot_run_are_refused_by_name(config, sets, words):
+    with pytest.raises(ConfigError, match=r"parallel\.overlap") as e:
+        resolve(load_config(ROOT / "configs" / f"{config}.yaml", sets))
+    assert words in str(e.value)
+
+
+def test_the_search_chooses_an_overlap_where_it_wins():
+    cfg = load_config(DEEPSEEK, ["hardware=ascend910c-cluster"])
+    where = {"parallel.data": 3, "parallel.fsdp": 8, "parallel.expert": 16, "parallel.pipeline": 1}
+    best = plan(cfg, 384, keep=1, where=where).best[0]
+    plain = plan(cfg, 384, keep=1, where=where | {"parallel.overlap": "none"}).best[0]
+    assert best.overrides["parallel.overlap"] == "two-microbatch"
+    assert best.estimate.step_time_s < plain.estimate.step_time_s
+    assert best.estimate.run.overlap == "two-microbatch"
