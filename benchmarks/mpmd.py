@@ -49,15 +49,13 @@ import hyperjax  # noqa: E402
 from hyperjax.cost import stage_metadata, task_events  # noqa: E402
 from hyperjax.files import write_json  # noqa: E402
 from hyperjax.mpmd import (  # noqa: E402
-    PipelineRunner,
     Task,
-    model_chunks,
     replay,
     replayed_bubble,
     theory_bubble,
     uniform_bubble,
 )
-from hyperjax.train import Batches, make_optimizer, prepare  # noqa: E402
+from hyperjax.train import Batches, pipeline_runner, prepare  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 REPEATS = 9
@@ -78,15 +76,7 @@ def measure(schedule: str, p: int, m: int, v: int) -> dict:
     sets += [f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}", "train.global_batch=64"]
     run = hyperjax.resolve(hyperjax.load_config(CONFIG, sets))
     t = run.config.train
-    chunks, _ = model_chunks(hyperjax.build_model(run.config.model, seed=t.seed), run)
-    runner = PipelineRunner(
-        chunks=chunks,
-        run=run,
-        strategy=prepare(run).strategy,
-        devices=jax.devices(),
-        optimizer=make_optimizer(t, clip=False),
-        grad_clip=t.grad_clip,
-    )
+    runner = pipeline_runner(prepare(run), hyperjax.build_model(run.config.model, seed=t.seed))
     state = runner.init_state()
     data = Batches(source=t.data, global_batch=t.global_batch, seq_len=run.config.model.seq_len, vocab=256, seed=0)
     for i in range(2):  # compile every program

@@ -160,25 +160,13 @@ def test_split_backward_leaves_w_the_weight_gemms():
 def test_paired_tasks_run_as_one_program_in_the_grids_order():
     """What the emulation can show of F-B pairing: each pair runs as one program (its two tasks share one
     interval of the timeline) and the tasks run in the grid's order; the timing of a real overlap it cannot."""
-    import jax
-
     from hyperjax import build_model
-    from hyperjax.mpmd.chunks import model_chunks
-    from hyperjax.mpmd.runner import PipelineRunner
-    from hyperjax.train import Batches, make_optimizer, prepare
+    from hyperjax.train import Batches, pipeline_runner, prepare
 
     sets = ["model.layers=2", "parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4"]
     run = resolve(load_config(QUICKSTART.parent / "moe-tiny.yaml", [*sets, "parallel.overlap=fb-pair"]))
     t = run.config.train
-    chunks, _ = model_chunks(build_model(run.config.model, seed=t.seed, overlap=run.overlap), run)
-    runner = PipelineRunner(
-        chunks=chunks,
-        run=run,
-        strategy=prepare(run).strategy,
-        devices=jax.devices(),
-        optimizer=make_optimizer(t, clip=False),
-        grad_clip=t.grad_clip,
-    )
+    runner = pipeline_runner(prepare(run), build_model(run.config.model, seed=t.seed, overlap=run.overlap))
     data = Batches(source=t.data, global_batch=t.global_batch, seq_len=run.config.model.seq_len, vocab=256, seed=0)
     timeline: list = []
     runner.step(runner.init_state(), data.batch(0), timeline=timeline)

@@ -151,20 +151,16 @@ class Estimate:
         sched = run_schedule(run)
         if self.closed_form:
             return sched, task_seconds(sched, *self.task_lengths())
-        seconds = chunk_task_seconds(sched, self.stages)
-        return sched, paired_seconds(sched, seconds, _savings(self.stages))
-
-
-def _savings(stages: tuple[StageCost, ...]) -> dict[int, float]:
-    """What pairing a forward with a backward saves, by chunk."""
-    return {c.chunk: c.exchange.pair_saving_s for s in stages for c in s.chunks}
+        return sched, chunk_task_seconds(sched, self.stages)
 
 
 def chunk_task_seconds(sched: Schedule, stages: tuple[StageCost, ...]) -> dict[Task, float]:
-    """Every task of ``sched`` at its own chunk's predicted length."""
+    """Every task of ``sched`` at its own chunk's predicted length, each pair (``fb-pair``) shortened by what
+    running its two tasks together saves."""
     lengths = {c.chunk: c for s in stages for c in s.chunks}
     kind = {"F": "forward_s", "B": "backward_s", "W": "weight_s"}
-    return {task: getattr(lengths[task.chunk], kind[task.kind]) for _, _, task in sched.starts()}
+    seconds = {task: getattr(lengths[task.chunk], kind[task.kind]) for _, _, task in sched.starts()}
+    return paired_seconds(sched, seconds, {n: c.exchange.pair_saving_s for n, c in lengths.items()})
 
 
 def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estimate:
@@ -221,23 +217,17 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
         idle = _closed_form_idle(run, c)
     else:
         sched = cached_schedule(run.schedule, len(kind_of), m, run.virtual_stages, run.overlap == "fb-pair")
-        lengths = {}
-        for k, stage in zip(kind_of, run.stages, strict=True):
-            for n, t in zip(stage.chunks, kinds[k].chunks, strict=True):
-                lengths |= {(n, "F"): t.forward_s, (n, "B"): t.backward_s, (n, "W"): t.weight_s}
         if sched.pairs:
             for f, _ in sched.pairs:
                 paired[f.chunk] = paired.get(f.chunk, 0) + 1
-            cost_of = {
-                n: t
-                for k, st in zip(kind_of, run.stages, strict=True)
-                for n, t in zip(st.chunks, kinds[k].chunks, strict=True)
-            }
-            seconds = {t: lengths[(t.chunk, t.kind)] for _, _, t in sched.starts()}
-            seconds = paired_seconds(sched, seconds, {n: t.exchange.pair_saving_s for n, t in cost_of.items()})
+            stages = tuple(with_in_flight(kinds[k], st, h) for k, st, h in zip(kind_of, run.stages, held, strict=True))
             busy -= sum(paired.get(t.chunk, 0) * t.exchange.pair_saving_s for t in mine)
-            end = max(e for _, _, e in replay(sched, seconds).values())
+            end = max(e for _, _, e in replay(sched, chunk_task_seconds(sched, stages)).values())
         else:
+            lengths = {}
+            for k, stage in zip(kind_of, run.stages, strict=True):
+                for n, t in zip(stage.chunks, kinds[k].chunks, strict=True):
+                    lengths |= {(n, "F"): t.forward_s, (n, "B"): t.backward_s, (n, "W"): t.weight_s}
             end = replay_end(sched, lengths)
         idle = max(0.0, end - busy)
     step = busy + idle + c.data_parallel_exposed_s + c.optimizer_s

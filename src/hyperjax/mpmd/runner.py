@@ -340,10 +340,7 @@ class PipelineRunner:
                 y, xs[(j, c)], (ce, stats) = ch.programs.forward(params[c], x, feeds[(j, c)])  # keep the pullback
                 if ch.programs.taps:  # and, for W, the products' inputs and the chunk's
                     xs[(j, c)] = (*xs[(j, c)], x)
-                if stats is not None:
-                    routers[c] = stats if routers[c] is None else jax.tree.map(jnp.add, routers[c], stats)
-                if last:
-                    losses.append(ce)
+                _collect(c, ce, stats, last, losses, routers)
             if last:
                 return y
             xs[("in", j, c + 1)] = self._hand_over(y, c, c + 1, self.chunks[c + 1].act_sh, self.shapes[c])
@@ -392,10 +389,7 @@ class PipelineRunner:
             )
             y, xs[(f.microbatch, c)], (ce, stats) = forward
             grads[c], dx = backward
-            if stats is not None:
-                routers[c] = stats if routers[c] is None else jax.tree.map(jnp.add, routers[c], stats)
-            if last:
-                losses.append(ce)
+            _collect(c, ce, stats, last, losses, routers)
         if not last:
             xs[("in", f.microbatch, c + 1)] = self._hand_over(y, c, c + 1, self.chunks[c + 1].act_sh, self.shapes[c])
         if ch.mine:
@@ -415,3 +409,12 @@ class PipelineRunner:
     def _forget(self, j: int, c: int, xs: dict, dys: dict) -> None:
         del xs[(j, c)]
         dys.pop((j, c), None)
+
+
+def _collect(c: int, ce: Any, stats: Any, last: bool, losses: list, routers: list) -> None:
+    """What chunk ``c``'s forward reports: its router stats summed over micro-batches, and (the last chunk)
+    its share of the loss."""
+    if stats is not None:
+        routers[c] = stats if routers[c] is None else jax.tree.map(jnp.add, routers[c], stats)
+    if last:
+        losses.append(ce)

@@ -112,11 +112,12 @@ def _spmd(ready: Prepared, model: nnx.Module, data: Batches | CaptionBatches) ->
     )
 
 
-def _pipeline(ready: Prepared, model: nnx.Module, data: Batches | CaptionBatches) -> Program:
-    """One program per chunk on its stage's submesh, run by the schedule's grid (see hyperjax.mpmd)."""
+def pipeline_runner(ready: Prepared, model: nnx.Module) -> PipelineRunner:
+    """The runner of a pipeline or MPMD run: ``model`` cut into the run's chunks, one program per chunk on
+    its stage's submesh, with the run's optimizer (clipped over every stage by the runner)."""
     run, t = ready.run, ready.run.config.train
     chunks, entry = model_chunks(model, run)
-    runner = PipelineRunner(
+    return PipelineRunner(
         chunks=chunks,
         entry=entry,
         run=run,
@@ -125,6 +126,11 @@ def _pipeline(ready: Prepared, model: nnx.Module, data: Batches | CaptionBatches
         optimizer=make_optimizer(t, clip=False),
         grad_clip=t.grad_clip,
     )
+
+
+def _pipeline(ready: Prepared, model: nnx.Module, data: Batches | CaptionBatches) -> Program:
+    """One program per chunk on its stage's submesh, run by the schedule's grid (see hyperjax.mpmd)."""
+    runner = pipeline_runner(ready, model)
     state = runner.init_state()
 
     def advance(state: Any, i: int) -> tuple[Any, dict[str, Any]]:
