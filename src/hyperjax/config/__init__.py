@@ -13,6 +13,7 @@ from hyperjax.config.sections import (
     MPMDConfig,
     OffloadConfig,
     ParallelConfig,
+    ServeConfig,
     SubmeshConfig,
     TrainConfig,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "Router",
     "Run",
     "ScheduleName",
+    "ServeConfig",
     "Stage",
     "SubmeshConfig",
     "TaskKind",

@@ -174,6 +174,19 @@ class OffloadConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """What a serving deployment is sized for (``serve:``), read by ``predict --inference``."""
+
+    batch: int = 1  # sequences decoded together (over all data-parallel replicas)
+    prompt_len: int | None = None  # prompt tokens per sequence; null: half of model.seq_len
+    new_tokens: int = 128  # tokens generated per sequence
+
+    def __post_init__(self) -> None:
+        positive(self, "serve", ("batch", "new_tokens"))
+        positive(self, "serve", ("prompt_len",), optional=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """A whole run, as asked for."""
 
@@ -185,6 +198,7 @@ class Config:
     shard: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # logical axis -> mesh axes overrides
     mpmd: MPMDConfig = dataclasses.field(default_factory=MPMDConfig)
     offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
+    serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)
 
     def __post_init__(self) -> None:
         moe, ep = self.model.moe, self.parallel.expert

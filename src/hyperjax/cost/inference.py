@@ -1,0 +1,193 @@
+"""Serving a resolved run: prefill priced like a forward pass, decode as one memory-bound pass per token.
+
+``serve.batch`` sequences of ``serve.prompt_len`` prompt tokens each generate ``serve.new_tokens`` tokens on
+the run's mesh (its stages in turn, each with its tensor, expert and data axes; the batch split over the
+data-parallel replicas).
+
+- **Prefill** is the forward pass of the prompt, priced by the same layer model as training
+  (:func:`hyperjax.cost.layer.price_layer` at the prompt's length, recomputation off): its products on the
+  roofline, its tensor-parallel all-reduces, its experts' dispatch and combine, and FSDP's gathers.
+- **Decode** prices one token of every sequence per step. The layer model at one token per sequence
+  gives its products (their roofline is bound by reading the weights once per step), its element-wise
+  work, its collectives at that size (latency-bound) and, for a mixture of experts, the grouped products
+  over the device's experts (each group reads its weights: all local experts are counted as touched, an
+  overstatement at small batches). The attention core reads the KV cache: at the mean context of the
+  decode (``prompt_len + new_tokens / 2``), every cached key and value of every sequence, once per step.
+- **KV cache per device**: per layer and token, a key and a value per KV head the device holds (heads split
+  over the tensor axis, replicated where it is wider than the KV heads), or DeepSeek's latent attention's
+  compressed latent and rotary key (``kv_lora_rank + rope_head_dim``, on every tensor-parallel device).
+
+Stages run one after another for a token (a pipeline serves one batch at a time here), so the prefill and
+each decode step are the sums over the stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hyperjax.config import ModelConfig, Run
+from hyperjax.cost.collectives import collective_time
+from hyperjax.cost.compute import gemm_time
+from hyperjax.cost.estimate import GIB, stage_spans
+from hyperjax.cost.layer import price_layer
+from hyperjax.cost.pipeline import boundary_span
+from hyperjax.cost.stage import chunk_starts, part_models
+from hyperjax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InferenceEstimate:
+    """A predicted serving run (the ``predict --inference --json`` object).
+
+    Attributes:
+      run: the resolved run it prices.
+      batch, prompt_len, new_tokens: what is served.
+      prefill_s: the prompt's forward pass.
+      decode_s_per_token: one decode step (a token of every sequence).
+      tokens_per_s_per_device: generated tokens per second over every device.
+      kv_cache_gib_per_device: the cache at its fullest (prompt and every new token), on the fullest stage.
+      memory_per_device_gib: ``weights``, ``kv_cache``, ``activations`` and ``peak`` on the fullest stage.
+      fits: whether ``peak`` fits the device memory.
+      decode_breakdown_s: one decode step's ``weights_and_compute``, ``kv_cache_read``, ``communication``.
+    """
+
+    run: Run
+    batch: int
+    prompt_len: int
+    new_tokens: int
+    prefill_s: float
+    decode_s_per_token: float
+    tokens_per_s_per_device: float
+    kv_cache_gib_per_device: float
+    memory_per_device_gib: dict[str, float]
+    fits: bool
+    decode_breakdown_s: dict[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready data."""
+        return {
+            "prefill_s": self.prefill_s,
+            "decode_s_per_token": self.decode_s_per_token,
+            "tokens_per_s_per_device": self.tokens_per_s_per_device,
+            "kv_cache_gib_per_device": self.kv_cache_gib_per_device,
+            "memory_per_device_gib": self.memory_per_device_gib,
+            "fits": self.fits,
+            "batch": self.batch,
+            "prompt_len": self.prompt_len,
+            "new_tokens": self.new_tokens,
+            "decode_breakdown_s": self.decode_breakdown_s,
+            "run": self.run.to_dict(),
+        }
+
+
+def kv_bytes_per_token(m: ModelConfig, tensor: int, bytes_per_element: int) -> float:
+    """Bytes one layer caches per token of one sequence on one device of a tensor axis of ``tensor``."""
+    if m.attention == "mla":
+        return (m.kv_lora_rank + m.rope_head_dim) * bytes_per_element
+    return 2 * max(m.kv_heads / tensor, 1) * m.head_dim * bytes_per_element
+
+
+def estimate_inference(run: Run) -> InferenceEstimate:
+    """Predict serving ``run.config.serve`` on ``run``'s mesh and hardware.
+
+    Raises:
+      ConfigError: a batch the data-parallel replicas cannot split, or a prompt and its new tokens
+        longer than learned positions reach.
+    """
+    cfg, m, hw = run.config, run.config.model, run.hardware
+    serve = cfg.serve
+    prompt = serve.prompt_len or max(1, m.seq_len // 2)
+    total = prompt + serve.new_tokens
+    if m.positions == "learned" and total > m.seq_len:
+        raise ConfigError(
+            f"serve.prompt_len={prompt} + serve.new_tokens={serve.new_tokens} = {total} tokens, but learned "
+            f"positions reach model.seq_len={m.seq_len}; serve fewer tokens"
+        )
+    e = 2 if run.dtype == "bfloat16" else 4
+    ctx = prompt + serve.new_tokens / 2
+    prefill = step = kv_read = comm = 0.0
+    fullest: dict[str, float] | None = None
+    n = len(run.stages)
+    for i, stage in enumerate(run.stages):
+        axes, dp = stage.axes, stage.data_parallel
+        if serve.batch % dp:
+            raise ConfigError(
+                f"serve.batch={serve.batch} is split over {dp} data-parallel replicas ({stage.name}: data x fsdp x "
+                f"expert); use a multiple of {dp}"
+            )
+        local = serve.batch // dp
+        spans = stage_spans(hw, n, axes)
+        tp = axes["tensor"]
+        weights = kv = acts = 0.0
+        starts = chunk_starts(run)
+        parts = [p for j, c in enumerate(stage.chunks) for p in part_models(m, stage, j, starts[c])]
+        for _, block, count, moe in parts:
+            kw = dict(
+                axes=axes,
+                spans=spans,
+                dtype=run.dtype,
+                recompute="none",
+                sequence_parallel=run.sequence_parallel,
+                hardware=hw,
+                moe=moe,
+                expert_tensor=run.expert_tensor_split,
+            )
+            full = price_layer(dataclasses.replace(block, seq_len=prompt), micro=local, **kw)
+            prefill += count * (
+                full.forward_s + full.tensor_comm_s / 2 + full.context_comm_s / 2 + 2 * full.exchange_s
+            ) + count * (full.fsdp_gather_s if axes["fsdp"] > 1 else 0.0)
+            one = price_layer(dataclasses.replace(block, seq_len=1), micro=local, **kw)
+            heads = m.heads / tp
+            width = m.head_dim + (m.rope_head_dim if m.attention == "mla" else 0)
+            per_token_kv = kv_bytes_per_token(m, tp, e)
+            # the core reads every cached key and value: two batched products of one query row each
+            core = gemm_time(1, ctx, width, count=local * heads, bytes_per_element=e, dtype=run.dtype, hardware=hw)
+            core += gemm_time(
+                1, m.head_dim, ctx, count=local * heads, bytes_per_element=e, dtype=run.dtype, hardware=hw
+            )
+            collectives = one.tensor_comm_s / 2 + 2 * one.exchange_s
+            collectives += one.fsdp_gather_s if axes["fsdp"] > 1 else 0.0
+            step += count * (one.forward_s - one.core_s + core + collectives)
+            kv_read += count * core
+            comm += count * collectives
+            weights += count * one.params * e
+            kv += count * per_token_kv * local * total
+            acts = max(acts, full.activation_bytes.get("block_in", 0.0) * 6)
+        if 0 in stage.chunks or (run.chunks - 1) in stage.chunks:
+            table = m.vocab * m.d_model / tp * e
+            ends = (0 in stage.chunks) + ((run.chunks - 1) in stage.chunks and not m.tie_embeddings)
+            weights += table * max(ends, 1)
+        if (run.chunks - 1) in stage.chunks:
+            head = gemm_time(local, m.vocab / tp, m.d_model, bytes_per_element=e, dtype=run.dtype, hardware=hw)
+            step += head
+            prefill += head
+            acts += local * m.vocab / tp * 4
+        if i + 1 < n:
+            span = boundary_span(hw, stage.first_device, run.stages[i + 1].first_device)
+            hop = collective_time("send", local * m.d_model * e, span, hw)
+            step += hop
+            prefill += collective_time("send", local * prompt * m.d_model * e, span, hw)
+            comm += hop
+        memory = {"weights": weights, "kv_cache": kv, "activations": acts}
+        memory["peak"] = sum(memory.values()) * 1.05
+        if fullest is None or memory["peak"] > fullest["peak"]:
+            fullest = memory
+    gib = {k: v / GIB for k, v in fullest.items()}
+    return InferenceEstimate(
+        run=run,
+        batch=serve.batch,
+        prompt_len=prompt,
+        new_tokens=serve.new_tokens,
+        prefill_s=prefill,
+        decode_s_per_token=step,
+        tokens_per_s_per_device=serve.batch / step / run.devices,
+        kv_cache_gib_per_device=gib["kv_cache"],
+        memory_per_device_gib=gib,
+        fits=fullest["peak"] <= hw.device.hbm_bytes,
+        decode_breakdown_s={
+            "weights_and_compute": step - kv_read - comm,
+            "kv_cache_read": kv_read,
+            "communication": comm,
+        },
+    )
