@@ -1,0 +1,56 @@
+"""Generation with a KV cache on one device: the first step's logits are the training model's for the prompt
+(1e-5 relative, fp32), and greedy decoding gives the tokens of re-running the whole sequence every step."""
+
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hyperjax import build_model, load_config
+from hyperjax.errors import ConfigError
+from hyperjax.models.decode import generate
+
+CONFIGS = Path(__file__).parents[2] / "configs"
+
+
+@pytest.mark.parametrize(
+    ("name", "sets"),
+    [
+        ("quickstart", []),  # GPT: learned positions, tied head
+        ("quickstart", ["model.family=llama", "model.kv_heads=2"]),  # RoPE, grouped KV heads
+        ("moe-tiny", ["model.layers=2"]),  # a mixture of experts
+    ],
+    ids=["gpt", "llama-gqa", "moe"],
+)
+def test_cached_greedy_decoding_matches_the_training_model(name, sets):
+    cfg = load_config(CONFIGS / f"{name}.yaml", sets)
+    model = build_model(cfg.model, seed=0)
+    prompt = jnp.array(np.random.default_rng(0).integers(0, cfg.model.vocab, (2, 10)), jnp.int32)
+    new, first = generate(model, prompt, 8)
+    full = model(prompt)[:, -1]
+    np.testing.assert_allclose(first, full, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(full))))
+    seq, ref = prompt, []
+    for _ in range(8):
+        token = jnp.argmax(model(seq)[:, -1], -1).astype(jnp.int32)
+        ref.append(token)
+        seq = jnp.concatenate([seq, token[:, None]], 1)
+    np.testing.assert_array_equal(new, jnp.stack(ref, 1))
+
+
+def test_sampling_is_seeded_and_top_k_keeps_to_the_likeliest():
+    cfg = load_config(CONFIGS / "quickstart.yaml")
+    model = build_model(cfg.model, seed=0)
+    prompt = jnp.zeros((1, 4), jnp.int32)
+    a, first = generate(model, prompt, 6, temperature=1.0, top_k=3, seed=1)
+    b, _ = generate(model, prompt, 6, temperature=1.0, top_k=3, seed=1)
+    np.testing.assert_array_equal(a, b)
+    assert int(a[0, 0]) in set(np.argsort(np.asarray(first[0]))[-3:].tolist())
+
+
+def test_latent_attention_is_refused_by_name():
+    cfg = load_config(
+        CONFIGS / "moe-tiny.yaml", ["model.attention=mla", "model.kv_lora_rank=32", "model.rope_head_dim=8"]
+    )
+    with pytest.raises(ConfigError, match=r"model\.attention"):
+        generate(build_model(cfg.model, seed=0), jnp.zeros((1, 4), jnp.int32), 2)
