@@ -6,6 +6,10 @@ TFLOP/s) and holds hyperjax's config for it: dense runs (Korthikanti et al.) and
 (``hyperjax.resolve``), predicts it (``hyperjax.estimate``) on the run's hardware preset, and prints
 predicted vs measured step time and model TFLOP/s per device (with the source's own FLOP count: Korthikanti's
 eq. 7, or the figure the source prints), and the mean absolute percentage error of each kind.
+Serving is checked the same way against published measured inference runs (``benchmarks/validation/inference/``:
+LMDeploy, TensorRT-LLM, torchao, vLLM and gpt-fast figures on A100 and H100, one device and tensor-parallel):
+``hyperjax.cost.inference.estimate_inference`` predicts each one's decode time per token and prefill, and the
+table prints them beside the measured ones.
 Nothing here is fitted to these rows: the preset constants come from datasheets and public microbenchmarks.
 Writes ``benchmarks/results/validate.json``.
 
@@ -24,6 +28,7 @@ from rich.table import Table
 
 import hyperjax
 from hyperjax.config import Config, build
+from hyperjax.cost.inference import estimate_inference
 
 HERE = Path(__file__).parent
 
@@ -66,6 +71,45 @@ def row(path: Path) -> dict:
     }
 
 
+def serving_row(path: Path) -> dict:
+    """One published inference run, predicted: decode time per token and prefill (either may be unpublished)."""
+    doc = yaml.safe_load(path.read_text())
+    cfg = build(Config, doc["config"], "")
+    est = estimate_inference(hyperjax.resolve(cfg))
+    measured = doc["measured"]
+    out = {"id": doc["id"], "kind": "moe" if cfg.model.moe is not None else "dense", "devices": est.run.devices}
+    for key, predicted in (("decode_s_per_token", est.decode_s_per_token), ("prefill_s", est.prefill_s)):
+        seen = measured.get(key)
+        out[key] = {"measured": seen, "predicted": predicted, "error": None if seen is None else predicted / seen - 1}
+    out["decode_breakdown_s"] = est.decode_breakdown_s
+    return out
+
+
+def print_serving(rows: list[dict], console: Console) -> dict:
+    """The serving table and each figure's mean absolute percentage error."""
+    table = Table(title="serving: cost model vs published measured inference (A100 / H100, batch, prompt as listed)")
+    for col in ("run", "devices", "decode ms meas.", "pred.", "error", "prefill ms meas.", "pred.", "error"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    cell = lambda v: "-" if v is None else f"{v * 1e3:.1f}"
+    err = lambda v: "-" if v is None else f"{v:+.0%}"
+    for r in rows:
+        d, p = r["decode_s_per_token"], r["prefill_s"]
+        table.add_row(
+            r["id"], str(r["devices"]), cell(d["measured"]), cell(d["predicted"]), err(d["error"]),
+            cell(p["measured"]), cell(p["predicted"]), err(p["error"]),
+        )  # fmt: skip
+    console.print(table)
+    summary = {}
+    for key in ("decode_s_per_token", "prefill_s"):
+        errs = [abs(r[key]["error"]) for r in rows if r[key]["error"] is not None]
+        summary[key] = {"mape": sum(errs) / len(errs), "worst": max(errs), "rows": len(errs)}
+        console.print(
+            f"serving {key}: mean absolute percentage error {summary[key]['mape']:.1%} over {len(errs)} rows; "
+            f"worst {summary[key]['worst']:.1%}"
+        )
+    return summary
+
+
 def errors(rows: list[dict]) -> tuple[float, float]:
     """Mean absolute percentage error and the worst row's."""
     return sum(abs(r["error"]) for r in rows) / len(rows), max(abs(r["error"]) for r in rows)
@@ -98,10 +142,17 @@ def main() -> int:
         mape, worst = errors(mine)
         summary[kind] = {"mape": mape, "worst": worst}
         console.print(f"{kind}: mean absolute percentage error {mape:.1%}; worst row {worst:.1%}")
+    serving = [serving_row(path) for path in sorted((HERE / "validation" / "inference").glob("*.yaml"))]
+    serving_summary = print_serving(serving, console)
     out = HERE / "results" / "validate.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     dense = summary["dense"]
-    out.write_text(json.dumps({**dense, "by_kind": summary, "runs": rows}, indent=2))
+    out.write_text(
+        json.dumps(
+            {**dense, "by_kind": summary, "runs": rows, "serving": {"summary": serving_summary, "runs": serving}},
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
     return 0 if dense["mape"] <= 0.10 and dense["worst"] <= 0.20 else 1
 

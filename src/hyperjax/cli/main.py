@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from hyperjax.errors import HyperjaxError
 
-COMMANDS = ("topology", "selftest", "train", "predict", "plan")
+COMMANDS = ("topology", "selftest", "train", "generate", "predict", "plan")
 """The sub-commands, each a module of :mod:`hyperjax.cli` with ``add_parser`` and the ``run`` it sets."""
 
 

@@ -16,6 +16,8 @@ from hyperjax.cli.display import check_writable, console, fmt_count
 from hyperjax.cli.options import add_config_arguments, config_from_args
 from hyperjax.config import ACTIVATIONS
 from hyperjax.cost import Estimate, estimate, write_trace
+from hyperjax.cost.inference import InferenceEstimate, estimate_inference
+from hyperjax.errors import ConfigError
 from hyperjax.offload import OffloadResult, offload_pass, with_offload
 from hyperjax.offload.placement import KINDS
 from hyperjax.resolver import resolve
@@ -27,10 +29,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--devices", type=int, metavar="N", help="devices of the run (as train --devices)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", metavar="FILE.json", help="write a Perfetto / Chrome trace of the predicted step")
+    p.add_argument(
+        "--inference",
+        action="store_true",
+        help="price serving instead of a training step: prefill and decode of serve.batch sequences of "
+        "serve.prompt_len prompt tokens and serve.new_tokens new ones",
+    )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.inference:
+        return _inference(args)
     if args.trace:
         check_writable(args.trace, "--trace")
     run = resolve(config_from_args(args), args.devices)
@@ -48,6 +58,46 @@ def run(args: argparse.Namespace) -> int:
     if offload is not None:
         print_offload(offload)
     return 0
+
+
+def _inference(args: argparse.Namespace) -> int:
+    if args.trace:
+        raise ConfigError("--trace draws a training step; it does nothing with --inference")
+    est = estimate_inference(resolve(config_from_args(args), args.devices))
+    if args.json:
+        print(json.dumps(est.to_dict(), indent=2))
+        return 0
+    print_inference(est)
+    return 0
+
+
+def print_inference(est: InferenceEstimate) -> None:
+    """The readable form of a serving estimate."""
+    out = console()
+    run = est.run
+    out.print(
+        f"[bold]serving predicted on {run.hardware.name}[/bold]: {run.devices} devices; {est.batch} sequences of "
+        f"{est.prompt_len} prompt tokens, {est.new_tokens} new tokens each",
+        soft_wrap=True,
+    )
+    out.print(f"  strategy: {run.describe()}", soft_wrap=True)
+    out.print(
+        f"  prefill {est.prefill_s * 1e3:.4g} ms; decode {est.decode_s_per_token * 1e3:.4g} ms per token "
+        f"({est.batch / est.decode_s_per_token:,.0f} tokens/s, {est.tokens_per_s_per_device:,.1f} per device)"
+    )
+    table = Table(title="one decode step")
+    table.add_column("term")
+    table.add_column("ms", justify="right")
+    table.add_column("share", justify="right")
+    for k, v in est.decode_breakdown_s.items():
+        table.add_row(k, f"{v * 1e3:.4g}", f"{v / est.decode_s_per_token:.1%}")
+    out.print(table)
+    mem = Table(title="memory per device (GiB)")
+    for k in est.memory_per_device_gib:
+        mem.add_column(k, justify="right")
+    mem.add_row(*(f"{v:.3g}" for v in est.memory_per_device_gib.values()))
+    out.print(mem)
+    out.print(f"  {'fits' if est.fits else '[red]does not fit[/red]'} in device memory")
 
 
 def print_offload(plan: OffloadResult) -> None:

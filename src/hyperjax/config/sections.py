@@ -177,13 +177,12 @@ class OffloadConfig:
 class ServeConfig:
     """What a serving deployment is sized for (``serve:``), read by ``predict --inference``."""
 
-    batch: int = 1  # sequences decoded together (over all data-parallel replicas)
+    batch: int | None = None  # sequences decoded together over all data-parallel replicas; null: one per replica
     prompt_len: int | None = None  # prompt tokens per sequence; null: half of model.seq_len
-    new_tokens: int = 128  # tokens generated per sequence
+    new_tokens: int | None = None  # tokens generated per sequence; null: the rest of model.seq_len
 
     def __post_init__(self) -> None:
-        positive(self, "serve", ("batch", "new_tokens"))
-        positive(self, "serve", ("prompt_len",), optional=True)
+        positive(self, "serve", ("batch", "prompt_len", "new_tokens"), optional=True)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -3,7 +3,8 @@
 A group spanning several tiers runs hierarchically: one phase per tier, innermost first for an
 all-gather's fill and outermost first for its shards (NCCL and XLA both build such rings and trees). Each
 phase moves the data that must cross that tier at the tier's achievable bandwidth (``bandwidth x
-efficiency``) and pays the tier's latency once per ring step.
+efficiency``) and pays the tier's latency once per ring step. An all-reduce inside one switched tier may
+instead run in one shot (two latencies, every peer's buffer received), whichever is faster: small buffers.
 
 An all-to-all has no phases: each rank sends its buffer's slices to every other rank at once, and the
 slices bound for ranks behind each tier cross that tier's links side by side with the rest. It lasts as
@@ -38,7 +39,15 @@ def collective_time(kind: str, nbytes: float, span: AxisSpan, hardware: Hardware
         tier = tiers[span.tier]
         return tier.latency + nbytes / tier.effective_bandwidth
     if kind == "all_reduce":
-        return 2 * collective_time("all_gather", nbytes, span, hardware)
+        ring = 2 * collective_time("all_gather", nbytes, span, hardware)
+        if len(levels) == 1 and levels[0][0].topology == "switch":
+            # one shot: every rank pushes its buffer to every other through the switch and reduces what it
+            # receives; one latency to send, one to signal. A small (decode-sized) buffer cannot amortise the
+            # ring's 2 (p - 1) latencies; NCCL's low-latency protocols and TensorRT-LLM's custom all-reduce
+            # switch to this form there. The faster of the two is used.
+            tier, ranks = levels[0]
+            return min(ring, 2 * tier.latency + (ranks - 1) * nbytes / tier.effective_bandwidth)
+        return ring
     if kind == "all_to_all":
         total, reached, latency, slowest = math.prod(r for _, r in levels), 1, 0.0, 0.0
         for tier, ranks in levels:

@@ -10,6 +10,8 @@ per-head score and value products) is one batched kernel, so it pays the overhea
 
 from __future__ import annotations
 
+import math
+
 from hyperjax.topology import Hardware
 
 
@@ -40,9 +42,14 @@ def grouped_gemm_time(
     """Seconds for one grouped product (a mixture of experts' experts, one kernel): ``groups`` products of
     ``(rows / groups, k) x (k, n)``, each group's rows rounded up to the preset's tile height
     (``device.grouped_gemm_rows``). Each group reads its own weight, so few rows per group leave the
-    product bound by reading weights: the roofline gives small groups their lower rate."""
+    product bound by reading weights: the roofline gives small groups their lower rate.
+
+    A group no row is routed to is skipped, weights unread. With rows spread over the groups at random,
+    ``groups (1 - (1 - 1/groups)^rows)`` of them receive any: all of them in training, where rows far
+    outnumber groups, but only a few at a small decode batch (one token's top-2 touches two experts)."""
     if min(rows, n, k, groups) <= 0:
         return 0.0
+    active = groups * -math.expm1(rows * math.log1p(-1 / groups)) if groups > 1 else 1.0
     tile = hardware.device.grouped_gemm_rows
-    per_group = -(-rows / groups // tile) * tile if tile > 1 else rows / groups
-    return gemm_time(per_group, n, k, count=groups, bytes_per_element=bytes_per_element, dtype=dtype, hardware=hardware)
+    per_group = -(-rows / active // tile) * tile if tile > 1 else rows / active
+    return gemm_time(per_group, n, k, count=active, bytes_per_element=bytes_per_element, dtype=dtype, hardware=hardware)

@@ -24,6 +24,7 @@ each decode step are the sums over the stages.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from hyperjax.config import ModelConfig, Run
@@ -98,25 +99,27 @@ def estimate_inference(run: Run) -> InferenceEstimate:
     cfg, m, hw = run.config, run.config.model, run.hardware
     serve = cfg.serve
     prompt = serve.prompt_len or max(1, m.seq_len // 2)
-    total = prompt + serve.new_tokens
+    new_tokens = serve.new_tokens or max(1, m.seq_len - prompt)
+    total = prompt + new_tokens
     if m.positions == "learned" and total > m.seq_len:
         raise ConfigError(
-            f"serve.prompt_len={prompt} + serve.new_tokens={serve.new_tokens} = {total} tokens, but learned "
+            f"serve.prompt_len={prompt} + serve.new_tokens={new_tokens} = {total} tokens, but learned "
             f"positions reach model.seq_len={m.seq_len}; serve fewer tokens"
         )
+    batch = serve.batch or math.lcm(*(stage.data_parallel for stage in run.stages))
     e = 2 if run.dtype == "bfloat16" else 4
-    ctx = prompt + serve.new_tokens / 2
+    ctx = prompt + new_tokens / 2
     prefill = step = kv_read = comm = 0.0
     fullest: dict[str, float] | None = None
     n = len(run.stages)
     for i, stage in enumerate(run.stages):
         axes, dp = stage.axes, stage.data_parallel
-        if serve.batch % dp:
+        if batch % dp:
             raise ConfigError(
-                f"serve.batch={serve.batch} is split over {dp} data-parallel replicas ({stage.name}: data x fsdp x "
+                f"serve.batch={batch} is split over {dp} data-parallel replicas ({stage.name}: data x fsdp x "
                 f"expert); use a multiple of {dp}"
             )
-        local = serve.batch // dp
+        local = batch // dp
         spans = stage_spans(hw, n, axes)
         tp = axes["tensor"]
         weights = kv = acts = 0.0
@@ -176,12 +179,12 @@ def estimate_inference(run: Run) -> InferenceEstimate:
     gib = {k: v / GIB for k, v in fullest.items()}
     return InferenceEstimate(
         run=run,
-        batch=serve.batch,
+        batch=batch,
         prompt_len=prompt,
-        new_tokens=serve.new_tokens,
+        new_tokens=new_tokens,
         prefill_s=prefill,
         decode_s_per_token=step,
-        tokens_per_s_per_device=serve.batch / step / run.devices,
+        tokens_per_s_per_device=batch / step / run.devices,
         kv_cache_gib_per_device=gib["kv_cache"],
         memory_per_device_gib=gib,
         fits=fullest["peak"] <= hw.device.hbm_bytes,

@@ -9,10 +9,13 @@ step over the whole prompt, so the first decode step's logits are the training m
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from hyperjax.errors import ConfigError
@@ -109,35 +112,53 @@ def step(
     return logits(model, model.head, x, constrain), out
 
 
+class Generation(NamedTuple):
+    """What :func:`generate` gives back.
+
+    Attributes:
+      tokens: the new tokens, ``(batch, max_new_tokens)``: each sequence's continuation of its own prompt.
+      first_logits: the logits that chose the first new token of the shortest prompts, ``(batch, vocab)``.
+      prefill_s: the prompt's pass (compiled beforehand, so compilation is not in it).
+      decode_s: every later step, each a token of every sequence (compiled beforehand).
+      steps: the decode steps run.
+    """
+
+    tokens: jax.Array
+    first_logits: jax.Array
+    prefill_s: float
+    decode_s: float
+    steps: int
+
+
 def generate(
     model: Transformer,
     prompt: jax.Array,
     max_new_tokens: int,
     *,
+    lengths: Sequence[int] | None = None,
     temperature: float = 0.0,
     top_k: int | None = None,
     seed: int = 0,
     constrain: Constrain = no_constraint,
-) -> tuple[jax.Array, jax.Array]:
-    """``max_new_tokens`` tokens after ``prompt`` ``(batch, prompt_len)``: greedy at ``temperature`` 0, else
-    sampled from the softmax at that temperature over the ``top_k`` likeliest. Returns the new tokens
-    ``(batch, max_new_tokens)`` and the first step's logits ``(batch, vocab)``."""
-    b, p = prompt.shape
-    graphdef, state = nnx.split(model)
+) -> Generation:
+    """``max_new_tokens`` tokens after each prompt: greedy at ``temperature`` 0, else sampled from the softmax
+    at that temperature over the ``top_k`` likeliest.
 
-    def pick(logits_: jax.Array, key: jax.Array) -> jax.Array:
-        if temperature == 0:
-            return jnp.argmax(logits_, axis=-1).astype(jnp.int32)
-        scaled = logits_ / temperature
-        if top_k is not None:
-            floor = jax.lax.top_k(scaled, top_k)[0][..., -1:]
-            scaled = jnp.where(scaled < floor, -jnp.inf, scaled)
-        return jax.random.categorical(key, scaled).astype(jnp.int32)
+    ``prompt`` is ``(batch, width)``; row ``b`` holds a prompt of ``lengths[b]`` tokens (default: all
+    ``width``), padded on the right. The batch is prefilled to the shortest prompt; a longer prompt's
+    remaining tokens are fed at the steps that reach them instead of sampled ones, so every sequence sees
+    exactly its own prompt and the cache never holds padding.
+    """
+    b, width = prompt.shape
+    lengths = np.full(b, width) if lengths is None else np.asarray(lengths)
+    shortest, total = int(lengths.min()), int(lengths.max()) + max_new_tokens
+    graphdef, state = nnx.split(model)
+    given = jnp.asarray(np.pad(np.asarray(prompt), ((0, 0), (0, total - width))), jnp.int32)
 
     @jax.jit
     def prefill(state, prompt):
         m = nnx.merge(graphdef, state)
-        out, cache = step(m, prompt, init_cache(m, b, p + max_new_tokens), jnp.int32(0), constrain)
+        out, cache = step(m, prompt, init_cache(m, b, total), jnp.int32(0), constrain)
         return out[:, -1], cache
 
     @jax.jit
@@ -146,13 +167,40 @@ def generate(
         out, cache = step(m, token[:, None], cache, pos, constrain)
         return out[:, -1], cache
 
-    first, cache = prefill(state, prompt)
+    @jax.jit
+    def choose(logits_: jax.Array, key: jax.Array, pos: jax.Array) -> jax.Array:
+        """The token at ``pos``: the prompt's own where it has one, else picked from ``logits_``."""
+        if temperature == 0:
+            picked = jnp.argmax(logits_, axis=-1).astype(jnp.int32)
+        else:
+            scaled = logits_ / temperature
+            if top_k is not None:
+                floor = jax.lax.top_k(scaled, top_k)[0][..., -1:]
+                scaled = jnp.where(scaled < floor, -jnp.inf, scaled)
+            picked = jax.random.categorical(key, scaled).astype(jnp.int32)
+        own = jax.lax.dynamic_index_in_dim(given, pos, axis=1, keepdims=False)
+        return jnp.where(pos < jnp.asarray(lengths), own, picked)
+
+    head = prompt[:, :shortest]
+    fill = prefill.lower(state, head).compile()
+    start = time.perf_counter()
+    first, cache = jax.block_until_ready(fill(state, head))
+    prefill_s = time.perf_counter() - start
+    steps = total - shortest - 1
     key = jax.random.key(seed)
-    tokens, current = [], first
-    for i in range(max_new_tokens):
+    pick = choose.lower(first, key, jnp.int32(shortest)).compile()
+    token = pick(first, key, jnp.int32(shortest))
+    forward = advance.lower(state, token, cache, jnp.int32(shortest)).compile()
+    out, current = [], first
+    start = time.perf_counter()
+    for pos in range(shortest, total):
         key, sub = jax.random.split(key)
-        token = pick(current, sub)
-        tokens.append(token)
-        if i + 1 < max_new_tokens:
-            current, cache = advance(state, token, cache, jnp.int32(p + i))
-    return jnp.stack(tokens, axis=1), first
+        token = pick(current, sub, jnp.int32(pos))
+        out.append(token)
+        if pos + 1 < total:
+            current, cache = forward(state, token, cache, jnp.int32(pos))
+    tokens = jax.block_until_ready(jnp.stack(out, axis=1))
+    decode_s = time.perf_counter() - start
+    rows = np.asarray(tokens)
+    mine = np.stack([rows[i, n - shortest : n - shortest + max_new_tokens] for i, n in enumerate(lengths)])
+    return Generation(jnp.asarray(mine), first, prefill_s, decode_s, steps)

@@ -201,6 +201,57 @@ class Checkpoints:
             self._manager.close()
 
 
+def restore_params(directory: str | Path, like: Any, *, command: str = "generate") -> Restored:
+    """The parameters alone of the newest checkpoint in ``directory``, read into the structure and shardings
+    of ``like`` (a tree of arrays or ``jax.ShapeDtypeStruct`` with shardings); the optimizer state stays on
+    disk. ``Restored.state`` is the parameter tree. One process reads (an SPMD run's checkpoint).
+
+    Raises:
+      ConfigError: no checkpoint, one written by a pipeline (saved stage by stage), or one of another model
+        (the first differing tensor path and both shapes are named).
+    """
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).absolute()
+    steps = saved_steps(directory)
+    if not steps:
+        raise ConfigError(
+            f"{command}: no checkpoint in --checkpoint-dir {str(directory)!r}; train with --checkpoint-dir "
+            f"{str(directory)!r} first, or give the folder an earlier run wrote its checkpoints to"
+        )
+    step = steps[-1]
+    where = f"checkpoint {str(directory / str(step))!r}"
+    abstract = jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else _abstract(x), like)
+    options = ocp.CheckpointManagerOptions(create=False, read_only=True, save_interval_steps=0)
+    handlers = {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    _quiet_abandoned_reads()
+    with ocp.CheckpointManager(directory, options=options, item_handlers=handlers) as reader:
+        try:
+            saved = reader.item_metadata(step)["state"]
+            saved_tree = saved.tree if hasattr(saved, "tree") else saved
+        except Exception as e:
+            raise ConfigError(f"{where} cannot be read ({_first_line(e)}); {_fix(directory, step)}") from None
+        held = saved_tree.get("params") if isinstance(saved_tree, dict) else None
+        if isinstance(held, (list, tuple)) or (isinstance(held, dict) and all(str(k).isdigit() for k in held)):
+            raise ConfigError(
+                f"{where} was written by a pipeline run (its parameters are saved stage by stage); {command} "
+                "reads checkpoints of runs without a pipeline: train with parallel.pipeline=1, or give another "
+                "--checkpoint-dir"
+            )
+        _check_shapes({"params": abstract}, {"params": held or {}}, where, verb=command)
+        try:
+            args = ocp.args.PyTreeRestore(
+                {"params": abstract},
+                restore_args=ocp.checkpoint_utils.construct_restore_args({"params": abstract}),
+                partial_restore=True,
+            )
+            out = reader.restore(step, args=ocp.args.Composite(state=args, meta=ocp.args.JsonRestore()))
+        except Exception as e:
+            raise ConfigError(f"{where} cannot be read ({_first_line(e)}); {_fix(directory, step)}") from None
+    meta = dict(out["meta"] or {})
+    return Restored(state=out["state"]["params"], step=step, records=meta.pop("records", []), meta=meta)
+
+
 def _arrays(state: Any) -> Any:
     """``state`` with plain Python numbers (a pipeline's step count) as NumPy scalars orbax can store."""
     return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else np.asarray(x), state)
@@ -211,7 +262,7 @@ def _abstract(x: Any) -> Any:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
 
 
-def _check_shapes(abstract: Any, saved: Any, where: str) -> None:
+def _check_shapes(abstract: Any, saved: Any, where: str, verb: str = "resume") -> None:
     expected = {_path(k): v for k, v in jax.tree_util.tree_leaves_with_path(abstract)}
     found = {_path(k): v for k, v in jax.tree_util.tree_leaves_with_path(saved, is_leaf=lambda x: hasattr(x, "shape"))}
     for path, want in sorted(expected.items(), key=lambda kv: not kv[0].startswith("params/")):
@@ -220,17 +271,17 @@ def _check_shapes(abstract: Any, saved: Any, where: str) -> None:
                 f"{where} has no tensor {path} (shape {tuple(want.shape)}): it was written for another model "
                 "or another pipeline layout (a pipeline's state is saved stage by stage: parallel.pipeline, "
                 "parallel.virtual_stages and parallel.stage_layers must match, and an SPMD checkpoint does not "
-                "resume as a pipeline); resume with the config it was written with, or use a new --checkpoint-dir"
+                f"resume as a pipeline); {verb} with the config it was written with, or use a new --checkpoint-dir"
             )
         if tuple(found[path].shape) != tuple(want.shape):
             raise ConfigError(
                 f"{where}: tensor {path} was saved with shape {tuple(found[path].shape)} but this model has "
-                f"{tuple(want.shape)}; resume with the model config it was written with, or use a new --checkpoint-dir"
+                f"{tuple(want.shape)}; {verb} with the model config it was written with, or use a new --checkpoint-dir"
             )
     extra = sorted(set(found) - set(expected))
     if extra:
         raise ConfigError(
-            f"{where} holds tensors this model lacks ({', '.join(extra[:3])}); resume with the model config it "
+            f"{where} holds tensors this model lacks ({', '.join(extra[:3])}); {verb} with the model config it "
             "was written with, or use a new --checkpoint-dir"
         )
 

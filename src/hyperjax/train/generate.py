@@ -1,29 +1,193 @@
-"""Generation on a resolved run's mesh: the model's parameters laid out by the run's strategy, prompts split
-over its batch axes, and the KV cache laid out like the activations (:mod:`hyperjax.models.decode`)."""
+"""Generation on a resolved run's mesh: the model's parameters laid out by the run's strategy (restored from a
+training checkpoint, or given), prompts split over its batch axes, and the KV cache laid out like the
+activations (:mod:`hyperjax.models.decode`).
+
+Prompts are byte-level text, as the training corpus is (:mod:`hyperjax.train.data`): a prompt's tokens are
+its UTF-8 bytes, and generated tokens decode back the same way.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
 from hyperjax.config import Run
-from hyperjax.models.decode import generate
+from hyperjax.errors import ConfigError
+from hyperjax.models import build_model
+from hyperjax.models.decode import Generation, generate
 from hyperjax.shard import Constrainer, place
 from hyperjax.topology import make_mesh
+from hyperjax.train.checkpoint import Restored, restore_params
 from hyperjax.train.prepare import prepare
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Texts:
+    """Generated text (the ``generate --json`` object).
+
+    Attributes:
+      text: each prompt followed by its continuation.
+      tokens: each continuation's tokens.
+      prefill_s: the prompts' pass over the emulated mesh (compiled beforehand).
+      decode_tokens_per_s: tokens generated per second over every sequence, after the prefill.
+      step: the training step of the checkpoint the parameters came from (``None``: given).
+    """
+
+    text: list[str]
+    tokens: list[list[int]]
+    prefill_s: float
+    decode_tokens_per_s: float | None
+    step: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready data."""
+        return dataclasses.asdict(self)
+
+
+def encode(prompts: Sequence[str], run: Run, max_new_tokens: int) -> tuple[np.ndarray, list[int]]:
+    """The prompts as byte tokens, ``(batch, longest)`` padded on the right, and their lengths.
+
+    Raises:
+      ConfigError: an empty prompt, a byte the vocabulary lacks, or a prompt (and, with learned positions,
+        its new tokens) longer than ``model.seq_len``.
+    """
+    m = run.config.model
+    if max_new_tokens <= 0:
+        raise ConfigError(f"--max-new-tokens {max_new_tokens} must be a positive integer")
+    rows = [np.frombuffer(p.encode("utf-8"), dtype=np.uint8).astype(np.int32) for p in prompts]
+    for p, row in zip(prompts, rows, strict=True):
+        if len(row) == 0:
+            raise ConfigError("--prompt '' is empty; give at least one character")
+        if len(row) > m.seq_len:
+            raise ConfigError(
+                f"--prompt {p[:20]!r}... is {len(row)} tokens (UTF-8 bytes), longer than model.seq_len={m.seq_len}; "
+                "shorten it"
+            )
+        if m.positions == "learned" and len(row) + max_new_tokens > m.seq_len:
+            raise ConfigError(
+                f"--prompt of {len(row)} tokens + --max-new-tokens {max_new_tokens} = {len(row) + max_new_tokens}, "
+                f"but learned positions reach model.seq_len={m.seq_len}; use --max-new-tokens "
+                f"{m.seq_len - len(row)} or less"
+            )
+        if row.max() >= m.vocab:
+            raise ConfigError(
+                f"--prompt {p[:20]!r} holds byte {int(row.max())}, outside model.vocab={m.vocab}; prompts are "
+                "UTF-8 bytes, so use plain ASCII with this vocabulary"
+            )
+    lengths = [len(r) for r in rows]
+    out = np.zeros((len(rows), max(lengths)), np.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out, lengths
+
+
+def decode_text(tokens: Sequence[int]) -> str:
+    """Byte tokens as text (bytes that are not UTF-8 show as the replacement character)."""
+    return bytes(int(t) & 0xFF for t in tokens).decode("utf-8", errors="replace")
+
+
+def check_generable(run: Run) -> None:
+    """Refuse a run generation cannot lay out: it runs the model as one SPMD program on one process.
+
+    Raises:
+      ConfigError: a pipeline or MPMD run, a vision-language model, or more devices than one process holds.
+    """
+    m = run.config.model
+    if run.pipelined:
+        raise ConfigError(
+            f"generate runs the model as one SPMD program; this config has parallel.pipeline="
+            f"{run.config.parallel.pipeline}: set --set parallel.pipeline=1 (any data, fsdp, tensor or expert layout)"
+        )
+    if m.vision is not None:
+        raise ConfigError("generate covers language models; this config has a model.vision encoder")
+    if run.processes != 1:
+        raise ConfigError(
+            f"generate runs in one process; this run's {run.devices} devices need {run.processes or 'more'} "
+            "processes: pass --devices with 256 or fewer"
+        )
+
+
+def restored_model(run: Run, checkpoint_dir: str | Path) -> tuple[nnx.Module, Restored]:
+    """The run's model with the parameters of the newest checkpoint in ``checkpoint_dir``, each read straight
+    into the shardings the run's strategy gives it (any mesh, as ``train --resume`` restores).
+
+    Raises:
+      ConfigError: as :func:`hyperjax.train.checkpoint.restore_params`.
+    """
+    mesh = make_mesh(run.hardware, run.axes, devices=jax.devices()[: run.devices])
+    abstract = nnx.eval_shape(lambda: build_model(run.config.model, dtype=run.dtype, seed=run.config.train.seed))
+    graphdef, state = nnx.split(abstract)
+    strategy = prepare(run).strategy.with_param_axes(state)
+    shapes = nnx.to_pure_dict(state)
+    shardings = strategy.shardings(shapes, mesh)
+    like = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+    restored = restore_params(checkpoint_dir, like)
+    nnx.replace_by_pure_dict(state, restored.state)
+    return nnx.merge(graphdef, state), restored
+
+
 def generate_on_mesh(
-    run: Run, model: nnx.Module, prompt: np.ndarray, max_new_tokens: int, **sampling: object
-) -> tuple[jax.Array, jax.Array]:
+    run: Run,
+    model: nnx.Module,
+    prompt: np.ndarray,
+    max_new_tokens: int,
+    *,
+    lengths: Sequence[int] | None = None,
+    **sampling: Any,
+) -> Generation:
     """:func:`hyperjax.models.decode.generate` of ``model`` on ``run``'s mesh (one SPMD program); ``sampling``:
-    ``temperature``, ``top_k``, ``seed``."""
+    ``temperature``, ``top_k``, ``seed``.
+
+    A batch the data-parallel axes do not divide is padded with copies of its last prompt, whose tokens are
+    dropped; a sequence's tokens depend only on its own prompt, so the others are unchanged.
+    """
+    check_generable(run)
     mesh = make_mesh(run.hardware, run.axes, devices=jax.devices()[: run.devices])
     graphdef, state = nnx.split(model)
     strategy = prepare(run).strategy.with_param_axes(state)
     params = nnx.to_pure_dict(state)
     nnx.replace_by_pure_dict(state, jax.tree.map(place, params, strategy.shardings(params, mesh)))
-    tokens = place(np.asarray(prompt), jax.sharding.NamedSharding(mesh, strategy.spec(("batch", "seq"))))
+    spec = strategy.spec(("batch", "seq"))
+    axes = spec[0] if spec and spec[0] is not None else ()
+    split = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+    prompt = np.asarray(prompt)
+    b = len(prompt)
+    lengths = [prompt.shape[1]] * b if lengths is None else list(lengths)
+    extra = -b % split
+    prompt = np.concatenate([prompt, np.repeat(prompt[-1:], extra, axis=0)])
+    lengths = lengths + lengths[-1:] * extra
+    tokens = place(prompt, jax.sharding.NamedSharding(mesh, spec))
     constrain = Constrainer(strategy=strategy, mesh=mesh)
-    return generate(nnx.merge(graphdef, state), tokens, max_new_tokens, constrain=constrain, **sampling)
+    out = generate(nnx.merge(graphdef, state), tokens, max_new_tokens, lengths=lengths, constrain=constrain, **sampling)
+    return out._replace(tokens=out.tokens[:b], first_logits=out.first_logits[:b])
+
+
+def generate_text(
+    run: Run, checkpoint_dir: str | Path, prompts: Sequence[str], max_new_tokens: int, **sampling: Any
+) -> Texts:
+    """Restore the newest checkpoint of ``checkpoint_dir`` onto ``run``'s mesh and continue each prompt.
+
+    Raises:
+      ConfigError: a run generation cannot lay out, bad prompts (see :func:`encode`), or a checkpoint that
+        is missing or of another model.
+    """
+    check_generable(run)
+    tokens, lengths = encode(prompts, run, max_new_tokens)
+    model, restored = restored_model(run, checkpoint_dir)
+    out = generate_on_mesh(run, model, tokens, max_new_tokens, lengths=lengths, **sampling)
+    new = np.asarray(out.tokens).tolist()
+    rate = len(prompts) * out.steps / out.decode_s if out.steps else None
+    return Texts(
+        text=[p + decode_text(t) for p, t in zip(prompts, new, strict=True)],
+        tokens=new,
+        prefill_s=out.prefill_s,
+        decode_tokens_per_s=rate,
+        step=restored.step,
+    )

@@ -1,0 +1,82 @@
+"""``hyperjax generate CONFIG --checkpoint-dir DIR --prompt TEXT --max-new-tokens N``: continue text with a
+trained model on the emulated mesh.
+
+The newest checkpoint of a ``train`` run is restored onto the config's strategy (any mesh: another tensor or
+data degree, fsdp, another device count), the prompts are prefilled as one batch, and each new token is
+decoded with a KV cache laid out like the activations (KV heads over ``tensor``, sequences over the data
+axes). Prompts and text are byte-level, as the training corpus is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+from hyperjax.cli.display import console
+from hyperjax.cli.options import add_config_arguments
+from hyperjax.config import load_config
+from hyperjax.errors import ConfigError
+from hyperjax.resolver import resolve
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="continue text with a trained model on the emulated mesh", description=__doc__)
+    add_config_arguments(p, config_help="the YAML config the model was trained with", hardware=False)
+    p.add_argument("--checkpoint-dir", metavar="DIR", required=True, help="the folder train wrote checkpoints to")
+    p.add_argument(
+        "--prompt", action="append", required=True, metavar="TEXT", help="text to continue (repeat: one batch)"
+    )
+    p.add_argument("--max-new-tokens", type=int, required=True, metavar="N", help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; else sample at it")
+    p.add_argument("--top-k", type=int, metavar="K", help="sample from the K likeliest tokens only")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--devices", type=int, metavar="N", help="run on N devices (override emulate.devices)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_new_tokens <= 0:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be a positive integer")
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature {args.temperature} must be 0 (greedy) or more")
+    if args.top_k is not None and args.top_k < 1:
+        raise ConfigError(f"--top-k {args.top_k} must be a positive integer")
+    sets = [*args.sets, *([] if args.devices is None else [f"emulate.devices={args.devices}"])]
+    run = resolve(load_config(args.config, sets))
+    if args.top_k is not None and args.top_k > run.config.model.vocab:
+        raise ConfigError(f"--top-k {args.top_k} is more than model.vocab={run.config.model.vocab}")
+    from hyperjax.train.generate import check_generable, encode
+
+    check_generable(run)
+    encode(args.prompt, run, args.max_new_tokens)  # every prompt checked before a device starts
+    from hyperjax.emulate import start_devices
+    from hyperjax.train.generate import generate_text
+
+    start_devices(run.devices)
+    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on a read-only folder
+    out = generate_text(
+        run,
+        args.checkpoint_dir,
+        args.prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    if args.json:
+        print(json.dumps(out.to_dict(), indent=2))
+        return 0
+    text = console()
+    for t in out.text:
+        text.print(t, markup=False, highlight=False)
+        text.print("-" * 40, style="dim")
+    rate = f"{out.decode_tokens_per_s:,.0f} tokens/s" if out.decode_tokens_per_s else "no decode steps"
+    text.print(
+        f"checkpoint step {out.step}; {run.devices} emulated devices under {run.describe()}; prefill "
+        f"{out.prefill_s * 1e3:.1f} ms; decode {rate}",
+        style="dim",
+        soft_wrap=True,
+    )
+    return 0
