@@ -27,7 +27,7 @@ def test_cached_greedy_decoding_matches_the_training_model(name, sets):
     cfg = load_config(CONFIGS / f"{name}.yaml", sets)
     model = build_model(cfg.model, seed=0)
     prompt = jnp.array(np.random.default_rng(0).integers(0, cfg.model.vocab, (2, 10)), jnp.int32)
-    new, first = generate(model, prompt, 8)
+    new, first = generate(model, prompt, 8)[:2]
     full = model(prompt)[:, -1]
     np.testing.assert_allclose(first, full, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(full))))
     seq, ref = prompt, []
@@ -42,8 +42,8 @@ def test_sampling_is_seeded_and_top_k_keeps_to_the_likeliest():
     cfg = load_config(CONFIGS / "quickstart.yaml")
     model = build_model(cfg.model, seed=0)
     prompt = jnp.zeros((1, 4), jnp.int32)
-    a, first = generate(model, prompt, 6, temperature=1.0, top_k=3, seed=1)
-    b, _ = generate(model, prompt, 6, temperature=1.0, top_k=3, seed=1)
+    a, first = generate(model, prompt, 6, temperature=1.0, top_k=3, seed=1)[:2]
+    b = generate(model, prompt, 6, temperature=1.0, top_k=3, seed=1).tokens
     np.testing.assert_array_equal(a, b)
     assert int(a[0, 0]) in set(np.argsort(np.asarray(first[0]))[-3:].tolist())
 
@@ -56,7 +56,13 @@ def test_latent_attention_is_refused_by_name():
         generate(build_model(cfg.model, seed=0), jnp.zeros((1, 4), jnp.int32), 2)
 
 
-LAYOUTS = [["parallel.tensor=2"], ["parallel.tensor=4"], ["parallel.data=2", "parallel.tensor=4"], ["parallel.fsdp=8"]]
+LAYOUTS = [
+    ["parallel.tensor=2"],
+    ["parallel.tensor=4"],
+    ["parallel.data=2", "parallel.tensor=4"],
+    ["parallel.fsdp=8"],
+    ["parallel.expert=4"],  # the MoE layers' experts spread over 4 devices
+]
 
 
 @pytest.mark.parametrize("sets", LAYOUTS, ids=lambda s: ",".join(x.split(".")[-1] for x in s))
@@ -69,9 +75,9 @@ def test_greedy_tokens_are_the_same_on_every_layout(sets):
     base = ["model.layers=2", "parallel.expert=1"]
     cfg = load_config(CONFIGS / "moe-tiny.yaml", base)
     prompt = np.random.default_rng(0).integers(0, cfg.model.vocab, (8, 10)).astype(np.int32)
-    ref, first = generate(build_model(cfg.model, seed=0), jnp.asarray(prompt), 8)
+    ref, first = generate(build_model(cfg.model, seed=0), jnp.asarray(prompt), 8)[:2]
     cfg = load_config(CONFIGS / "moe-tiny.yaml", [*base, *sets])
-    new, got = generate_on_mesh(resolve(cfg, 8), build_model(cfg.model, seed=0), prompt, 8)
+    new, got = generate_on_mesh(resolve(cfg, 8), build_model(cfg.model, seed=0), prompt, 8)[:2]
     np.testing.assert_array_equal(np.asarray(new), np.asarray(ref))
     np.testing.assert_allclose(
         np.asarray(got), np.asarray(first), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(first)))

@@ -35,6 +35,28 @@ from hyperjax.cost.layer import price_layer
 from hyperjax.cost.pipeline import boundary_span
 from hyperjax.cost.stage import chunk_starts, part_models
 from hyperjax.errors import ConfigError
+from hyperjax.topology import Hardware
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServeLayer:
+    """One decoder layer's decode step on one device (what the serving offload pass places).
+
+    Attributes:
+      weight_bytes: its parameters.
+      kv_bytes_per_token: its cached keys and values per token of context, over the device's sequences.
+      rest_s: its decode step apart from reading the cache (products, element-wise work, collectives).
+    """
+
+    weight_bytes: float
+    kv_bytes_per_token: float
+    rest_s: float
+
+    def kv_read_s(self, context: float, hardware: Hardware) -> float:
+        """Seconds to read ``context`` tokens of its cache from device memory (two kernels)."""
+        d = hardware.device
+        nbytes = self.kv_bytes_per_token * context
+        return nbytes / (d.hbm_bandwidth * d.memory_efficiency) + 2 * d.kernel_overhead
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,6 +73,9 @@ class InferenceEstimate:
       memory_per_device_gib: ``weights``, ``kv_cache``, ``activations`` and ``peak`` on the fullest stage.
       fits: whether ``peak`` fits the device memory.
       decode_breakdown_s: one decode step's ``weights_and_compute``, ``kv_cache_read``, ``communication``.
+      layers: the fullest stage's decoder layers, in order.
+      fixed_bytes: that stage's memory outside its layers' weights and caches (embeddings, head, activations).
+      other_s: that stage's decode step outside its layers (the head, hand-overs between stages).
     """
 
     run: Run
@@ -64,6 +89,9 @@ class InferenceEstimate:
     memory_per_device_gib: dict[str, float]
     fits: bool
     decode_breakdown_s: dict[str, float]
+    layers: tuple[ServeLayer, ...] = ()
+    fixed_bytes: float = 0.0
+    other_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready data."""
@@ -111,6 +139,8 @@ def estimate_inference(run: Run) -> InferenceEstimate:
     ctx = prompt + new_tokens / 2
     prefill = step = kv_read = comm = 0.0
     fullest: dict[str, float] | None = None
+    fullest_layers: list[ServeLayer] = []
+    fullest_other = 0.0
     n = len(run.stages)
     for i, stage in enumerate(run.stages):
         axes, dp = stage.axes, stage.data_parallel
@@ -123,6 +153,8 @@ def estimate_inference(run: Run) -> InferenceEstimate:
         spans = stage_spans(hw, n, axes)
         tp = axes["tensor"]
         weights = kv = acts = 0.0
+        layers: list[ServeLayer] = []
+        stage_s = 0.0
         starts = chunk_starts(run)
         parts = [p for j, c in enumerate(stage.chunks) for p in part_models(m, stage, j, starts[c])]
         for _, block, count, moe in parts:
@@ -144,14 +176,24 @@ def estimate_inference(run: Run) -> InferenceEstimate:
             heads = m.heads / tp
             width = m.head_dim + (m.rope_head_dim if m.attention == "mla" else 0)
             per_token_kv = kv_bytes_per_token(m, tp, e)
-            # the core reads every cached key and value: two batched products of one query row each
-            core = gemm_time(1, ctx, width, count=local * heads, bytes_per_element=e, dtype=run.dtype, hardware=hw)
+            # the core reads every cached key and value once: each KV head's group of query heads (all heads
+            # over the shared latent for latent attention) is one batched product over the context
+            kv_local = 1 if m.attention == "mla" else max(m.kv_heads / tp, 1)
+            group = heads / kv_local
+            core = gemm_time(
+                group, ctx, width, count=local * kv_local, bytes_per_element=e, dtype=run.dtype, hardware=hw
+            )
             core += gemm_time(
-                1, m.head_dim, ctx, count=local * heads, bytes_per_element=e, dtype=run.dtype, hardware=hw
+                group, m.head_dim, ctx, count=local * kv_local, bytes_per_element=e, dtype=run.dtype, hardware=hw
             )
             collectives = one.tensor_comm_s / 2 + 2 * one.exchange_s
             collectives += one.fsdp_gather_s if axes["fsdp"] > 1 else 0.0
             step += count * (one.forward_s - one.core_s + core + collectives)
+            stage_s += count * (one.forward_s - one.core_s + core + collectives)
+            rest = one.forward_s - one.core_s + collectives
+            layers += [
+                ServeLayer(weight_bytes=one.params * e, kv_bytes_per_token=per_token_kv * local, rest_s=rest)
+            ] * count
             kv_read += count * core
             comm += count * collectives
             weights += count * one.params * e
@@ -164,18 +206,21 @@ def estimate_inference(run: Run) -> InferenceEstimate:
         if (run.chunks - 1) in stage.chunks:
             head = gemm_time(local, m.vocab / tp, m.d_model, bytes_per_element=e, dtype=run.dtype, hardware=hw)
             step += head
+            stage_s += head
             prefill += head
             acts += local * m.vocab / tp * 4
         if i + 1 < n:
             span = boundary_span(hw, stage.first_device, run.stages[i + 1].first_device)
             hop = collective_time("send", local * m.d_model * e, span, hw)
             step += hop
+            stage_s += hop
             prefill += collective_time("send", local * prompt * m.d_model * e, span, hw)
             comm += hop
         memory = {"weights": weights, "kv_cache": kv, "activations": acts}
         memory["peak"] = sum(memory.values()) * 1.05
         if fullest is None or memory["peak"] > fullest["peak"]:
-            fullest = memory
+            fullest, fullest_layers = memory, layers
+            fullest_other = stage_s - sum(x.rest_s + x.kv_read_s(ctx, hw) for x in layers)
     gib = {k: v / GIB for k, v in fullest.items()}
     return InferenceEstimate(
         run=run,
@@ -193,4 +238,7 @@ def estimate_inference(run: Run) -> InferenceEstimate:
             "kv_cache_read": kv_read,
             "communication": comm,
         },
+        layers=tuple(fullest_layers),
+        fixed_bytes=fullest["peak"] / 1.05 - sum(x.weight_bytes + x.kv_bytes_per_token * total for x in fullest_layers),
+        other_s=max(fullest_other, 0.0),
     )

@@ -21,7 +21,7 @@ from hyperjax.errors import ConfigError
 
 OPTIONS: tuple[OffloadOption, ...] = choices(OffloadOption)
 KINDS = ("params", "optimizer", "gradients")
-_GROUP = re.compile(r"layers\.(\d+)\.(params|optimizer|gradients|act\.(\w+))$")
+_GROUP = re.compile(r"layers\.(\d+)\.(params|optimizer|gradients|kv\.\d+|act\.(\w+))$")
 
 
 def group_names(layers: int) -> list[str]:
@@ -35,7 +35,8 @@ def options_of(group: str) -> tuple[str, ...]:
 
 
 def parse_group(group: str) -> tuple[int, str]:
-    """``(layer, kind)`` of a group name, where kind is ``params``, ``optimizer``, ``gradients`` or ``act.NAME``."""
+    """``(layer, kind)`` of a group name, where kind is ``params``, ``optimizer``, ``gradients``, ``act.NAME``
+    or (serving) ``kv.BLOCK``."""
     match = _GROUP.fullmatch(group)
     if match is None or (match.group(3) is not None and match.group(3) not in ACTIVATIONS):
         raise ConfigError(

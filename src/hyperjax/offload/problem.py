@@ -75,6 +75,8 @@ class Problem:
       budget_bytes: the device-memory budget.
       host_bytes: host memory per device (the preset's).
       stretch: time a pipeline stage adds stretches its bubble by this factor (1 without a pipeline).
+      ordered: ``(a, b)`` pairs of interchangeable groups: ``b`` goes to the host only if ``a`` does (the
+        exact solver's symmetry breaking; it excludes no distinct placement).
     """
 
     groups: dict[str, dict[str, Choice]]
@@ -87,6 +89,7 @@ class Problem:
     host_bytes: float = float("inf")
     stretch: float = 1.0
     layers: int = 0
+    ordered: tuple[tuple[str, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,7 +284,8 @@ class Tally:
             self.buffers[b] += sign
         if option != "device":  # what leaves the device, by the estimate's memory terms
             kind = parse_group(group)[1]
-            self.moved["activations" if kind.startswith("act.") else kind] += sign * options["device"].memory[0]
+            key = "activations" if kind.startswith("act.") else kind.split(".")[0]
+            self.moved[key] = self.moved.get(key, 0.0) + sign * options["device"].memory[0]
 
     def terms(self) -> tuple[float, float, bool, float, tuple[float, float], float]:
         """Step time, peak, fits, exposed transfer time, per-phase peaks, staging bytes."""

@@ -12,13 +12,13 @@ import itertools
 import math
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 from scipy import sparse
 
-from hyperjax.offload.placement import Placement, options_of, parse_group
+from hyperjax.offload.placement import Placement, parse_group
 from hyperjax.offload.problem import FRAGMENTATION, GIB, Priced, Problem, Tally, evaluate
 
 
@@ -68,10 +68,16 @@ def _program(problem: Problem) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         "window": (window.tocsr(), -caps, np.full(2 * nw, np.inf)),
         "host": (host.tocsr(), np.full(1, -np.inf), np.full(1, problem.host_bytes)),
     }
+    if problem.ordered:  # interchangeable groups leave the device in a fixed order (no symmetric solutions)
+        where = {x: j for j, x in enumerate(xs)}
+        order = sparse.lil_matrix((len(problem.ordered), n))
+        for r, (a, b) in enumerate(problem.ordered):
+            order[r, where[(a, "host")]], order[r, where[(b, "host")]] = 1.0, -1.0
+        blocks["order"] = (order.tocsr(), np.zeros(len(problem.ordered)), np.full(len(problem.ordered), np.inf))
     return xs, {"blocks": blocks, "c": cost, "nx": nx, "ny": ny, "nw": nw}
 
 
-def _milp(cost, blocks, integrality, upper, time_limit_s: float = 60.0):
+def _milp(cost, blocks, integrality, upper, time_limit_s: float = 60.0, gap: float = 1e-9):
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     a = sparse.vstack([blk[0] for blk in blocks], format="csr")
@@ -83,7 +89,7 @@ def _milp(cost, blocks, integrality, upper, time_limit_s: float = 60.0):
             constraints=LinearConstraint(a, lo, hi),
             integrality=integrality,
             bounds=Bounds(np.zeros(len(cost)), upper),
-            options={"time_limit": time_limit_s, "mip_rel_gap": 1e-9},
+            options={"time_limit": time_limit_s, "mip_rel_gap": gap},
         )
 
 
@@ -100,8 +106,9 @@ def _native_stdout_silenced() -> Iterator[None]:
         os.close(saved)
 
 
-def solve_exact(problem: Problem, *, time_limit_s: float = 60.0) -> Priced | None:
-    """The fastest placement that fits, found by HiGHS; ``None`` when none fits."""
+def solve_exact(problem: Problem, *, time_limit_s: float = 60.0, gap: float = 1e-9) -> Priced | None:
+    """The fastest placement that fits, found by HiGHS (proved within ``gap`` of the optimum, relative);
+    ``None`` when none fits."""
     xs, p = _program(problem)
     nx, ny, nw = p["nx"], p["ny"], p["nw"]
     res = _milp(
@@ -110,6 +117,7 @@ def solve_exact(problem: Problem, *, time_limit_s: float = 60.0) -> Priced | Non
         np.r_[np.ones(nx + ny), np.zeros(nw)],
         np.r_[np.ones(nx + ny), np.full(nw, np.inf)],
         time_limit_s,
+        gap,
     )
     if res.x is None:
         return None
@@ -136,11 +144,13 @@ def minimum_memory(problem: Problem) -> Priced:
     return evaluate(problem, Placement.of({g: o for j, (g, o) in enumerate(xs) if res.x[j] > 0.5}))
 
 
-def greedy(problem: Problem, start: Placement | None = None) -> Priced | None:
+def greedy(
+    problem: Problem, start: Placement | None = None, *, distance: Callable[[str], int] | None = None
+) -> Priced | None:
     """The baseline: from ``start`` (everything on the device), evict groups in order of size times reuse
     distance (to the host, or an activation to recomputation when that prices lower) until the step fits,
     then bring back, last evicted first, every group that still fits on the device. ``None`` when evicting
-    everything does not fit."""
+    everything does not fit. ``distance``: a group's reuse distance (default: a training step's, in layers)."""
     n = problem.layers
     current = {g: (start[g] if start is not None else "device") for g in problem.groups}
     tally = Tally(problem)
@@ -160,7 +170,7 @@ def greedy(problem: Problem, start: Placement | None = None) -> Priced | None:
         tally.add(group, option)
         current[group] = option
 
-    def distance(group: str) -> int:  # layers of compute between the group's two uses in a step
+    def training_distance(group: str) -> int:  # layers of compute between the group's two uses in a step
         i, kind = parse_group(group)
         if kind == "optimizer":
             return 2 * n + 1
@@ -168,6 +178,7 @@ def greedy(problem: Problem, start: Placement | None = None) -> Priced | None:
             return i + 1
         return 2 * (n - i)
 
+    distance = distance or training_distance
     order = sorted(problem.groups, key=lambda g: -problem.groups[g]["device"].memory[0] * distance(g))
     evicted = []
     fits = tally.terms()[2]
@@ -176,7 +187,7 @@ def greedy(problem: Problem, start: Placement | None = None) -> Priced | None:
             break
         if current[group] != "device":
             continue
-        option = min(options_of(group)[1:], key=lambda o: trial(group, o)[:2])
+        option = min([o for o in problem.groups[group] if o != "device"], key=lambda o: trial(group, o)[:2])
         move(group, option)
         evicted.append(group)
         fits = tally.terms()[2]

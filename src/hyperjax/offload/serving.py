@@ -1,0 +1,215 @@
+"""HyperOffload for serving: the KV cache and the weights placed between device and host for decode.
+
+A decode step runs the layers in turn, each reading its weights and its whole KV cache. The placeable groups
+are each layer's weights (``layers.{i}.params``) and its cache in blocks of ``block_tokens`` tokens
+(``layers.{i}.kv.{j}``). A group on the host is fetched over the preset's host link once per step, during
+the ``prefetch`` layers computed before its own (the previous token's last layers for the first ones: decode
+steps follow each other), into staging buffers on the device (``prefetch + 1`` layers of weights and of
+cache); whatever a fetch takes beyond that window's compute is exposed. The same problem form and solvers
+as training's placement pass (:mod:`hyperjax.offload.problem`, :mod:`hyperjax.offload.solve`) answer it:
+the exact pass (HiGHS) the fastest placement under the budget, the greedy pass the baseline.
+
+:func:`longest_context` searches the longest context (prompt and generated tokens together) a budget holds
+under a placement policy, optionally within a per-token time limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+from hyperjax.cost.inference import InferenceEstimate
+from hyperjax.errors import ConfigError
+from hyperjax.offload.problem import FRAGMENTATION, Choice, Priced, Problem
+from hyperjax.offload.solve import greedy, solve_exact
+
+Policy = Literal["none", "greedy", "exact"]
+GAP = 1e-3
+TIME_LIMIT_S = 20.0
+"""The exact pass stops once its placement is proved within GAP (relative) of the fastest, or after
+TIME_LIMIT_S seconds with the best placement found (HiGHS); symmetric instances can be slow to prove."""
+
+
+def serve_problem(
+    est: InferenceEstimate, *, context: int, budget_bytes: float, prefetch: int = 1, block_tokens: int = 8192
+) -> Problem:
+    """The placement problem of a decode step at ``context`` cached tokens per sequence, on the stage of
+    ``est`` that holds the most memory.
+
+    Raises:
+      ConfigError: an estimate with no decoder layers, or a non-positive context, block or prefetch.
+    """
+    if not est.layers:
+        raise ConfigError("the serving offload pass places decoder layers; this stage has none")
+    if context < 1 or block_tokens < 1 or prefetch < 1:
+        raise ConfigError(
+            f"context={context}, block_tokens={block_tokens} and prefetch={prefetch} must be positive integers"
+        )
+    hw = est.run.hardware
+    link, lat = hw.host.bandwidth, hw.host.latency
+    n = len(est.layers)
+    windows = [(f"layer {i}", x.rest_s + x.kv_read_s(context, hw)) for i, x in enumerate(est.layers)]
+    windows.append(("head and hand-over", est.other_s))
+    w = len(windows)
+
+    def before(i: int) -> tuple[int, ...]:  # the windows computed just before layer i's, wrapping to the last step
+        return tuple((i - j) % w for j in range(1, prefetch + 1))
+
+    def host(nbytes: float, i: int, buffer: str) -> Choice:
+        seconds = nbytes / link + lat
+        where = before(i)
+        return Choice(
+            memory=(0.0, 0.0),
+            loads=tuple((v, 0, seconds / len(where)) for v in where),
+            buffers=(buffer,),
+            host_bytes=nbytes,
+        )
+
+    groups: dict[str, dict[str, Choice]] = {}
+    blocks = [min(block_tokens, context - start) for start in range(0, context, block_tokens)]
+    for i, x in enumerate(est.layers):
+        groups[f"layers.{i}.params"] = {
+            "device": Choice(memory=(x.weight_bytes, 0.0)),
+            "host": host(x.weight_bytes, i, "weights"),
+        }
+        for j, tokens in enumerate(blocks):
+            nbytes = x.kv_bytes_per_token * tokens
+            groups[f"layers.{i}.kv.{j}"] = {"device": Choice(memory=(nbytes, 0.0)), "host": host(nbytes, i, "kv")}
+    widest = max(est.layers, key=lambda x: x.weight_bytes)
+    deepest = max(est.layers, key=lambda x: x.kv_bytes_per_token)
+    return Problem(
+        groups=groups,
+        windows=tuple(windows),
+        buffers={
+            "weights": (0, (prefetch + 1) * widest.weight_bytes),
+            "kv": (0, (prefetch + 1) * deepest.kv_bytes_per_token * context),
+        },
+        fixed=(est.fixed_bytes, 0.0),
+        fixed_terms={"embeddings, head and activations": est.fixed_bytes},
+        base_step_s=sum(c for _, c in windows),
+        budget_bytes=budget_bytes,
+        host_bytes=hw.host.bytes_per_device,
+        layers=n,
+        # a layer's full blocks are alike: the older goes first (the last, partial block stays free)
+        ordered=tuple(
+            (f"layers.{i}.kv.{j}", f"layers.{i}.kv.{j + 1}")
+            for i in range(n)
+            for j in range(len(blocks) - 1)
+            if blocks[j + 1] == block_tokens
+        ),
+    )
+
+
+def place(problem: Problem, policy: Policy) -> Priced | None:
+    """The placement ``policy`` gives ``problem`` (``None``: it does not fit): ``none`` keeps everything on
+    the device, ``greedy`` evicts the largest groups first, ``exact`` is the fastest that fits."""
+    if policy == "exact":
+        return solve_exact(problem, gap=GAP, time_limit_s=TIME_LIMIT_S)
+    if policy == "greedy":
+        return greedy(problem, distance=lambda group: 1)  # every group is read once per decode step
+    from hyperjax.offload.placement import Placement
+    from hyperjax.offload.problem import evaluate
+
+    priced = evaluate(problem, Placement(()))
+    return priced if priced.fits else None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Longest:
+    """The longest context a policy serves.
+
+    Attributes:
+      policy: ``none``, ``greedy`` or ``exact``.
+      context: tokens per sequence (0: not even one block fits).
+      decode_s_per_token: the decode step at that context under the policy's placement.
+      device_only_s_per_token: the same step with everything on the device (memory aside).
+      host_gib: what the placement puts on the host.
+      peak_gib: device memory at its peak.
+    """
+
+    policy: str
+    context: int
+    decode_s_per_token: float
+    device_only_s_per_token: float
+    host_gib: float
+    peak_gib: float
+
+    @property
+    def slowdown(self) -> float:
+        """Per-token time over the device-only step at the same context, minus one."""
+        return self.decode_s_per_token / self.device_only_s_per_token - 1 if self.context else 0.0
+
+
+def longest_context(
+    est: InferenceEstimate,
+    *,
+    budget_bytes: float,
+    policy: Policy,
+    max_slowdown: float | None = None,
+    prefetch: int = 1,
+    block_tokens: int = 8192,
+    limit: int = 1 << 21,
+) -> Longest:
+    """The longest context (a multiple of ``block_tokens``, up to ``limit``) whose decode step ``policy``
+    fits in ``budget_bytes``, and, with ``max_slowdown``, runs within that fraction of the device-only step
+    at the same context. Doubling from one block, then bisection: a longer context only adds bytes."""
+
+    def attempt(blocks: int) -> tuple[Priced, Problem] | None:
+        problem = serve_problem(
+            est, context=blocks * block_tokens, budget_bytes=budget_bytes, prefetch=prefetch, block_tokens=block_tokens
+        )
+        priced = place(problem, policy)
+        if priced is None or (
+            max_slowdown is not None and priced.step_time_s > (1 + max_slowdown) * problem.base_step_s
+        ):
+            return None
+        return priced, problem
+
+    top = limit // block_tokens
+    lo, best = 0, None
+    hi = 1
+    while hi <= top and (found := attempt(hi)) is not None:
+        lo, best, hi = hi, found, 2 * hi
+    hi = min(hi - 1, top)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        found = attempt(mid)
+        if found is None:
+            hi = mid - 1
+        else:
+            lo, best = mid, found
+    if best is None:
+        return Longest(policy=policy, context=0, decode_s_per_token=math.nan, device_only_s_per_token=math.nan,
+                       host_gib=0.0, peak_gib=0.0)  # fmt: skip
+    priced, problem = best
+    return Longest(
+        policy=policy,
+        context=lo * block_tokens,
+        decode_s_per_token=priced.step_time_s,
+        device_only_s_per_token=problem.base_step_s,
+        host_gib=priced.host_bytes / 2**30,
+        peak_gib=priced.peak_bytes / 2**30,
+    )
+
+
+def per_token_curve(
+    est: InferenceEstimate,
+    contexts: Sequence[int],
+    *,
+    budget_bytes: float,
+    policy: Policy,
+    prefetch: int = 1,
+    block_tokens: int = 8192,
+) -> list[float | None]:
+    """The decode step at each context under ``policy``'s placement (``None`` where it does not fit)."""
+    out: list[float | None] = []
+    for c in contexts:
+        problem = serve_problem(est, context=c, budget_bytes=budget_bytes, prefetch=prefetch, block_tokens=block_tokens)
+        priced = place(problem, policy)
+        out.append(None if priced is None else priced.step_time_s)
+    return out
+
+
+__all__ = ["FRAGMENTATION", "Longest", "Policy", "longest_context", "per_token_curve", "place", "serve_problem"]

@@ -1,0 +1,95 @@
+"""Serving cost: ``predict --inference`` answers for every shipped config, decode is bound by reading the
+weights and the cache, the cache is sized per device, and bad serving settings exit 2."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import hyperjax
+from hyperjax.cli.main import main
+from hyperjax.cost.inference import estimate_inference
+
+ROOT = Path(__file__).parents[2]
+FIELDS = {"prefill_s", "decode_s_per_token", "tokens_per_s_per_device", "kv_cache_gib_per_device"}
+SERVE_70B = [  # Llama-3-70B's shape on one DGX H100 node, tensor 8
+    "parallel.data=1", "parallel.pipeline=1", "parallel.virtual_stages=1", "parallel.schedule=1f1b",
+    "parallel.sequence_parallel=false", "train.global_batch=1",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_predict_inference_answers_for_every_shipped_config(capsys, config):
+    assert main(["predict", str(ROOT / "configs" / config), "--inference", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert FIELDS | {"memory_per_device_gib", "fits"} <= set(out)
+    assert all(out[k] > 0 for k in FIELDS)
+    assert out["prefill_s"] > 0 and out["decode_s_per_token"] > 0
+
+
+def llama70b(*sets: str):
+    cfg = hyperjax.load_config(ROOT / "configs/llama3-70b.yaml", [*SERVE_70B, *sets])
+    return estimate_inference(hyperjax.resolve(cfg, 8))
+
+
+def test_decode_reads_every_weight_and_the_whole_cache():
+    est = llama70b("serve.batch=1", "serve.prompt_len=4096", "serve.new_tokens=4096")
+    hw = est.run.hardware.device
+    # one KV head of 128 per device (8 heads over tensor 8), key and value, bf16, 80 layers, 8192 tokens
+    assert est.kv_cache_gib_per_device * 2**30 == pytest.approx(80 * 2 * 128 * 2 * 8192)
+    weights = est.memory_per_device_gib["weights"] * 2**30
+    assert est.decode_s_per_token > weights / (hw.hbm_bandwidth * hw.memory_efficiency)
+    longer = llama70b("serve.batch=1", "serve.prompt_len=65536", "serve.new_tokens=1")
+    extra = longer.decode_breakdown_s["kv_cache_read"] - est.decode_breakdown_s["kv_cache_read"]
+    more = 80 * 2 * 128 * 2 * (65536 + 0.5 - 6144)  # the mean context grows from 4096 + 4096 / 2
+    assert extra == pytest.approx(more / (hw.hbm_bandwidth * hw.memory_efficiency), rel=0.1)  # and the scores
+    # a batch of 8 reads the weights once: far less than 8 times the time of one sequence
+    assert llama70b("serve.batch=8").decode_s_per_token < 1.5 * llama70b("serve.batch=1").decode_s_per_token
+
+
+def test_moe_decode_reads_only_the_experts_its_tokens_touch():
+    """One sequence's token routes to 2 of Mixtral's 8 experts: decode reads about a quarter of the expert
+    weights, so it is far faster than reading every expert."""
+    from hyperjax.cost.compute import grouped_gemm_time
+
+    hw = hyperjax.load_hardware("dgx-h100")
+    kw = dict(bytes_per_element=2, dtype="bfloat16", hardware=hw)
+    two = grouped_gemm_time(2, 14336, 4096, groups=8, **kw)
+    every = 8 * grouped_gemm_time(1, 14336, 4096, groups=1, **kw)
+    assert two < 0.3 * every
+    # in training, rows far outnumber experts: every group is touched
+    many = grouped_gemm_time(8 * 4096, 14336, 4096, groups=8, **kw)
+    assert many == pytest.approx(8 * grouped_gemm_time(4096, 14336, 4096, groups=1, **kw) - 7 * hw.device.kernel_overhead)
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["serve.batch=3"], "serve.batch=3 is split over 4 data-parallel replicas"),
+        (["serve.prompt_len=100", "serve.new_tokens=100"], "learned positions reach model.seq_len=128"),
+        (["serve.batch=0"], "serve.batch=0 must be a positive integer"),
+    ],
+)
+def test_bad_serving_settings_exit_2(capsys, sets, message):
+    args = ["predict", str(ROOT / "configs/quickstart.yaml"), "--inference", *(a for s in sets for a in ("--set", s))]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_trace_is_refused_with_inference(capsys, tmp_path):
+    args = ["predict", str(ROOT / "configs/quickstart.yaml"), "--inference", "--trace", str(tmp_path / "t.json")]
+    assert main(args) == 2
+    assert "--trace" in capsys.readouterr().err
+
+
+def test_published_dense_decode_rows_are_predicted_within_a_third():
+    """The validation rows (benchmarks/validation/inference): every dense decode figure within 35 %."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from validate import serving_row
+
+    rows = [serving_row(p) for p in sorted((ROOT / "benchmarks/validation/inference").glob("*.yaml"))]
+    dense = [r["decode_s_per_token"]["error"] for r in rows if r["kind"] == "dense"]
+    dense = [e for e in dense if e is not None]
+    assert len(dense) >= 6 and max(abs(e) for e in dense) < 0.35

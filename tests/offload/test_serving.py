@@ -1,0 +1,70 @@
+"""The serving placement pass: weights and KV-cache blocks between device and host for decode. The exact
+pass equals brute force on a small problem, beats or equals greedy, and the longest context grows with it."""
+
+import math
+
+import pytest
+
+import hyperjax
+from hyperjax.cost.inference import estimate_inference
+from hyperjax.errors import ConfigError
+from hyperjax.offload import brute_force
+from hyperjax.offload.serving import longest_context, place, serve_problem
+
+SETS = [  # a small llama on one cloudmatrix384 device, one sequence
+    "model.family=llama", "model.layers=3", "model.d_model=256", "model.heads=4", "model.kv_heads=2",
+    "model.d_ff=512", "model.vocab=256", "model.seq_len=1048576", "hardware=cloudmatrix384", "emulate.devices=1",
+    "parallel.data=1", "parallel.tensor=1", "train.global_batch=1", "train.dtype=bfloat16", "serve.batch=1",
+    "serve.prompt_len=1024", "serve.new_tokens=1",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def est():
+    return estimate_inference(hyperjax.resolve(hyperjax.load_config(None, SETS), 1))
+
+
+@pytest.fixture(scope="module")
+def deep():
+    """Twelve layers: a layer's staging buffer is small beside the cache it lets leave the device."""
+    sets = [*SETS, "model.layers=12"]
+    return estimate_inference(hyperjax.resolve(hyperjax.load_config(None, sets), 1))
+
+
+def test_exact_equals_brute_force_and_beats_greedy(est):
+    layer = est.layers[0]
+    context, block = 3 * 4096, 4096
+    everything = est.fixed_bytes + sum(x.weight_bytes + x.kv_bytes_per_token * context for x in est.layers)
+    for share in (0.8, 0.9):  # budgets that force part of the cache or the weights off the device
+        problem = serve_problem(est, context=context, budget_bytes=share * 1.05 * everything, block_tokens=block)
+        assert len(problem.groups) == 3 * (1 + 3)
+        exact, brute, greedy = place(problem, "exact"), brute_force(problem), place(problem, "greedy")
+        assert exact is not None and brute is not None and exact.fits
+        assert exact.step_time_s == pytest.approx(brute.step_time_s, rel=1e-3)
+        assert greedy is None or exact.step_time_s <= greedy.step_time_s + 1e-12
+        assert exact.step_time_s >= problem.base_step_s
+        assert layer.kv_bytes_per_token == 2 * 2 * 64 * 2  # two KV heads of 64, key and value, bf16
+
+
+def test_no_offload_longest_context_is_the_closed_form(est):
+    budget = 0.5 * 2**30
+    got = longest_context(est, budget_bytes=budget, policy="none", block_tokens=1024)
+    per_token = sum(x.kv_bytes_per_token for x in est.layers)
+    weights = sum(x.weight_bytes for x in est.layers)
+    want = math.floor((budget / 1.05 - est.fixed_bytes - weights) / per_token / 1024) * 1024
+    assert got.context == want and got.slowdown == 0.0 and got.host_gib == 0.0
+
+
+def test_offload_serves_longer_contexts_and_says_what_it_costs(deep):
+    est, budget = deep, 0.5 * 2**30
+    none = longest_context(est, budget_bytes=budget, policy="none", block_tokens=32768, limit=1 << 22)
+    hidden = longest_context(est, budget_bytes=budget, policy="exact", max_slowdown=0.0, block_tokens=32768, limit=1 << 22)
+    loose = longest_context(est, budget_bytes=budget, policy="exact", max_slowdown=0.5, block_tokens=32768, limit=1 << 22)
+    assert none.context <= hidden.context <= loose.context and loose.context > none.context
+    assert hidden.slowdown <= 1e-9 and 0 <= loose.slowdown <= 0.5 and loose.host_gib > 0
+    assert loose.peak_gib <= 0.5
+
+
+def test_bad_serving_problem_is_refused(est):
+    with pytest.raises(ConfigError, match="context=0"):
+        serve_problem(est, context=0, budget_bytes=2**30)
