@@ -37,7 +37,11 @@ def test_generate_prints_text_tokens_and_speeds(capsys, checkpoint):
 
 @pytest.mark.parametrize(
     "layout",
-    [["--devices", "1", "--set", "parallel.tensor=1"], ["--set", "parallel.tensor=4"], ["--set", "parallel.fsdp=8", "--set", "parallel.tensor=1"]],
+    [
+        ["--devices", "1", "--set", "parallel.tensor=1"],
+        ["--set", "parallel.tensor=4"],
+        ["--set", "parallel.fsdp=8", "--set", "parallel.tensor=1"],
+    ],
     ids=["one-device", "tensor4", "fsdp8"],
 )
 def test_greedy_tokens_do_not_depend_on_the_layout(capsys, checkpoint, layout):

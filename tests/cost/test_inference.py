@@ -59,7 +59,9 @@ def test_moe_decode_reads_only_the_experts_its_tokens_touch():
     assert two < 0.3 * every
     # in training, rows far outnumber experts: every group is touched
     many = grouped_gemm_time(8 * 4096, 14336, 4096, groups=8, **kw)
-    assert many == pytest.approx(8 * grouped_gemm_time(4096, 14336, 4096, groups=1, **kw) - 7 * hw.device.kernel_overhead)
+    assert many == pytest.approx(
+        8 * grouped_gemm_time(4096, 14336, 4096, groups=1, **kw) - 7 * hw.device.kernel_overhead
+    )
 
 
 @pytest.mark.parametrize(

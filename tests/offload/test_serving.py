@@ -58,8 +58,12 @@ def test_no_offload_longest_context_is_the_closed_form(est):
 def test_offload_serves_longer_contexts_and_says_what_it_costs(deep):
     est, budget = deep, 0.5 * 2**30
     none = longest_context(est, budget_bytes=budget, policy="none", block_tokens=32768, limit=1 << 22)
-    hidden = longest_context(est, budget_bytes=budget, policy="exact", max_slowdown=0.0, block_tokens=32768, limit=1 << 22)
-    loose = longest_context(est, budget_bytes=budget, policy="exact", max_slowdown=0.5, block_tokens=32768, limit=1 << 22)
+    hidden = longest_context(
+        est, budget_bytes=budget, policy="exact", max_slowdown=0.0, block_tokens=32768, limit=1 << 22
+    )
+    loose = longest_context(
+        est, budget_bytes=budget, policy="exact", max_slowdown=0.5, block_tokens=32768, limit=1 << 22
+    )
     assert none.context <= hidden.context <= loose.context and loose.context > none.context
     assert hidden.slowdown <= 1e-9 and 0 <= loose.slowdown <= 0.5 and loose.host_gib > 0
     assert loose.peak_gib <= 0.5
