@@ -37,8 +37,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.max_new_tokens <= 0:
-        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be a positive integer")
     if args.temperature < 0:
         raise ConfigError(f"--temperature {args.temperature} must be 0 (greedy) or more")
     if args.top_k is not None and args.top_k < 1:

@@ -85,19 +85,29 @@ def print_inference(est: InferenceEstimate) -> None:
         f"  prefill {est.prefill_s * 1e3:.4g} ms; decode {est.decode_s_per_token * 1e3:.4g} ms per token "
         f"({est.batch / est.decode_s_per_token:,.0f} tokens/s, {est.tokens_per_s_per_device:,.1f} per device)"
     )
-    table = Table(title="one decode step")
-    table.add_column("term")
-    table.add_column("ms", justify="right")
-    table.add_column("share", justify="right")
-    for k, v in est.decode_breakdown_s.items():
-        table.add_row(k, f"{v * 1e3:.4g}", f"{v / est.decode_s_per_token:.1%}")
-    out.print(table)
-    mem = Table(title="memory per device (GiB)")
-    for k in est.memory_per_device_gib:
-        mem.add_column(k, justify="right")
-    mem.add_row(*(f"{v:.3g}" for v in est.memory_per_device_gib.values()))
-    out.print(mem)
+    out.print(share_table("one decode step", "ms", est.decode_breakdown_s, est.decode_s_per_token, scale=1e3))
+    out.print(memory_table(est.memory_per_device_gib, "{:.3g}"))
     out.print(f"  {'fits' if est.fits else '[red]does not fit[/red]'} in device memory")
+
+
+def share_table(title: str, unit: str, terms: dict[str, float], total: float, *, scale: float = 1.0) -> Table:
+    """Each term in seconds (times ``scale``, in ``unit``) and its share of ``total``."""
+    table = Table(title=title)
+    table.add_column("term")
+    table.add_column(unit, justify="right")
+    table.add_column("share", justify="right")
+    for k, v in terms.items():
+        table.add_row(k, f"{v * scale:.4g}", f"{v / total:.1%}")
+    return table
+
+
+def memory_table(gib: dict[str, float], fmt: str) -> Table:
+    """One row of memory terms per device, in GiB."""
+    mem = Table(title="memory per device (GiB)")
+    for k in gib:
+        mem.add_column(k, justify="right")
+    mem.add_row(*(fmt.format(v) for v in gib.values()))
+    return mem
 
 
 def print_offload(plan: OffloadResult) -> None:
@@ -133,18 +143,8 @@ def print_estimate(est: Estimate) -> None:
         f"  step time {est.step_time_s:.4g} s; MFU {est.mfu:.1%}; "
         f"{est.model_flops_per_step / est.step_time_s / est.devices / 1e12:.1f} model TFLOP/s per device"
     )
-    table = Table(title="where the step goes")
-    table.add_column("term")
-    table.add_column("seconds", justify="right")
-    table.add_column("share", justify="right")
-    for k, v in est.breakdown_s.items():
-        table.add_row(k, f"{v:.4g}", f"{v / est.step_time_s:.1%}")
-    out.print(table)
-    mem = Table(title="memory per device (GiB)")
-    for k in est.memory_per_device_gib:
-        mem.add_column(k, justify="right")
-    mem.add_row(*(f"{v:.2f}" for v in est.memory_per_device_gib.values()))
-    out.print(mem)
+    out.print(share_table("where the step goes", "seconds", est.breakdown_s, est.step_time_s))
+    out.print(memory_table(est.memory_per_device_gib, "{:.2f}"))
     verdict = "fits" if est.fits else f"[red]does not fit[/red] ({est.overflow} is the largest term)"
     out.print(f"  {verdict} in device memory")
     comm = ", ".join(f"{k} {v:.3g} s" for k, v in est.communication_s.items() if v > 0) or "none"

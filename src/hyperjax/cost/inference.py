@@ -142,6 +142,7 @@ def estimate_inference(run: Run) -> InferenceEstimate:
     fullest_layers: list[ServeLayer] = []
     fullest_other = 0.0
     n = len(run.stages)
+    starts = chunk_starts(run)
     for i, stage in enumerate(run.stages):
         axes, dp = stage.axes, stage.data_parallel
         if batch % dp:
@@ -154,8 +155,7 @@ def estimate_inference(run: Run) -> InferenceEstimate:
         tp = axes["tensor"]
         weights = kv = acts = 0.0
         layers: list[ServeLayer] = []
-        stage_s = 0.0
-        starts = chunk_starts(run)
+        stage_s = 0.0  # this stage's part of a decode step
         parts = [p for j, c in enumerate(stage.chunks) for p in part_models(m, stage, j, starts[c])]
         for _, block, count, moe in parts:
             kw = dict(
@@ -188,9 +188,8 @@ def estimate_inference(run: Run) -> InferenceEstimate:
             )
             collectives = one.tensor_comm_s / 2 + 2 * one.exchange_s
             collectives += one.fsdp_gather_s if axes["fsdp"] > 1 else 0.0
-            step += count * (one.forward_s - one.core_s + core + collectives)
-            stage_s += count * (one.forward_s - one.core_s + core + collectives)
             rest = one.forward_s - one.core_s + collectives
+            stage_s += count * (rest + core)
             layers += [
                 ServeLayer(weight_bytes=one.params * e, kv_bytes_per_token=per_token_kv * local, rest_s=rest)
             ] * count
@@ -205,17 +204,16 @@ def estimate_inference(run: Run) -> InferenceEstimate:
             weights += table * max(ends, 1)
         if (run.chunks - 1) in stage.chunks:
             head = gemm_time(local, m.vocab / tp, m.d_model, bytes_per_element=e, dtype=run.dtype, hardware=hw)
-            step += head
             stage_s += head
             prefill += head
             acts += local * m.vocab / tp * 4
         if i + 1 < n:
             span = boundary_span(hw, stage.first_device, run.stages[i + 1].first_device)
             hop = collective_time("send", local * m.d_model * e, span, hw)
-            step += hop
             stage_s += hop
             prefill += collective_time("send", local * prompt * m.d_model * e, span, hw)
             comm += hop
+        step += stage_s
         memory = {"weights": weights, "kv_cache": kv, "activations": acts}
         memory["peak"] = sum(memory.values()) * 1.05
         if fullest is None or memory["peak"] > fullest["peak"]:

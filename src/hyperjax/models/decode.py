@@ -21,7 +21,7 @@ from flax import nnx
 from hyperjax.errors import ConfigError
 from hyperjax.models.layers import Attention, Constrain, no_constraint, rope, use
 from hyperjax.models.taps import product
-from hyperjax.models.transformer import Block, Transformer, logits
+from hyperjax.models.transformer import Block, Transformer, logits, lookup
 
 
 class LayerCache(NamedTuple):
@@ -98,8 +98,6 @@ def step(
     """Logits ``(batch, t, vocab)`` of ``tokens`` ``(batch, t)`` at positions ``pos .. pos + t - 1``, and the
     cache with their keys and values."""
     dt = jnp.dtype(model.dtype)
-    from hyperjax.models.transformer import lookup
-
     x = lookup(use(model.embed, constrain), tokens, constrain).astype(dt)
     if model.cfg.positions == "learned":
         table = use(model.pos_embed, constrain).astype(dt)

@@ -22,7 +22,7 @@ from hyperjax.config import Run
 from hyperjax.errors import ConfigError
 from hyperjax.models import build_model
 from hyperjax.models.decode import Generation, generate
-from hyperjax.shard import Constrainer, place
+from hyperjax.shard import Constrainer, Strategy, place
 from hyperjax.topology import make_mesh
 from hyperjax.train.checkpoint import Restored, restore_params
 from hyperjax.train.prepare import prepare
@@ -114,23 +114,33 @@ def check_generable(run: Run) -> None:
         )
 
 
-def restored_model(run: Run, checkpoint_dir: str | Path) -> tuple[nnx.Module, Restored]:
+Layout = tuple[jax.sharding.Mesh, Strategy]
+"""A run's mesh and its strategy with a model's parameter axes."""
+
+
+def layout(run: Run, state: nnx.State) -> Layout:
+    """The mesh and strategy ``run`` lays the model of parameter state ``state`` out with."""
+    mesh = make_mesh(run.hardware, run.axes, devices=jax.devices()[: run.devices])
+    return mesh, prepare(run).strategy.with_param_axes(state)
+
+
+def restored_model(run: Run, checkpoint_dir: str | Path) -> tuple[nnx.Module, Restored, Layout]:
     """The run's model with the parameters of the newest checkpoint in ``checkpoint_dir``, each read straight
-    into the shardings the run's strategy gives it (any mesh, as ``train --resume`` restores).
+    into the shardings the run's strategy gives it (any mesh, as ``train --resume`` restores), and that
+    layout (for :func:`generate_on_mesh`).
 
     Raises:
       ConfigError: as :func:`hyperjax.train.checkpoint.restore_params`.
     """
-    mesh = make_mesh(run.hardware, run.axes, devices=jax.devices()[: run.devices])
     abstract = nnx.eval_shape(lambda: build_model(run.config.model, dtype=run.dtype, seed=run.config.train.seed))
     graphdef, state = nnx.split(abstract)
-    strategy = prepare(run).strategy.with_param_axes(state)
+    mesh, strategy = layout(run, state)
     shapes = nnx.to_pure_dict(state)
     shardings = strategy.shardings(shapes, mesh)
     like = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
     restored = restore_params(checkpoint_dir, like)
     nnx.replace_by_pure_dict(state, restored.state)
-    return nnx.merge(graphdef, state), restored
+    return nnx.merge(graphdef, state), restored, (mesh, strategy)
 
 
 def generate_on_mesh(
@@ -140,20 +150,22 @@ def generate_on_mesh(
     max_new_tokens: int,
     *,
     lengths: Sequence[int] | None = None,
+    laid_out: Layout | None = None,
     **sampling: Any,
 ) -> Generation:
     """:func:`hyperjax.models.decode.generate` of ``model`` on ``run``'s mesh (one SPMD program); ``sampling``:
-    ``temperature``, ``top_k``, ``seed``.
+    ``temperature``, ``top_k``, ``seed``. ``laid_out``: the run's :func:`layout`, when already built;
+    parameters already on their shardings stay where they are.
 
     A batch the data-parallel axes do not divide is padded with copies of its last prompt, whose tokens are
     dropped; a sequence's tokens depend only on its own prompt, so the others are unchanged.
     """
     check_generable(run)
-    mesh = make_mesh(run.hardware, run.axes, devices=jax.devices()[: run.devices])
     graphdef, state = nnx.split(model)
-    strategy = prepare(run).strategy.with_param_axes(state)
+    mesh, strategy = laid_out or layout(run, state)
     params = nnx.to_pure_dict(state)
-    nnx.replace_by_pure_dict(state, jax.tree.map(place, params, strategy.shardings(params, mesh)))
+    on = lambda x, s: x if isinstance(x, jax.Array) and x.sharding == s else place(x, s)
+    nnx.replace_by_pure_dict(state, jax.tree.map(on, params, strategy.shardings(params, mesh)))
     spec = strategy.spec(("batch", "seq"))
     axes = spec[0] if spec and spec[0] is not None else ()
     split = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
@@ -180,8 +192,8 @@ def generate_text(
     """
     check_generable(run)
     tokens, lengths = encode(prompts, run, max_new_tokens)
-    model, restored = restored_model(run, checkpoint_dir)
-    out = generate_on_mesh(run, model, tokens, max_new_tokens, lengths=lengths, **sampling)
+    model, restored, laid_out = restored_model(run, checkpoint_dir)
+    out = generate_on_mesh(run, model, tokens, max_new_tokens, lengths=lengths, laid_out=laid_out, **sampling)
     new = np.asarray(out.tokens).tolist()
     rate = len(prompts) * out.steps / out.decode_s if out.steps else None
     return Texts(
