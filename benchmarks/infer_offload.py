@@ -29,8 +29,8 @@ from rich.console import Console
 from rich.table import Table
 
 import hyperjax
-from hyperjax.cost.inference import estimate_inference
-from hyperjax.offload.serving import longest_context, per_token_curve
+from hyperjax.cost import estimate_inference
+from hyperjax.offload import longest_context, per_token_curve
 from seed_claims import LLAMA_8B
 
 RESULTS = Path(__file__).parent / "results"

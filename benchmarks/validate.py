@@ -28,7 +28,7 @@ from rich.table import Table
 
 import hyperjax
 from hyperjax.config import Config, build
-from hyperjax.cost.inference import estimate_inference
+from hyperjax.cost import estimate_inference
 
 HERE = Path(__file__).parent
 

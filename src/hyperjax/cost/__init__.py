@@ -4,6 +4,7 @@ from hyperjax.cost.collectives import KINDS, collective_time
 from hyperjax.cost.compute import gemm_time, stream_time
 from hyperjax.cost.counts import count_params, model_flops_per_sequence, model_tensors
 from hyperjax.cost.estimate import Estimate, estimate, stage_spans
+from hyperjax.cost.inference import InferenceEstimate, ServeLayer, estimate_inference
 from hyperjax.cost.layer import LayerCost, price_layer
 from hyperjax.cost.stage import FRAGMENTATION, ChunkCost, PartCost, StageCore, StageCost, chunk_starts, zero_share
 from hyperjax.cost.trace import simulate, stage_metadata, task_events, write_trace
@@ -13,14 +14,17 @@ __all__ = [
     "KINDS",
     "ChunkCost",
     "Estimate",
+    "InferenceEstimate",
     "LayerCost",
     "PartCost",
+    "ServeLayer",
     "StageCore",
     "StageCost",
     "chunk_starts",
     "collective_time",
     "count_params",
     "estimate",
+    "estimate_inference",
     "gemm_time",
     "model_flops_per_sequence",
     "model_tensors",

@@ -4,10 +4,12 @@ from hyperjax.offload.apply import block_policies
 from hyperjax.offload.passes import OffloadResult, budget_bytes, offload_pass, with_offload
 from hyperjax.offload.placement import OPTIONS, Placement, from_patterns, from_recompute, group_names
 from hyperjax.offload.problem import Priced, Problem, build_problem, evaluate
+from hyperjax.offload.serving import Longest, longest_context, per_token_curve, serve_problem
 from hyperjax.offload.solve import brute_force, greedy, solve_exact
 
 __all__ = [
     "OPTIONS",
+    "Longest",
     "OffloadResult",
     "Placement",
     "Priced",
@@ -21,7 +23,10 @@ __all__ = [
     "from_recompute",
     "greedy",
     "group_names",
+    "longest_context",
     "offload_pass",
+    "per_token_curve",
+    "serve_problem",
     "solve_exact",
     "with_offload",
 ]
