@@ -9,7 +9,7 @@ import pytest
 import hyperjax
 
 BENCHMARKS = sorted((Path(__file__).parents[1] / "benchmarks").glob("*.py"))
-TAUGHT = [  # what the README teaches, from the top level
+TAUGHT = [  # what the README and docs/ teach, from the top level
     "load_config",
     "resolve",
     "Run",

@@ -110,6 +110,7 @@ def train_losses(config: str, *args: str, tmp_path: Path, name: str = "m") -> tu
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()], result.stdout
 
 
+@pytest.mark.slow  # a 50-step run
 def test_quickstart_learns(tmp_path: Path):
     losses, _ = train_losses(QUICK, tmp_path=tmp_path)
     assert len(losses) == 50
@@ -157,6 +158,7 @@ def test_bad_moe_configs_exit_2(capsys, command, sets, pattern):
     assert "Traceback" not in err
 
 
+@pytest.mark.slow  # a 20-step run
 def test_moe_tiny_learns_and_reports_its_router(tmp_path: Path):
     losses, out = train_losses(str(CONFIGS / "moe-tiny.yaml"), "--steps", "20", tmp_path=tmp_path)
     assert "strategy: data=2, expert=4" in out and "expert load in the last step (8 experts, top-2)" in out

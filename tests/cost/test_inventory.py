@@ -10,6 +10,7 @@ from hyperjax.cost.hlo import read_compiled
 from hyperjax.cost.inventory import runtime_inventory
 from hyperjax.models import build_model
 from hyperjax.train import Batches, build_train_step, init_state, make_optimizer, prepare
+from tests.tiers import sweep
 
 MOE_TINY = Path(__file__).parents[2] / "configs" / "moe-tiny.yaml"
 
@@ -61,7 +62,12 @@ STRATEGIES = [
 ]
 
 
-@pytest.mark.parametrize("sets", STRATEGIES, ids=lambda s: ",".join(x.split(".")[-1] for x in s))
+FAST_STRATEGIES = {1, 4, 5, 6, 12, 16, 20}  # the rest: `pytest -m slow`
+
+
+@pytest.mark.parametrize(
+    "sets", sweep(STRATEGIES, fast=FAST_STRATEGIES), ids=lambda s: ",".join(x.split(".")[-1] for x in s)
+)
 def test_flops_and_collective_bytes_agree(sets):
     hlo, analytic = compiled_and_analytic(sets)
     kinds = hlo.bytes_by_kind()
@@ -86,7 +92,9 @@ EXPERT_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("sets", EXPERT_LAYOUTS, ids=lambda s: ",".join(x.split(".", 1)[-1] for x in s))
+@pytest.mark.parametrize(
+    "sets", sweep(EXPERT_LAYOUTS, fast={4, 7}), ids=lambda s: ",".join(x.split(".", 1)[-1] for x in s)
+)
 def test_expert_parallel_inventories_agree(sets):
     hlo, analytic = compiled_and_analytic(sets, MOE_TINY)
     kinds, counts = hlo.bytes_by_kind(), hlo.count_by_kind()
@@ -125,7 +133,7 @@ BUCKETED = [
 
 @pytest.mark.parametrize(
     ("config", "sets"),
-    BUCKETED,
+    sweep(BUCKETED, fast={4, 6}),
     ids=[("moe:" if c else "") + ",".join(x.split(".", 1)[-1] for x in s) for c, s in BUCKETED],
 )
 def test_bucketed_inventories_agree(config, sets):

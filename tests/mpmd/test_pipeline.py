@@ -35,14 +35,27 @@ def spmd_deep() -> list[float]:
     return losses(["parallel.data=8", "model.layers=8"])
 
 
+SLOW = pytest.mark.slow  # the rest of a sweep: `pytest -m slow`
+FAST = {("gpipe", 2, 4), ("1f1b", 4, 4), ("zero-bubble", 2, 4)}  # one of each schedule, both stage counts
 CASES = [
-    [f"parallel.pipeline={p}", f"train.microbatches={m}", f"parallel.schedule={s}"]
+    pytest.param(
+        [f"parallel.pipeline={p}", f"train.microbatches={m}", f"parallel.schedule={s}"],
+        marks=() if (s, p, m) in FAST else SLOW,
+    )
     for s in ("gpipe", "1f1b", "zero-bubble")
     for p in (2, 4)
     for m in (4, 8)
 ]
 CASES += [
-    ["parallel.pipeline=2", f"train.microbatches={m}", "parallel.schedule=interleaved", "parallel.virtual_stages=2"]
+    pytest.param(
+        [
+            "parallel.pipeline=2",
+            f"train.microbatches={m}",
+            "parallel.schedule=interleaved",
+            "parallel.virtual_stages=2",
+        ],
+        marks=() if m == 4 else SLOW,
+    )
     for m in (4, 8)
 ]
 CASES += [["parallel.pipeline=2", "parallel.tensor=2", "train.microbatches=4"]]  # tensor parallel inside stages
@@ -54,20 +67,23 @@ def test_pipeline_matches_spmd(spmd, sets):
     np.testing.assert_allclose(losses(sets), spmd, rtol=1e-4, atol=0)
 
 
-@pytest.mark.parametrize("recompute", ["selective", "full"])
+@pytest.mark.parametrize("recompute", [pytest.param("selective", marks=SLOW), pytest.param("full", marks=SLOW)])
 def test_zero_bubble_over_rematerialised_blocks_matches_spmd(spmd, recompute):
     # remat'd blocks keep the plain split (their residuals live inside the rematerialised region)
     sets = ["parallel.pipeline=2", "train.microbatches=4", "parallel.schedule=zero-bubble"]
     np.testing.assert_allclose(losses([*sets, f"train.recompute={recompute}"]), spmd, rtol=1e-4, atol=0)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble"])
+@pytest.mark.parametrize(
+    "schedule", [pytest.param("gpipe", marks=SLOW), "1f1b", pytest.param("zero-bubble", marks=SLOW)]
+)
 def test_unequal_stages_match_spmd(spmd48, schedule):
     # 2 + 6 devices: micro-batches of 12 sequences split 2 and 6 ways
     sets = ["train.global_batch=48", "parallel.pipeline=2", "parallel.stage_devices=[2,6]", "train.microbatches=4"]
     np.testing.assert_allclose(losses([*sets, f"parallel.schedule={schedule}"]), spmd48, rtol=1e-4, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m", [4, 8])
 def test_interleaved_four_stages_matches_spmd(spmd_deep, m):
     # four stages of two chunks each need eight layers

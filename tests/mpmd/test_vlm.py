@@ -11,7 +11,7 @@ from hyperjax import HyperjaxError, load_config, resolve, train
 from hyperjax.train import CaptionBatches
 
 VLM = Path(__file__).parents[2] / "configs" / "vlm-tiny-mpmd.yaml"
-STEPS = ["train.steps=4", "train.warmup_steps=1"]
+STEPS = ["train.steps=3", "train.warmup_steps=1"]
 
 
 def losses(sets: list[str]) -> list[float]:
@@ -27,9 +27,10 @@ def spmd() -> list[float]:
     "sets",
     [
         [],  # the shipped split: encoder on 2 devices (data), language model on 6 (data=3 x tensor=2)
-        ["parallel.schedule=gpipe", "train.microbatches=2"],
-        ["parallel.schedule=zero-bubble"],
-        ["parallel.schedule=zero-bubble", "train.recompute=full"],  # remat'd blocks: the plain split
+        pytest.param(["parallel.schedule=gpipe", "train.microbatches=2"], marks=pytest.mark.slow),
+        pytest.param(["parallel.schedule=zero-bubble"], marks=pytest.mark.slow),
+        # remat'd blocks: the plain split
+        pytest.param(["parallel.schedule=zero-bubble", "train.recompute=full"], marks=pytest.mark.slow),
     ],
     ids=["1f1b", "gpipe", "zero-bubble", "zero-bubble-recompute"],
 )

@@ -13,6 +13,7 @@ from hyperjax.offload import block_policies
 from hyperjax.offload.apply import layer_of
 from hyperjax.train import prepare
 from hyperjax.train.programs import build_program
+from tests.tiers import SLOW
 
 ROOT = Path(__file__).parents[2]
 QUICKSTART = ROOT / "configs/quickstart.yaml"
@@ -42,11 +43,17 @@ def kinds(tree):
     }
 
 
+@pytest.fixture(scope="module")
+def reference() -> list[float]:
+    """The losses without offload."""
+    return run([])[2]
+
+
 @pytest.mark.parametrize(
     "sets",
     [
         ["offload.policy=auto", "offload.device_memory_gib=0.02"],
-        ["offload.policy=greedy", "offload.device_memory_gib=0.02", "train.micro_batch=2"],
+        pytest.param(["offload.policy=greedy", "offload.device_memory_gib=0.02", "train.micro_batch=2"], marks=SLOW),
         # host gradients accumulated inside each replica, then summed in buckets
         [
             "offload.policy=greedy",
@@ -57,8 +64,7 @@ def kinds(tree):
     ],
     ids=["auto", "greedy-accumulating", "greedy-accumulating-buckets"],
 )
-def test_offload_keeps_the_losses_and_puts_state_in_pinned_host(sets):
-    _, _, reference = run([])
+def test_offload_keeps_the_losses_and_puts_state_in_pinned_host(sets, reference):
     plan, state, losses = run(sets)
     placement = plan.offload.placement
     assert plan.offload.fits and placement.on("host")  # the budget forced something off the device
@@ -72,7 +78,7 @@ def test_offload_keeps_the_losses_and_puts_state_in_pinned_host(sets):
     assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state["params"]["embed"])} == {"device"}
 
 
-def test_manual_activation_offload_and_recompute_keep_the_losses():
+def test_manual_activation_offload_and_recompute_keep_the_losses(reference, tmp_path):
     manual = {
         "layers.*.act.qkv": "host",
         "layers.*.act.mlp_hidden": "host",
@@ -80,27 +86,23 @@ def test_manual_activation_offload_and_recompute_keep_the_losses():
         "layers.2.act.norms": "recompute",
         "layers.0.params": "host",
     }
-    path = ROOT / "tests/offload/.manual.yaml"
+    path = tmp_path / "manual.yaml"
     cfg = QUICKSTART.read_text() + "offload: " + json.dumps({"policy": "manual", "manual": manual}) + "\n"
     path.write_text(cfg)
-    try:
-        _, _, reference = run([])
-        cfg = load_config(path, ["train.steps=3"])
-        plan = prepare(resolve(cfg))
-        placement = plan.offload.placement
-        assert placement["layers.3.act.qkv"] == "host" and placement["layers.2.act.norms"] == "recompute"
-        model = build_model(cfg.model, seed=cfg.train.seed, policies=block_policies(placement, cfg.model.layers))
-        assert model.policies[1] == (("norms", "attn_out"), ("qkv", "mlp_hidden"))  # attn_core recomputed
-        assert model.policies[3] == (("norms", "attn_core", "attn_out"), ("qkv", "mlp_hidden"))
-        program = build_program(plan, model)
-        step, state = program.advance, program.state
-        losses = []
-        for i in range(3):
-            state, metrics = step(state, i)
-            losses.append(float(metrics["loss"]))
-        assert losses == pytest.approx(reference, rel=1e-4)
-    finally:
-        path.unlink()
+    cfg = load_config(path, ["train.steps=3"])
+    plan = prepare(resolve(cfg))
+    placement = plan.offload.placement
+    assert placement["layers.3.act.qkv"] == "host" and placement["layers.2.act.norms"] == "recompute"
+    model = build_model(cfg.model, seed=cfg.train.seed, policies=block_policies(placement, cfg.model.layers))
+    assert model.policies[1] == (("norms", "attn_out"), ("qkv", "mlp_hidden"))  # attn_core recomputed
+    assert model.policies[3] == (("norms", "attn_core", "attn_out"), ("qkv", "mlp_hidden"))
+    program = build_program(plan, model)
+    step, state = program.advance, program.state
+    losses = []
+    for i in range(3):
+        state, metrics = step(state, i)
+        losses.append(float(metrics["loss"]))
+    assert losses == pytest.approx(reference, rel=1e-4)
 
 
 def test_train_refuses_a_budget_nothing_fits(capsys):

@@ -2,6 +2,7 @@
 parallelism and everything it composes with (fp32, 1e-4); with a capacity factor, every layout drops the
 same copies."""
 
+import functools
 import io
 from pathlib import Path
 
@@ -30,72 +31,133 @@ def single_device() -> list[float]:
 
 
 OVERLAP, FULL = "parallel.overlap=two-microbatch", "train.recompute=full"
+SLOW = pytest.mark.slow  # the rest of the sweep: `pytest -m slow`
 LAYOUTS = [
     ["parallel.expert=2"],
-    ["parallel.expert=4"],  # with data=2
-    ["parallel.expert=8"],
+    pytest.param(["parallel.expert=4"], marks=SLOW),  # with data=2
+    pytest.param(["parallel.expert=8"], marks=SLOW),
     ["parallel.expert=2", "parallel.tensor=2"],  # each expert's hidden width split over tensor
     # experts spread over expert x tensor (Megatron's expert tensor parallelism of 1)
     ["parallel.expert=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert_tensor=1"],
-    ["parallel.expert=2", "parallel.fsdp=2"],
+    pytest.param(["parallel.expert=2", "parallel.fsdp=2"], marks=SLOW),
     ["parallel.expert=4", "parallel.fsdp=2", "parallel.zero_stage=1"],
-    ["parallel.expert=2", "parallel.context=2", "train.recompute=full"],
-    ["parallel.expert=4", "train.micro_batch=2", "train.recompute=selective"],  # accumulated micro-batches
+    pytest.param(["parallel.expert=2", "parallel.context=2", "train.recompute=full"], marks=SLOW),
+    # accumulated micro-batches
+    pytest.param(["parallel.expert=4", "train.micro_batch=2", "train.recompute=selective"], marks=SLOW),
     ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4"],  # MoE layers inside stages
-    ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4", "parallel.schedule=zero-bubble"],
-    ["parallel.expert=4", "offload.policy=manual", "offload.manual={layers.1.optimizer: host}"],
+    pytest.param(
+        ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4", "parallel.schedule=zero-bubble"],
+        marks=SLOW,
+    ),
+    pytest.param(
+        ["parallel.expert=4", "offload.policy=manual", "offload.manual={layers.1.optimizer: host}"], marks=SLOW
+    ),
     # each replica's gradients summed in flat buffers: over data x expert (routed experts' over data alone)
     ["parallel.expert=2", "parallel.gradient_buckets=true"],
-    ["parallel.expert=8", "parallel.gradient_buckets=true"],
-    ["parallel.expert=2", "parallel.tensor=2", "parallel.gradient_buckets=true", "train.micro_batch=1"],
-    ["parallel.expert=2", "parallel.fsdp=2", "parallel.gradient_buckets=true"],  # over data: fsdp stores
+    pytest.param(["parallel.expert=8", "parallel.gradient_buckets=true"], marks=SLOW),
+    pytest.param(
+        ["parallel.expert=2", "parallel.tensor=2", "parallel.gradient_buckets=true", "train.micro_batch=1"], marks=SLOW
+    ),
+    pytest.param(["parallel.expert=2", "parallel.fsdp=2", "parallel.gradient_buckets=true"], marks=SLOW),  # fsdp stores
     # overlap schedules: each micro-batch as two halves (DeepSeek-V3's two-micro-batch overlap) ...
     ["parallel.expert=2", "parallel.overlap=two-microbatch"],
-    ["parallel.expert=4", "parallel.overlap=two-microbatch", "parallel.gradient_buckets=true"],
-    ["parallel.expert=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert_tensor=1", OVERLAP],
-    ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4", "parallel.overlap=two-microbatch"],
+    pytest.param(
+        ["parallel.expert=4", "parallel.overlap=two-microbatch", "parallel.gradient_buckets=true"], marks=SLOW
+    ),
+    pytest.param(
+        [
+            "parallel.expert=2",
+            "parallel.tensor=2",
+            "parallel.sequence_parallel=true",
+            "parallel.expert_tensor=1",
+            OVERLAP,
+        ],
+        marks=SLOW,
+    ),
+    pytest.param(
+        ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4", "parallel.overlap=two-microbatch"],
+        marks=SLOW,
+    ),
     # ... and a pipeline's forwards and backwards of different micro-batches run as pairs (F-B pairing)
     ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4", "parallel.overlap=fb-pair"],
-    ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=8", "parallel.overlap=fb-pair", FULL],
+    pytest.param(
+        ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=8", "parallel.overlap=fb-pair", FULL],
+        marks=SLOW,
+    ),
 ]
 
 
-@pytest.mark.parametrize("sets", LAYOUTS, ids=lambda s: ",".join(x.split(".")[-1] for x in s))
+def layout_id(sets: list[str]) -> str:
+    return ",".join(x.split(".")[-1] for x in sets)
+
+
+@pytest.mark.parametrize("sets", LAYOUTS, ids=layout_id)
 def test_layout_matches_single_device(single_device, sets):
     losses, _ = run_moe(sets)
     np.testing.assert_allclose(losses, single_device, rtol=1e-4, atol=0)
 
 
+MODELS = {
+    # DeepSeek-V3's parts: sigmoid router, loss-free bias balancing, latent attention
+    "deepseek-router": ["model.moe.router=sigmoid", "model.moe.balance=bias", "model.moe.bias_update_rate=0.01"],
+    "mla": ["model.attention=mla", "model.kv_lora_rank=32", "model.q_lora_rank=48", "model.rope_head_dim=8"],
+    # GShard / Switch style: GELU experts with biases, no shared expert
+    "gpt-experts": ["model.family=gpt", "model.moe.shared_experts=0", "model.moe.first_dense=0", "model.moe.every=2"],
+}
+
+
+@functools.cache
+def reference(model: str) -> tuple[float, ...]:
+    losses, _ = run_moe(MODELS[model], devices=1)
+    assert losses[-1] < losses[0]
+    return tuple(losses)
+
+
 @pytest.mark.parametrize(
-    "model",
+    ("model", "sets"),
     [
-        # DeepSeek-V3's parts: sigmoid router, loss-free bias balancing, latent attention
-        ["model.moe.router=sigmoid", "model.moe.balance=bias", "model.moe.bias_update_rate=0.01"],
-        ["model.attention=mla", "model.kv_lora_rank=32", "model.q_lora_rank=48", "model.rope_head_dim=8"],
-        # GShard / Switch style: GELU experts with biases, no shared expert
-        ["model.family=gpt", "model.moe.shared_experts=0", "model.moe.first_dense=0", "model.moe.every=2"],
+        ("deepseek-router", []),
+        pytest.param("mla", [], marks=SLOW),
+        pytest.param("gpt-experts", [], marks=SLOW),
+        # the replicas' gradients summed in buckets; every micro-batch run as two halves
+        pytest.param("deepseek-router", ["parallel.gradient_buckets=true"], marks=SLOW),
+        pytest.param("mla", ["parallel.gradient_buckets=true"], marks=SLOW),
+        ("gpt-experts", ["parallel.gradient_buckets=true"]),
+        pytest.param("deepseek-router", ["parallel.overlap=two-microbatch"], marks=SLOW),
+        ("mla", ["parallel.overlap=two-microbatch"]),
+        pytest.param("gpt-experts", ["parallel.overlap=two-microbatch"], marks=SLOW),
     ],
-    ids=["deepseek-router", "mla", "gpt-experts"],
+    ids=lambda x: x if isinstance(x, str) else layout_id(x) or "plain",
 )
-def test_moe_parts_match_single_device(model):
-    reference, _ = run_moe(model, devices=1)
-    assert reference[-1] < reference[0]
-    # the second sums the replicas' gradients in buckets; the third runs every micro-batch as two halves
-    for sets in ([], ["parallel.gradient_buckets=true"], ["parallel.overlap=two-microbatch"]):
-        sharded, _ = run_moe([*model, "parallel.expert=4", "parallel.tensor=2", *sets])
-        np.testing.assert_allclose(sharded, reference, rtol=1e-4, atol=0, err_msg=str(sets))
+def test_moe_parts_match_single_device(model, sets):
+    sharded, _ = run_moe([*MODELS[model], "parallel.expert=4", "parallel.tensor=2", *sets])
+    np.testing.assert_allclose(sharded, reference(model), rtol=1e-4, atol=0)
 
 
-def test_capacity_drops_the_same_copies_on_every_layout():
-    capacity = ["model.moe.capacity_factor=0.75"]
-    reference, records = run_moe(capacity, devices=1)
+CAPACITY = ["model.moe.capacity_factor=0.75"]
+
+
+@pytest.fixture(scope="module")
+def capacity_reference() -> tuple[list[float], list[float]]:
+    """One device's losses and dropped fractions at a capacity of 0.75 of the mean load."""
+    losses, records = run_moe(CAPACITY, devices=1)
     dropped = [r["dropped_fraction"] for r in records]
     assert all(d > 0 for d in dropped)  # at 0.75 of the mean load, some copies must go
-    for sets in (
+    return losses, dropped
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
         ["parallel.expert=4"],
-        ["parallel.expert=2", "parallel.tensor=2", "parallel.fsdp=2"],
-        ["parallel.expert=4", "parallel.gradient_buckets=true"],  # the queue runs over every replica's tokens
-    ):
-        losses, got = run_moe([*capacity, *sets])
-        np.testing.assert_allclose(losses, reference, rtol=1e-4, atol=0)
-        np.testing.assert_allclose([r["dropped_fraction"] for r in got], dropped, rtol=0, atol=1e-7)
+        pytest.param(["parallel.expert=2", "parallel.tensor=2", "parallel.fsdp=2"], marks=SLOW),
+        # the queue runs over every replica's tokens
+        pytest.param(["parallel.expert=4", "parallel.gradient_buckets=true"], marks=SLOW),
+    ],
+    ids=layout_id,
+)
+def test_capacity_drops_the_same_copies_on_every_layout(capacity_reference, sets):
+    reference, dropped = capacity_reference
+    losses, got = run_moe([*CAPACITY, *sets])
+    np.testing.assert_allclose(losses, reference, rtol=1e-4, atol=0)
+    np.testing.assert_allclose([r["dropped_fraction"] for r in got], dropped, rtol=0, atol=1e-7)

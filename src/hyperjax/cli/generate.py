@@ -14,24 +14,41 @@ import json
 import logging
 
 from hyperjax.cli.display import console
-from hyperjax.cli.options import add_config_arguments
+from hyperjax.cli.options import add_command, add_config_arguments
 from hyperjax.config import load_config
 from hyperjax.errors import ConfigError
 from hyperjax.resolver import resolve
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="continue text with a trained model on the emulated mesh", description=__doc__)
+    p = add_command(
+        sub,
+        "generate",
+        usage="CONFIG --checkpoint-dir DIR --prompt TEXT\n" + " " * 24 + "--max-new-tokens N [options]",
+        summary="continue text with a trained model on the emulated mesh",
+        description=(
+            "Restore the newest checkpoint of a train run onto the config's strategy (any SPMD layout and device "
+            "count) and continue each prompt with a KV cache laid out like the activations. Prompts decode as one"
+            " batch; text is byte-level, as the training corpus is."
+        ),
+        examples=[
+            "hyperjax train configs/quickstart.yaml --checkpoint-dir ck",
+            "hyperjax generate configs/quickstart.yaml --checkpoint-dir ck \\",
+            "    --prompt 'In the beginning' --max-new-tokens 64",
+            "hyperjax generate configs/quickstart.yaml --checkpoint-dir ck --prompt A \\",
+            "    --prompt B --max-new-tokens 16 --temperature 0.8 --top-k 10 --json",
+        ],
+    )
     add_config_arguments(p, config_help="the YAML config the model was trained with", hardware=False)
     p.add_argument("--checkpoint-dir", metavar="DIR", required=True, help="the folder train wrote checkpoints to")
     p.add_argument(
         "--prompt", action="append", required=True, metavar="TEXT", help="text to continue (repeat: one batch)"
     )
     p.add_argument("--max-new-tokens", type=int, required=True, metavar="N", help="tokens to generate per prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; else sample at it")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default): greedy; else sample at T")
     p.add_argument("--top-k", type=int, metavar="K", help="sample from the K likeliest tokens only")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--devices", type=int, metavar="N", help="run on N devices (override emulate.devices)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed")
+    p.add_argument("--devices", type=int, metavar="N", help="run on N devices (overrides emulate.devices)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 

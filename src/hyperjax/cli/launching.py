@@ -18,14 +18,14 @@ from hyperjax.errors import EmulationError
 def add_join_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that make a command join a running job instead of spawning one."""
     join = parser.add_argument_group("joining a running job instead of spawning one")
-    join.add_argument("--coordinator", help="HOST:PORT of process 0's coordinator")
-    join.add_argument("--num-processes", type=int, help="processes in the job")
-    join.add_argument("--process-id", type=int, help="this process's index")
+    join.add_argument("--coordinator", metavar="ADDR", help="process 0's coordinator, HOST:PORT")
+    join.add_argument("--num-processes", type=int, metavar="N", help="processes in the job")
+    join.add_argument("--process-id", type=int, metavar="I", help="this process's index")
     join.add_argument(
         "--platform",
         choices=("cpu", "auto"),
         default="cpu",
-        help="cpu: emulate devices/num-processes CPU devices here; auto: use this host's accelerators",
+        help="emulated CPU devices, or this host's accelerators",
     )
 
 

@@ -6,6 +6,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from importlib.metadata import version
 
 from hyperjax.errors import HyperjaxError
 
@@ -17,8 +18,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The argument parser for every sub-command, or for ``only`` that one (a command then loads only what it
     needs: each emulated process of a 384-device job starts faster)."""
     parser = argparse.ArgumentParser(
-        prog="hyperjax", description="A JAX runtime that treats a 384-accelerator supernode as one computer."
+        prog="hyperjax",
+        description="A JAX runtime that treats a 384-accelerator supernode as one computer.",
+        epilog="Each command has its own --help, with examples: hyperjax train --help.",
     )
+    parser.add_argument("--version", action="version", version=f"hyperjax {version('hyperjax')}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS if only is None else (only,):
         importlib.import_module(f"hyperjax.cli.{name}").add_parser(sub)

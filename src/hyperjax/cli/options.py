@@ -1,4 +1,5 @@
-"""Command-line options shared by the commands that read a run config (``train``, ``predict``, ``plan``)."""
+"""Command-line options shared by the commands: a sub-command's help page, and the options of the commands
+that read a run config (``train``, ``predict``, ``plan``, ``generate``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,44 @@ import argparse
 from collections.abc import Sequence
 
 from hyperjax.config import Config, load_config
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's own, but the examples keep their lines."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("examples:"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def add_command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    *,
+    usage: str,
+    summary: str,
+    description: str,
+    examples: Sequence[str],
+) -> argparse.ArgumentParser:
+    """A sub-command whose ``--help`` fits a screen: one paragraph, the options, then examples.
+
+    Args:
+      sub: the parent parser's sub-parsers.
+      name: the command's name.
+      usage: what follows ``hyperjax NAME`` on its usage line: the required arguments, then ``[options]``.
+      summary: its line in ``hyperjax --help``.
+      description: a paragraph of what it does.
+      examples: command lines shown at the end, each with a ``#`` comment where it helps.
+    """
+    return sub.add_parser(
+        name,
+        usage=f"hyperjax {name} {usage}",
+        help=summary,
+        description=description,
+        epilog="examples:\n" + "\n".join(f"  {e}" for e in examples),
+        formatter_class=_HelpFormatter,
+    )
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, *, config_help: str, hardware: bool) -> None:
@@ -17,10 +56,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, config_help: str, h
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config key by its dotted name (repeatable), e.g. --set parallel.tensor=4",
+        help="override a config key (repeat), e.g. parallel.tensor=4",
     )
     if hardware:
-        parser.add_argument("--hardware", help="hardware preset name or path (default: the config's)")
+        parser.add_argument("--hardware", help="a preset name or path (default: the config's)")
 
 
 def config_from_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> Config:

@@ -16,17 +16,32 @@ from typing import Any
 from rich.table import Table
 
 from hyperjax.cli.display import console, fmt_count
-from hyperjax.cli.options import add_config_arguments, config_from_args
+from hyperjax.cli.options import add_command, add_config_arguments, config_from_args
 from hyperjax.errors import ConfigError
 from hyperjax.search import NothingFits, plan
 from hyperjax.topology import load_hardware
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="search strategies by predicted step time", description=__doc__)
-    p.add_argument("--devices", type=int, required=True, help="devices to plan for")
+    p = add_command(
+        sub,
+        "plan",
+        usage="CONFIG --devices N [--set KEY=VALUE ...] [options]",
+        summary="search strategies by predicted step time",
+        description=(
+            "Search every valid strategy (data, fsdp, ZeRO, tensor and sequence, context, expert, pipeline with "
+            "its schedule, micro-batch, recomputation), price each with the cost model, drop those that do not "
+            "fit device memory, and list the fastest."
+        ),
+        examples=[
+            "hyperjax plan configs/deepseek-v3-671b.yaml --devices 384",
+            "hyperjax plan configs/quickstart.yaml --devices 64 --set train.global_batch=64",
+            "hyperjax plan configs/llama3-70b.yaml --devices 1024 --top 5 --json",
+        ],
+    )
+    p.add_argument("--devices", type=int, required=True, metavar="N", help="devices to plan for")
     add_config_arguments(p, config_help="YAML config (its model and train sections are planned for)", hardware=True)
-    p.add_argument("--top", type=int, default=10, help="candidates to list (default 10)")
+    p.add_argument("--top", type=int, default=10, metavar="K", help="candidates to list (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 

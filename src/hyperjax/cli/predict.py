@@ -13,7 +13,7 @@ import json
 from rich.table import Table
 
 from hyperjax.cli.display import check_writable, console, fmt_count
-from hyperjax.cli.options import add_config_arguments, config_from_args
+from hyperjax.cli.options import add_command, add_config_arguments, config_from_args
 from hyperjax.config import ACTIVATIONS
 from hyperjax.cost import Estimate, estimate, write_trace
 from hyperjax.cost.inference import InferenceEstimate, estimate_inference
@@ -24,7 +24,22 @@ from hyperjax.resolver import resolve
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("predict", help="predict step time, memory and communication", description=__doc__)
+    p = add_command(
+        sub,
+        "predict",
+        usage="CONFIG [--set KEY=VALUE ...] [options]",
+        summary="predict step time, memory and communication",
+        description=(
+            "Price one training step (or, with --inference, serving) of the run train would start, resolved the "
+            "same way, on the preset's real machine. Any size works: a run too large to emulate here is still "
+            "priced."
+        ),
+        examples=[
+            "hyperjax predict configs/deepseek-v3-671b.yaml",
+            "hyperjax predict configs/quickstart.yaml --json --trace step.json",
+            "hyperjax predict configs/llama3-70b.yaml --inference --set serve.batch=16",
+        ],
+    )
     add_config_arguments(p, config_help="YAML config", hardware=True)
     p.add_argument("--devices", type=int, metavar="N", help="devices of the run (as train --devices)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -8,11 +8,25 @@ import json
 from rich.table import Table
 
 from hyperjax.cli.display import console, fmt_axes
+from hyperjax.cli.options import add_command
 from hyperjax.topology import axis_spans, list_presets, load_hardware
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("topology", help="print a hardware preset", description=__doc__)
+    p = add_command(
+        sub,
+        "topology",
+        usage="[PRESET] [--json]",
+        summary="print a hardware preset",
+        description=(
+            "Print a machine's devices, interconnect tiers, host memory and default mesh, or list the shipped presets."
+        ),
+        examples=[
+            "hyperjax topology",
+            "hyperjax topology cloudmatrix384",
+            "hyperjax topology dgx-h100 --json",
+        ],
+    )
     p.add_argument("preset", nargs="?", help="preset name or YAML path; omit to list the shipped presets")
     p.add_argument("--json", action="store_true", help="print the parsed preset as JSON")
     p.set_defaults(run=run)

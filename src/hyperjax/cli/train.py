@@ -13,7 +13,7 @@ from typing import Any
 
 from hyperjax.cli.display import check_folder, check_writable, console
 from hyperjax.cli.launching import add_join_arguments, run_on_devices
-from hyperjax.cli.options import add_config_arguments
+from hyperjax.cli.options import add_command, add_config_arguments
 from hyperjax.config import Run, load_config
 from hyperjax.errors import ConfigError, EmulationError
 from hyperjax.files import write_json
@@ -24,42 +24,55 @@ from hyperjax.train.checkpoint import last_progress, saved_steps
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a model on the emulated mesh", description=__doc__)
+    p = add_command(
+        sub,
+        "train",
+        usage="CONFIG [--set KEY=VALUE ...] [options]",
+        summary="train a model on the emulated mesh",
+        description=(
+            "Train a model on the emulated mesh under the config's strategy. The config is resolved and checked "
+            "before any device starts; runs of more than 256 devices go through the launcher: the same command at"
+            " 8 or 384 devices."
+        ),
+        examples=[
+            "hyperjax train configs/quickstart.yaml",
+            "hyperjax train configs/quickstart.yaml --set parallel.fsdp=8 --steps 20",
+            "hyperjax train configs/quickstart.yaml --plan-only --json   # the resolved run",
+            "hyperjax train configs/quickstart.yaml --checkpoint-dir ck --max-restarts 1",
+        ],
+    )
     add_config_arguments(p, config_help="YAML config, e.g. configs/quickstart.yaml", hardware=False)
-    p.add_argument("--steps", type=int, help="override train.steps")
-    p.add_argument("--metrics-out", metavar="FILE.jsonl", help="write one JSON object per step")
-    p.add_argument("--out-dir", metavar="DIR", help="where the loss curve goes (default: runs/CONFIG-NAME)")
+    p.add_argument("--steps", type=int, metavar="N", help="override train.steps")
+    p.add_argument("--metrics-out", metavar="FILE", help="write one JSON object per step to FILE (.jsonl)")
+    p.add_argument("--out-dir", metavar="DIR", help="where the loss curve goes (default runs/CONFIG-NAME)")
     p.add_argument("--explain", action="store_true", help="print where every parameter lives, then exit")
     p.add_argument(
         "--plan-only",
         action="store_true",
-        help="resolve and check the run train would start, print it, and exit without starting any device",
+        help="print the resolved run and exit; no device starts",
     )
-    p.add_argument("--json", action="store_true", help="with --plan-only: print the run as one JSON object")
+    p.add_argument("--json", action="store_true", help="with --plan-only: the run as one JSON object")
     p.add_argument(
         "--profile",
         action="store_true",
-        help="time every collective of the last step (XLA's profiler, process 0); writes OUT-DIR/collectives.json",
+        help="time the last step's collectives (collectives.json)",
     )
     ckpt = p.add_argument_group("checkpoints and failures")
-    ckpt.add_argument(
-        "--checkpoint-dir", metavar="DIR", help="write a checkpoint every train.checkpoint_every steps into DIR"
-    )
-    ckpt.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    ckpt.add_argument("--checkpoint-dir", metavar="DIR", help="checkpoint every train.checkpoint_every steps")
+    ckpt.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in DIR")
     ckpt.add_argument(
         "--max-restarts",
         type=int,
         default=0,
         metavar="N",
-        help="when a process dies, stop the others and restart from the latest checkpoint, up to N times",
+        help="restart from the last checkpoint when a process dies",
     )
     ckpt.add_argument(
         "--elastic",
         action="store_true",
-        help="re-derive the strategy for a new device count (keeping the global batch); a restart then "
-        "drops the lost process's devices",
+        help="re-derive the strategy for a new device count",
     )
-    ckpt.add_argument("--devices", type=int, metavar="N", help="run on N devices (override emulate.devices)")
+    ckpt.add_argument("--devices", type=int, metavar="N", help="run on N devices (overrides emulate.devices)")
     add_join_arguments(p)
     p.set_defaults(run=run)
 
