@@ -2,7 +2,9 @@
 
 Each file in ``benchmarks/validation/`` describes one published run (source, measured step time and model
 TFLOP/s) and holds hyperjax's config for it: dense runs (Korthikanti et al.) and mixtures of experts
-(Megatron-Core's Qwen3-235B runs, Megatron-Bridge's GPT-OSS-120B). This script resolves every run
+(Megatron-Core's Qwen3-235B runs, Megatron-Bridge's GPT-OSS-120B); ``fp8/`` holds NeMo's FP8 runs on DGX
+H100 (Transformer Engine's delayed scaling) and ``torchtitan/`` torchtitan's Llama 3.1 8B runs with and
+without Float8 on 500 W, 96 GB H100s, whose peak memory is printed beside the step time. This script resolves every run
 (``hyperjax.resolve``), predicts it (``hyperjax.estimate``) on the run's hardware preset, and prints
 predicted vs measured step time and model TFLOP/s per device (with the source's own FLOP count: Korthikanti's
 eq. 7, or the figure the source prints), and the mean absolute percentage error of each kind.
@@ -28,7 +30,7 @@ from rich.table import Table
 
 import hyperjax
 from hyperjax.config import Config, build
-from hyperjax.cost import estimate_inference
+from hyperjax.cost import count_params, estimate_inference
 
 HERE = Path(__file__).parent
 
@@ -46,6 +48,21 @@ def korthikanti_eq7(cfg: Config) -> float:
     )
 
 
+def torchtitan_flops(cfg: Config) -> float:
+    """Model FLOPs per step by torchtitan's count: ``6 N + 12 L h hd s`` per token, ``N`` without the embedding."""
+    m = cfg.model
+    embedding = m.vocab * m.d_model
+    per_token = 6 * (count_params(m) - embedding) + 12 * m.layers * m.heads * m.head_dim * m.seq_len
+    return per_token * cfg.train.global_batch * m.seq_len
+
+
+def kind_of(cfg: Config, path: Path) -> str:
+    """Which table a run belongs to: the folder it lies in, else dense or MoE."""
+    if path.parent.name in ("fp8", "torchtitan"):
+        return path.parent.name
+    return "moe" if cfg.model.moe is not None else "dense"
+
+
 def row(path: Path) -> dict:
     """One published run, predicted."""
     doc = yaml.safe_load(path.read_text())
@@ -54,11 +71,13 @@ def row(path: Path) -> dict:
     measured = doc["measured"]["step_time_s"]
     if doc["flops_formula"] == "korthikanti_eq7":
         measured_tflops = korthikanti_eq7(cfg) / (measured * est.devices) / 1e12
+    elif doc["flops_formula"] == "torchtitan":
+        measured_tflops = torchtitan_flops(cfg) / (measured * est.devices) / 1e12
     else:  # the source's own figure; the prediction does the same work in its predicted time
         measured_tflops = doc["measured"]["tflops_per_device"]
     return {
         "id": doc["id"],
-        "kind": "moe" if cfg.model.moe is not None else "dense",
+        "kind": kind_of(cfg, path),
         "devices": est.devices,
         "measured_s": measured,
         "predicted_s": est.step_time_s,
@@ -68,6 +87,14 @@ def row(path: Path) -> dict:
         "breakdown_s": est.breakdown_s,
         "communication_s": est.communication_s,
         "fits": est.fits,
+        "fp8": est.fp8,
+        "measured_memory_gib": doc["measured"].get("memory_gib"),
+        "predicted_memory_gib": est.memory_per_device_gib["peak"],
+        "memory_error": (
+            est.memory_per_device_gib["peak"] / doc["measured"]["memory_gib"] - 1
+            if "memory_gib" in doc["measured"]
+            else None
+        ),
     }
 
 
@@ -115,20 +142,29 @@ def errors(rows: list[dict]) -> tuple[float, float]:
     return sum(abs(r["error"]) for r in rows) / len(rows), max(abs(r["error"]) for r in rows)
 
 
-def main() -> int:
-    rows = [row(path) for path in sorted((HERE / "validation").glob("*.yaml"))]
-    console = Console(width=150)
+TABLES = (
+    ("dense", "dense: cost model vs published measured runs (Korthikanti et al., A100 80GB, Selene)"),
+    ("moe", "mixture of experts: cost model vs published measured runs (Megatron-Core, DGX H100)"),
+    ("fp8", "FP8 (delayed scaling): cost model vs NeMo 24.07's published runs (DGX H100)"),
+    ("torchtitan", "torchtitan Llama 3.1 8B, BF16 and Float8 (tensorwise), 500 W 96 GB H100: time and memory"),
+)
+
+
+def print_training(rows: list[dict], console: Console) -> dict:
+    """One table per kind of training run, and each kind's mean absolute percentage errors."""
     summary = {}
-    for kind, title in (
-        ("dense", "dense: cost model vs published measured runs (Korthikanti et al., A100 80GB, Selene)"),
-        ("moe", "mixture of experts: cost model vs published measured runs (Megatron-Core, DGX H100)"),
-    ):
+    for kind, title in TABLES:
         mine = [r for r in rows if r["kind"] == kind]
+        if not mine:
+            continue
         table = Table(title=title)
-        for col in ("run", "devices", "measured s", "predicted s", "error", "TFLOP/s/dev meas.", "pred.", "fits"):
+        cols = ["run", "devices", "measured s", "predicted s", "error", "TFLOP/s/dev meas.", "pred.", "fits"]
+        memory = any(r["measured_memory_gib"] is not None for r in mine)
+        cols += ["GiB meas.", "pred.", "error"] if memory else ["peak GiB pred."]
+        for col in cols:
             table.add_column(col, justify="left" if col == "run" else "right")
         for r in mine:
-            table.add_row(
+            cells = [
                 r["id"],
                 str(r["devices"]),
                 f"{r['measured_s']:.2f}",
@@ -137,11 +173,34 @@ def main() -> int:
                 f"{r['measured_tflops_per_device']:.1f}",
                 f"{r['predicted_tflops_per_device']:.1f}",
                 "yes" if r["fits"] else "NO",
-            )
+            ]
+            if memory:
+                m = r["measured_memory_gib"]
+                cells += [f"{m:.1f}", f"{r['predicted_memory_gib']:.1f}", f"{r['memory_error']:+.1%}"]
+            else:
+                cells.append(f"{r['predicted_memory_gib']:.1f}")
+            table.add_row(*cells)
         console.print(table)
         mape, worst = errors(mine)
-        summary[kind] = {"mape": mape, "worst": worst}
-        console.print(f"{kind}: mean absolute percentage error {mape:.1%}; worst row {worst:.1%}")
+        summary[kind] = {"mape": mape, "worst": worst, "rows": len(mine)}
+        line = f"{kind}: time, mean absolute percentage error {mape:.1%}; worst row {worst:.1%}"
+        mem = [abs(r["memory_error"]) for r in mine if r["memory_error"] is not None]
+        if mem:
+            summary[kind]["memory_mape"] = sum(mem) / len(mem)
+            line += f"; memory {sum(mem) / len(mem):.1%} (worst {max(mem):.1%})"
+        console.print(line)
+    return summary
+
+
+def main() -> int:
+    found = [*sorted((HERE / "validation").glob("*.yaml"))]
+    found += [
+        *sorted((HERE / "validation" / "fp8").glob("*.yaml")),
+        *sorted((HERE / "validation" / "torchtitan").glob("*.yaml")),
+    ]
+    rows = [row(path) for path in found]
+    console = Console(width=170)
+    summary = print_training(rows, console)
     serving = [serving_row(path) for path in sorted((HERE / "validation" / "inference").glob("*.yaml"))]
     serving_summary = print_serving(serving, console)
     out = HERE / "results" / "validate.json"

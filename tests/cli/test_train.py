@@ -211,6 +211,8 @@ def test_mpmd_across_processes_gives_the_same_losses(tmp_path: Path, config: str
 @pytest.mark.large
 @pytest.mark.multiprocess
 def test_vlm_cm384_trains_mpmd_across_processes(tmp_path: Path):
-    losses, out = train_losses(str(CONFIGS / "vlm-cm384.yaml"), tmp_path=tmp_path)
+    # one step of the shipped config: its two micro-batches cross from the encoder's 4 processes to the language
+    # model's 8 and back; later steps across processes are the 2-process MPMD oracle's (test below)
+    losses, out = train_losses(str(CONFIGS / "vlm-cm384.yaml"), "--steps", "1", tmp_path=tmp_path)
     assert "384 emulated cloudmatrix384 devices (12 process(es))" in out and "mpmd vision: 128 devices" in out
-    assert len(losses) == 2 and all(0 < x < 10 for x in losses)
+    assert len(losses) == 1 and 0 < losses[0] < 10

@@ -171,9 +171,19 @@ def test_plan_json_reports_the_search(capsys):
     assert data["searched"] >= data["priced"] >= data["fitting"] > 0 and data["seconds"] > 0
 
 
+@pytest.mark.slow  # a long search
 def test_plan_finds_expert_parallel_strategies_for_deepseek_v3_on_a_supernode():
     cfg = load_config(ROOT / "configs/deepseek-v3-671b.yaml")
     found = plan(cfg, 384, keep=3)
     assert found.best and all(c.estimate.fits for c in found.best)
     assert all(c.run.parallel["expert"] > 1 for c in found.best)
     assert all(c.estimate.communication_s["expert_parallel"] > 0 for c in found.best)
+
+
+def test_the_search_keeps_the_precision_the_config_states():
+    cfg = load_config(
+        ROOT / "configs/quickstart.yaml", ["hardware=dgx-h100", "train.fp8.recipe=blockwise", "train.dtype=bfloat16"]
+    )
+    found = plan(cfg, 8, keep=3)
+    assert found.best and all(c.run.config.train.fp8 == cfg.train.fp8 for c in found.best)
+    assert all(c.estimate.fp8 is not None and c.estimate.fp8["recipe"] == "blockwise" for c in found.best)

@@ -24,6 +24,23 @@ def test_required_presets_load(name):
     assert name in list_presets()
 
 
+@pytest.mark.parametrize(
+    ("name", "fp8"),
+    [
+        ("dgx-h100", 1979e12),
+        ("dgx-h200", 1979e12),
+        ("h100-96g-500w", 1825e12),
+        ("dgx-a100-80g", None),
+        ("tpu-v5p", None),
+        ("cloudmatrix384", None),
+        ("ascend910c-cluster", None),
+    ],
+)
+def test_a_device_lists_the_formats_it_multiplies(name, fp8):
+    """FP8 where its peak is published (or, for the power-capped part, derived and stated); nowhere else."""
+    assert load_hardware(name).device.peak_flops.get("fp8") == fp8
+
+
 @pytest.mark.parametrize("name", list_presets())
 def test_every_section_names_its_source(name):
     raw = _raw(name)

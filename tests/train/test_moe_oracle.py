@@ -40,7 +40,7 @@ LAYOUTS = [
     # experts spread over expert x tensor (Megatron's expert tensor parallelism of 1)
     ["parallel.expert=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert_tensor=1"],
     pytest.param(["parallel.expert=2", "parallel.fsdp=2"], marks=SLOW),
-    ["parallel.expert=4", "parallel.fsdp=2", "parallel.zero_stage=1"],
+    pytest.param(["parallel.expert=4", "parallel.fsdp=2", "parallel.zero_stage=1"], marks=SLOW),
     pytest.param(["parallel.expert=2", "parallel.context=2", "train.recompute=full"], marks=SLOW),
     # accumulated micro-batches
     pytest.param(["parallel.expert=4", "train.micro_batch=2", "train.recompute=selective"], marks=SLOW),
@@ -53,7 +53,7 @@ LAYOUTS = [
         ["parallel.expert=4", "offload.policy=manual", "offload.manual={layers.1.optimizer: host}"], marks=SLOW
     ),
     # each replica's gradients summed in flat buffers: over data x expert (routed experts' over data alone)
-    ["parallel.expert=2", "parallel.gradient_buckets=true"],
+    pytest.param(["parallel.expert=2", "parallel.gradient_buckets=true"], marks=SLOW),
     pytest.param(["parallel.expert=8", "parallel.gradient_buckets=true"], marks=SLOW),
     pytest.param(
         ["parallel.expert=2", "parallel.tensor=2", "parallel.gradient_buckets=true", "train.micro_batch=1"], marks=SLOW
@@ -117,14 +117,14 @@ def reference(model: str) -> tuple[float, ...]:
     ("model", "sets"),
     [
         ("deepseek-router", []),
-        pytest.param("mla", [], marks=SLOW),
+        ("mla", []),
         pytest.param("gpt-experts", [], marks=SLOW),
         # the replicas' gradients summed in buckets; every micro-batch run as two halves
         pytest.param("deepseek-router", ["parallel.gradient_buckets=true"], marks=SLOW),
         pytest.param("mla", ["parallel.gradient_buckets=true"], marks=SLOW),
         ("gpt-experts", ["parallel.gradient_buckets=true"]),
         pytest.param("deepseek-router", ["parallel.overlap=two-microbatch"], marks=SLOW),
-        ("mla", ["parallel.overlap=two-microbatch"]),
+        pytest.param("mla", ["parallel.overlap=two-microbatch"], marks=SLOW),
         pytest.param("gpt-experts", ["parallel.overlap=two-microbatch"], marks=SLOW),
     ],
     ids=lambda x: x if isinstance(x, str) else layout_id(x) or "plain",

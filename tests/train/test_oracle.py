@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hyperjax import load_config, resolve, train
+from tests.tiers import sweep
 
 QUICKSTART = Path(__file__).parents[2] / "configs" / "quickstart.yaml"
 STEPS = 3  # the losses of three steps: two updates, the second from moments the first wrote
@@ -37,20 +38,23 @@ def test_single_device_learns(single_device):
     assert single_device[-1] < single_device[0]
 
 
+STRATEGIES = [
+    ["parallel.data=8"],
+    ["parallel.fsdp=8"],
+    ["parallel.tensor=8"],
+    ["parallel.data=2", "parallel.tensor=4"],
+    ["parallel.tensor=4", "parallel.sequence_parallel=true"],
+    ["parallel.context=4"],
+    ["parallel.zero_stage=1"],
+    ["parallel.zero_stage=2", "parallel.fsdp=2", "parallel.tensor=2"],
+    ["parallel.data=4", "parallel.tensor=2", "train.micro_batch=2"],
+    ["parallel.tensor=2", "parallel.context=2", "parallel.fsdp=2", "train.recompute=full"],
+]
+
+
 @pytest.mark.parametrize(
     "sets",
-    [
-        ["parallel.data=8"],
-        ["parallel.fsdp=8"],
-        ["parallel.tensor=8"],
-        ["parallel.data=2", "parallel.tensor=4"],
-        ["parallel.tensor=4", "parallel.sequence_parallel=true"],
-        ["parallel.context=4"],
-        ["parallel.zero_stage=1"],
-        ["parallel.zero_stage=2", "parallel.fsdp=2", "parallel.tensor=2"],
-        ["parallel.data=4", "parallel.tensor=2", "train.micro_batch=2"],
-        ["parallel.tensor=2", "parallel.context=2", "parallel.fsdp=2", "train.recompute=full"],
-    ],
+    sweep(STRATEGIES, fast={1, 2, 3, 5, 7, 8, 9}),
     ids=lambda s: ",".join(x.split(".")[-1] for x in s),
 )
 def test_strategy_matches_single_device(single_device, sets):

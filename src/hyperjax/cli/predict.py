@@ -170,3 +170,9 @@ def print_estimate(est: Estimate) -> None:
             f"  MoE all-to-all ({run.overlap} overlap): {a['total_s']:.3g} s per step, {a['exposed_s']:.3g} s "
             f"exposed, {a['hidden_fraction']:.0%} hidden behind compute"
         )
+    if est.fp8 is not None:
+        f, step = est.fp8, est.step_time_s
+        out.print(
+            f"  FP8 ({f['recipe']}): products {f['products_s']:.3g} s per step ({f['products_s'] / step:.1%} of the "
+            f"step), casts {f['cast_s']:.3g} s ({f['cast_s'] / step:.1%})"
+        )

@@ -15,6 +15,8 @@ from hyperjax.config.model import ModelConfig
 from hyperjax.config.types import (
     DataSource,
     DType,
+    Fp8Format,
+    Fp8Recipe,
     OffloadOption,
     OffloadPolicy,
     Overlap,
@@ -37,6 +39,29 @@ class EmulateConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Fp8Config:
+    """FP8 products (``train.fp8``): every linear layer of a block multiplies in FP8; ``train.dtype`` stays the
+    precision of everything else (the attention core, norms, the router, the embedding)."""
+
+    recipe: Fp8Recipe = "tensorwise"  # how operands are scaled: tensorwise, delayed, rowwise or blockwise
+    format: Fp8Format = "hybrid"  # hybrid: E4M3 forward, E5M2 gradients; e4m3: E4M3 throughout
+    output_layer: bool = False  # the output projection (the head) in FP8 too
+    all_gather: bool = False  # FSDP / ZeRO-3 gathers weights in FP8, one byte each (torchtitan's float8 all-gather)
+    amax_history: int = 1024  # delayed: steps of amax history a scale is taken from (the history's maximum)
+    block: int = 128  # blockwise: tile width (1 x block activations and gradients, block x block weights)
+
+    def __post_init__(self) -> None:
+        vocabularies(self, "train.fp8")
+        positive(self, "train.fp8", ("amax_history", "block"))
+        if self.all_gather and self.recipe == "rowwise":
+            raise ConfigError(
+                "train.fp8.all_gather=true gathers FSDP weight shards in FP8, but train.fp8.recipe=rowwise scales a "
+                "weight by the rows of its whole use, which a shard cannot quantise alone; use recipe tensorwise, "
+                "delayed or blockwise, or train.fp8.all_gather: false"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """The training run (``train:``)."""
 
@@ -52,6 +77,7 @@ class TrainConfig:
     beta2: float = 0.95  # AdamW second-moment decay
     grad_clip: float = 1.0  # global gradient-norm clip; 0 turns it off
     dtype: DType = "float32"  # compute dtype: float32 or bfloat16 (parameters stay float32)
+    fp8: Fp8Config | None = None  # FP8 products of the blocks' linear layers (null: none); see Fp8Config
     recompute: Recompute = "none"  # activation recomputation per block: none, selective or full
     seed: int = 0  # parameter initialisation and data order
     data: DataSource = "text"  # text: the shipped corpus, byte-level; synthetic: a learnable token sequence

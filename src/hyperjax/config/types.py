@@ -12,6 +12,15 @@ from typing import Literal
 DType = Literal["float32", "bfloat16"]
 """Compute dtype; parameters stay float32."""
 
+Fp8Recipe = Literal["tensorwise", "delayed", "rowwise", "blockwise"]
+"""How an FP8 product scales its operands: one scale per tensor from its current amax (Transformer Engine's
+current scaling, torchao's tensorwise), one per tensor from an amax history (TE's delayed scaling), one per
+row of each operand (torchao's rowwise), or 1x128 tiles of activations and gradients with 128x128 blocks of
+weights (DeepSeek-V3)."""
+
+Fp8Format = Literal["hybrid", "e4m3"]
+"""FP8 formats: ``hybrid`` is E4M3 forward and E5M2 for gradients; ``e4m3`` is E4M3 throughout."""
+
 Recompute = Literal["none", "selective", "full"]
 """Activation recomputation per block: nothing, the attention core, or the whole block."""
 

@@ -58,6 +58,8 @@ class Estimate:
       all_to_all: a mixture of experts' dispatch and combine on the slowest stage per step under the run's
         overlap schedule: ``total_s``, ``exposed_s`` (what its compute waits for) and ``hidden_fraction``
         (``1 - exposed / total``); ``None`` for a dense model.
+      fp8: with ``train.fp8``, the slowest stage's ``recipe``, ``products_s`` (its FP8 products per step,
+        forward and backward) and ``cast_s`` (its casts to FP8 per step, weights included); else ``None``.
       kinds: the distinct stage costs: stages alike but for the micro-batches they hold share one.
       kind_of: each stage's kind (an index into ``kinds``).
       in_flight: the micro-batches each stage holds at its peak.
@@ -85,6 +87,7 @@ class Estimate:
     fullest: int
     bubble_ratio: float
     closed_form: bool
+    fp8: dict[str, Any] | None = None
 
     @functools.cached_property
     def stages(self) -> tuple[StageCost, ...]:
@@ -130,6 +133,7 @@ class Estimate:
             "breakdown_s": self.breakdown_s,
             "communication_s": self.communication_s,
             **({"all_to_all": self.all_to_all} if self.all_to_all is not None else {}),
+            **({"fp8": self.fp8} if self.fp8 is not None else {}),
             "details": self.details(),
             "run": self.run.to_dict(),
         }
@@ -195,6 +199,7 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
             run.expert_tensor_split,
             run.rows,
             run.overlap,
+            run.config.train.fp8,
             p2p,
         )
         core = cores.get(key)
@@ -230,7 +235,7 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
                     lengths |= {(n, "F"): t.forward_s, (n, "B"): t.backward_s, (n, "W"): t.weight_s}
             end = replay_end(sched, lengths)
         idle = max(0.0, end - busy)
-    step = busy + idle + c.data_parallel_exposed_s + c.optimizer_s
+    step = busy + idle + c.data_parallel_exposed_s + c.optimizer_s + c.weight_cast_s
     fullest = max(range(len(kind_of)), key=lambda i: peak_with(kinds[kind_of[i]], held[i]))
     memory = dict(with_in_flight(kinds[kind_of[fullest]], run.stages[fullest], held[fullest]).memory)
     fits = memory["peak"] <= hw.device.hbm_bytes
@@ -248,7 +253,7 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
         fits=fits,
         overflow=None if fits else max(MEMORY_TERMS, key=memory.__getitem__),
         breakdown_s={
-            "compute": m * (c.compute_s + c.slowdown_s) + pair_slowdown,
+            "compute": m * (c.compute_s + c.slowdown_s) + pair_slowdown + c.weight_cast_s,
             "exposed_communication": m * (c.comm_s + c.p2p_s) + c.data_parallel_exposed_s - pair_hidden,
             "pipeline_bubble": idle,
             "recompute": m * c.recompute_s,
@@ -263,6 +268,7 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
             "data_parallel": c.data_parallel_s,
         },
         all_to_all=_all_to_all(run, mine, m, paired),
+        fp8=_fp8(run, c, m),
         kinds=tuple(kinds),
         kind_of=tuple(kind_of),
         in_flight=tuple(held),
@@ -285,6 +291,18 @@ def _all_to_all(run: Run, chunks: tuple[ChunkCost, ...], m: int, paired: Mapping
         "total_s": total,
         "exposed_s": exposed,
         "hidden_fraction": min(1.0, max(0.0, 1 - exposed / total)) if total > 0 else 0.0,
+    }
+
+
+def _fp8(run: Run, c: StageCost, m: int) -> dict[str, Any] | None:
+    """The ``fp8`` of an estimate: the slowest stage's FP8 products and casts per step."""
+    fp8 = run.config.train.fp8
+    if fp8 is None:
+        return None
+    return {
+        "recipe": fp8.recipe,
+        "products_s": m * sum(p.layers * p.layer.fp8_products_s for p in c.parts),
+        "cast_s": m * sum(p.layers * p.layer.cast_s for p in c.parts) + c.weight_cast_s,
     }
 
 

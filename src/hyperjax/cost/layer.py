@@ -6,6 +6,12 @@ as the stored activations streamed through HBM. The backward costs twice the for
 context-parallel collectives sit on the critical path; FSDP's gathers and scatters overlap the layer's
 compute and only what exceeds it is exposed.
 
+With ``fp8`` (``train.fp8``) the block's linear layers (not the router) run at the device's FP8 peak with
+one-byte operands, each product's operands are cast first (memory-bound, :mod:`hyperjax.cost.fp8`), the
+linear layers' inputs are kept in FP8 where the recipe reuses them, a mixture of experts dispatches its
+tokens in FP8 (DeepSeek-V3; the combine stays in the compute dtype), and FSDP gathers weights at one byte
+each with ``all_gather``.
+
 A mixture-of-experts block (``moe=True``) prices its router, its shared experts as a dense MLP, and its
 routed experts as one grouped product over the device's experts at the busiest device's load
 (:mod:`hyperjax.cost.routing`); the dispatch and the combine are all-to-alls over the expert axis, each
@@ -19,10 +25,11 @@ import dataclasses
 import functools
 from collections.abc import Mapping
 
-from hyperjax.config import ModelConfig, Recompute
+from hyperjax.config import Fp8Config, ModelConfig, Recompute
 from hyperjax.cost.collectives import collective_time
 from hyperjax.cost.compute import gemm_time, grouped_gemm_time, stream_time
 from hyperjax.cost.counts import Product, activation_units, block_products, block_tensors
+from hyperjax.cost.fp8 import cast_passes, fp8_input_units, keeps_fp8_inputs
 from hyperjax.cost.routing import exchange_time, routing
 from hyperjax.topology import AxisSpan, Hardware
 
@@ -54,6 +61,11 @@ class LayerCost:
       expert_params: those of them that are routed experts' (their gradients are reduced over the data
         axes but not the expert axis, which holds other experts).
       param_transfer_bytes: one copy of those parameters in the compute dtype (what a host fetch moves).
+      fp8_products_s: the FP8 products of forward and backward (0 without ``train.fp8``).
+      cast_s: the casts to FP8 of activations and gradients, forward and backward (in ``forward_s`` and
+        ``backward_s``).
+      weight_cast_s: casting the layer's weights to FP8, once per step.
+      fp8_weights: elements of the layer's FP8 weights on one device before FSDP.
     """
 
     products_s: Mapping[str, float]
@@ -74,6 +86,10 @@ class LayerCost:
     expert_comm_s: float = 0.0
     exchange_s: float = 0.0
     expert_params: float = 0.0
+    fp8_products_s: float = 0.0
+    cast_s: float = 0.0
+    weight_cast_s: float = 0.0
+    fp8_weights: float = 0.0
 
     @property
     def weight_s(self) -> float:
@@ -98,6 +114,7 @@ def price_layer(
     hardware: Hardware,
     moe: bool = False,
     expert_tensor: bool = True,
+    fp8: Fp8Config | None = None,
 ) -> LayerCost:
     """Price one block of ``m`` for ``micro`` sequences on one device of a mesh with ``axes``.
 
@@ -115,6 +132,7 @@ def price_layer(
       moe: the block's MLP is ``m.moe``'s mixture of experts.
       expert_tensor: experts' hidden widths are split over the tensor axis (``parallel.expert_tensor``
         null); otherwise the experts spread over it.
+      fp8: the FP8 recipe of the linear layers (``train.fp8``); ``None``: they run in ``dtype``.
     """
     return _price_layer(
         m,
@@ -127,6 +145,7 @@ def price_layer(
         hardware,
         moe,
         expert_tensor,
+        fp8,
     )
 
 
@@ -151,6 +170,7 @@ def _price_layer(
     hardware: Hardware,
     moe: bool,
     expert_tensor: bool,
+    fp8: Fp8Config | None,
 ) -> LayerCost:
     axes, spans = dict(axes_items), dict(span_items)
     tp, cp, fsdp, ep = axes["tensor"], axes["context"], axes["fsdp"], axes.get("expert", 1)
@@ -162,22 +182,46 @@ def _price_layer(
     def gemm(mm: float, nn: float, kk: float, count: float = 1) -> float:
         return gemm_time(mm, nn, kk, count=count, bytes_per_element=e, dtype=dtype, hardware=hardware)
 
-    def product(p: Product) -> float:
+    def shape(p: Product) -> tuple[float, float, float, int]:
+        """A product's rows, output and contracted widths on this device, and its groups (1: dense)."""
         if p.name.startswith("experts_"):  # the routed experts: one grouped product over the local experts
             w = routed.width
             n, k = (p.n / w, p.k) if p.split == "n" else (p.n, p.k / w)
-            return grouped_gemm_time(
-                routed.busiest, n, k, groups=routed.local_experts, bytes_per_element=e, dtype=dtype, hardware=hardware
-            )
+            return routed.busiest, n, k, routed.local_experts
         if p.split == "none":
-            return gemm(tokens, p.n, p.k)
-        return gemm(tokens, p.n / tp, p.k) if p.split == "n" else gemm(tokens, p.n, p.k / tp)
+            return tokens, p.n, p.k, 1
+        return (tokens, p.n / tp, p.k, 1) if p.split == "n" else (tokens, p.n, p.k / tp, 1)
+
+    def product(p: Product) -> float:
+        rows, n, k, groups = shape(p)
+        lowp = fp8 is not None and p.group != "router"  # the router stays in the compute dtype
+        b, dt = (1, "fp8") if lowp else (e, dtype)
+        if groups > 1:
+            return grouped_gemm_time(rows, n, k, groups=groups, bytes_per_element=b, dtype=dt, hardware=hardware)
+        return gemm_time(rows, n, k, bytes_per_element=b, dtype=dt, hardware=hardware)
 
     products = {"qkv": 0.0, "attn_out": 0.0, "mlp_hidden": 0.0}
+    low = 0.0  # the FP8 products among them
     for p in block_products(m, moe=moe):
         key = "mlp_hidden" if p.group == "router" else p.group
         products[key] += product(p)
+        low += product(p) if fp8 is not None and p.group != "router" else 0.0
     proj = sum(products.values())
+    cast_fwd = cast_bwd = weight_cast = weights8 = 0.0
+    amaxes = 0
+    if fp8 is not None:  # every FP8 product's operands cast first: activations forward, gradients backward
+        casts = cast_passes(fp8.recipe, e)
+        x_elems = g_elems = 0.0
+        for p in block_products(m, moe=moe):
+            if p.group == "router":
+                continue
+            rows, n, k, groups = shape(p)
+            x_elems, g_elems, weights8 = x_elems + rows * k, g_elems + rows * n, weights8 + groups * n * k
+            amaxes += 1
+        kernels = amaxes * casts.kernels
+        cast_fwd = stream_time(x_elems * casts.activation, ops=kernels / 2, hardware=hardware)
+        cast_bwd = stream_time(g_elems * casts.gradient, ops=kernels / 2, hardware=hardware)
+        weight_cast = stream_time(weights8 * casts.weight, ops=amaxes, hardware=hardware)
     rope = m.rope_head_dim if m.attention == "mla" else 0
     flash = m.attention_kernel == "flash"
     # scores over the query-key width and attention-weighted values, one batched product each; a fused
@@ -193,6 +237,9 @@ def _price_layer(
     units = activation_units(m, moe=moe, imbalance=routed.imbalance if routed else 1.0)
     acts = {name: units[name] * per_token / ways[name] for name in ways}
     kept = {name: u * per_token / ways[name] for name, u in activation_units(m, moe=moe).items()}
+    if fp8 is not None and keeps_fp8_inputs(fp8):  # the linear layers' inputs kept at one byte, not e
+        for name, u in fp8_input_units(m, moe=moe).items():
+            kept[name] -= u * micro * (s / cp) * (e - 1) / 2 / ways[name]
     replicated = acts["block_in"] + acts["norms"]
     split = acts["qkv"] + acts["attn_out"] + acts["mlp_hidden"]
     held = kept["block_in"] + kept["norms"] + kept["qkv"] + kept["attn_out"] + kept["mlp_hidden"]
@@ -200,8 +247,8 @@ def _price_layer(
     # materialized: the scores and probabilities stream through HBM; fused: they stay on chip, and the
     # backward recomputes the scores (five products of the core's size against the forward's two)
     ew_core_fwd = 0.0 if flash else stream_time(2 * acts["attn_core"], ops=4, hardware=hardware)
-    fwd = proj + core + ew_fwd + ew_core_fwd
-    bwd = 2 * proj + (2.5 if flash else 2.0) * core + 2 * (ew_fwd + ew_core_fwd)
+    fwd = proj + core + ew_fwd + ew_core_fwd + cast_fwd
+    bwd = 2 * proj + (2.5 if flash else 2.0) * core + 2 * (ew_fwd + ew_core_fwd) + cast_bwd
     stored = {"none": held + kept["attn_core"], "selective": held, "full": kept["block_in"]}[recompute]
     ew_share = lambda name: ew_fwd * acts[name] / (replicated + split)
     by_name = {
@@ -217,6 +264,8 @@ def _price_layer(
     act_bytes = micro * (s / cp) * m.d_model * e
     passes = 2 + (1 if recompute == "full" else 0)  # forward, backward, re-forward
     tensor_comm = 2 * passes * collective_time("all_reduce", act_bytes, spans["tensor"], hardware)
+    if fp8 is not None and fp8.recipe == "tensorwise":  # each current amax agreed over the tensor group
+        tensor_comm += amaxes * passes * collective_time("all_reduce", 4, spans["tensor"], hardware)
     kv_bytes = 2 * micro * s * m.kv_heads * hd * e / tp
     context_comm = passes * collective_time("all_gather", kv_bytes, spans["context"], hardware)
     expert_comm = one = 0.0
@@ -224,9 +273,13 @@ def _price_layer(
         exchange = spans["+".join(routed.exchange)]
         one = exchange_time(m, routed, exchange, bytes_per_element=e, hardware=hardware)
         expert_comm = 2 * passes * one
+        if fp8 is not None:  # the forward's dispatch (and its recomputation) moves FP8 rows
+            low_one = exchange_time(m, routed, exchange, bytes_per_element=1, hardware=hardware)
+            expert_comm -= (passes - 1) * (one - low_one)
 
     params, experts = _block_params(m, moe, tp, ep, expert_tensor)
-    gather = collective_time("all_gather", params * e, spans["fsdp"], hardware)
+    gathered = params * e - (weights8 * (e - 1) if fp8 is not None and fp8.all_gather else 0.0)
+    gather = collective_time("all_gather", gathered, spans["fsdp"], hardware)
     scatter = collective_time("reduce_scatter", params * 4, spans["fsdp"], hardware)
     exposed = max(0.0, 2 * gather + scatter - (fwd + bwd + extra))
     return LayerCost(
@@ -248,4 +301,8 @@ def _price_layer(
         params=params / fsdp,
         expert_params=experts / fsdp,
         param_transfer_bytes=params / fsdp * e,
+        fp8_products_s=3 * low,
+        cast_s=cast_fwd + cast_bwd,
+        weight_cast_s=weight_cast,
+        fp8_weights=weights8,
     )

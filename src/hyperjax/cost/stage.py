@@ -17,6 +17,7 @@ from hyperjax.config import ModelConfig, Run, Stage
 from hyperjax.cost.collectives import collective_time
 from hyperjax.cost.compute import gemm_time, stream_time
 from hyperjax.cost.counts import Tensor, decoder_tensors, encoder_tensors
+from hyperjax.cost.fp8 import cast_time, held_bytes
 from hyperjax.cost.layer import LayerCost, price_layer
 from hyperjax.cost.overlap import Exchange, chunk_exchange
 from hyperjax.topology import AxisSpan
@@ -88,6 +89,7 @@ class StageCost:
       data_parallel_s: the gradient reduction (and ZeRO gathers) over the data axis, whole.
       data_parallel_exposed_s: the part of it not hidden behind the last micro-batch's backward.
       optimizer_s: the optimizer step over the local shard.
+      weight_cast_s: casting the stage's weights to FP8, once per step (0 without ``train.fp8``).
       in_flight: micro-batches whose activations the stage holds at its peak.
       memory: bytes per device: ``params``, ``optimizer``, ``gradients``, ``activations``, ``peak``.
       spans: the tiers each of its mesh axes spans.
@@ -107,6 +109,7 @@ class StageCost:
     in_flight: int
     memory: Mapping[str, float]
     spans: Mapping[str, AxisSpan]
+    weight_cast_s: float = 0.0
 
     @property
     def per_microbatch_s(self) -> float:
@@ -244,6 +247,7 @@ def stage_core(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: AxisS
                 hardware=hw,
                 moe=moe,
                 expert_tensor=run.expert_tensor_split,
+                fp8=run.config.train.fp8,
             )
             ends = module != "decoder" or c == last
             starts = module != "decoder" or c == 0
@@ -324,10 +328,13 @@ def price_stage(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> S
     opt_params = zero(trained) if run.zero_stage >= 1 else trained
     fsdp = axes["fsdp"]
     # FSDP materialises a layer whole: its gathered parameters and the next layer's (prefetched) in the
-    # compute dtype, and its full gradient in float32 before the reduce-scatter
+    # compute dtype (FP8 with train.fp8.all_gather), and its full gradient in float32 before the reduce-scatter
     whole = max((p.layer.params * fsdp for p in core.parts), default=0.0) if fsdp > 1 else 0.0
+    fp8 = run.config.train.fp8
+    gathered = 1 if fp8 is not None and fp8.all_gather else e
+    fp8_bytes = 0.0 if fp8 is None else held_bytes(fp8, run.config.model, core.parts, fsdp)
     memory = {
-        "params": held * (4 + (2 if e == 2 else 0)) + whole * (2 * e + 4),
+        "params": held * (4 + (2 if e == 2 else 0)) + whole * (2 * gathered + 4) + fp8_bytes,
         "optimizer": opt_params * 8,
         "gradients": (zero(held) if run.zero_stage >= 2 else held) * 4,
         "activations": in_flight * core.kept_bytes + core.head_bytes + _halves_bytes(run, stage, core),
@@ -345,6 +352,7 @@ def price_stage(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> S
         data_parallel_s=dp_time,
         data_parallel_exposed_s=dp_exposed,
         optimizer_s=stream_time(opt_params * (30 if e == 2 else 28), ops=8, hardware=hw),
+        weight_cast_s=sum(p.layers * p.layer.weight_cast_s for p in core.parts) / (fsdp if gathered == 1 else 1),
         in_flight=in_flight,
         memory=memory,
         spans=core.spans,
@@ -374,9 +382,18 @@ def _part(
     head_s = head_bytes = 0.0
     if ends and outside:
         vocab = block.vocab
+        fp8 = run.config.train.fp8
+        low = fp8 is not None and fp8.output_layer and module != "encoder"
         head_s = 3 * gemm_time(
-            tokens, vocab / tp, block.d_model, bytes_per_element=e, dtype=run.dtype, hardware=hw
+            tokens,
+            vocab / tp,
+            block.d_model,
+            bytes_per_element=1 if low else e,
+            dtype="fp8" if low else run.dtype,
+            hardware=hw,
         ) + stream_time(tokens * vocab / tp * 4 * 3, ops=6, hardware=hw)
+        if low:  # its input, its output's gradient and its weight cast to FP8
+            head_s += cast_time(fp8, e, tokens, block.d_model, vocab / tp, hw)
         head_bytes = tokens * vocab / tp * 4 * 2
     held = trained = 0.0
     for t in _outside(module, block, m) if outside else ():

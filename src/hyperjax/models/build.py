@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from hyperjax.config import DType, ModelConfig, Overlap, Recompute, choices
+from hyperjax.config import DType, Fp8Config, ModelConfig, Overlap, Recompute, choices
 from hyperjax.errors import ConfigError
 from hyperjax.models.transformer import BlockPolicy, Transformer
 from hyperjax.models.vlm import VisionLanguageModel
@@ -18,13 +18,14 @@ def build_model(
     seed: int = 0,
     policies: tuple[BlockPolicy, ...] | None = None,
     overlap: Overlap = "none",
+    fp8: Fp8Config | None = None,
 ) -> Transformer | VisionLanguageModel:
     """Initialise a model of ``cfg`` from ``seed`` (the same parameters on any mesh).
 
     A :class:`Transformer`, or with ``cfg.vision`` a :class:`VisionLanguageModel`. ``policies`` (one per
     block, e.g. from an offload placement) say what a decoder's blocks keep for backward; ``None``: what
     ``recompute`` says. ``overlap`` (``parallel.overlap``): ``two-microbatch`` runs a decoder's micro-batches
-    as two halves.
+    as two halves. ``fp8`` (``train.fp8``): the blocks' linear layers multiply in FP8 by that recipe.
 
     Raises:
       ConfigError: a ``recompute`` or ``dtype`` outside its vocabulary, or an overlap a vision-language
@@ -41,5 +42,5 @@ def build_model(
                 "parallel.overlap='two-microbatch' runs a decoder's micro-batch as two halves; a vision-language "
                 "model does not split its micro-batches; set parallel.overlap: none"
             )
-        return VisionLanguageModel(cfg, dtype=dtype, recompute=recompute, rngs=rngs)
-    return Transformer(cfg, dtype=dtype, recompute=recompute, rngs=rngs, policies=policies, overlap=overlap)
+        return VisionLanguageModel(cfg, dtype=dtype, recompute=recompute, rngs=rngs, fp8=fp8)
+    return Transformer(cfg, dtype=dtype, recompute=recompute, rngs=rngs, policies=policies, overlap=overlap, fp8=fp8)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from hyperjax.config import GATED, AttentionKernel, MLPKind, Norm
+from hyperjax.config import GATED, AttentionKernel, Fp8Config, MLPKind, Norm
 from hyperjax.models.taps import product
 
 Constrain = Callable[[jax.Array, tuple[str | None, ...]], jax.Array]
@@ -151,8 +151,10 @@ class Attention(nnx.Module):
         rngs: nnx.Rngs,
         causal: bool = True,
         kernel: AttentionKernel = "materialized",
+        fp8: Fp8Config | None = None,
     ) -> None:
         hd = head_dim
+        self.fp8 = fp8  # its projections' FP8 recipe (None: train.dtype)
         self.heads, self.kv_heads, self.rope_theta, self.causal = heads, kv_heads, rope_theta, causal
         self.kernel = kernel
         self.q_proj = param(rngs, (d_model, heads, hd), ("embed", "heads", "head_dim"))
@@ -170,10 +172,10 @@ class Attention(nnx.Module):
         self.bias = bias
 
     def __call__(self, x: jax.Array, constrain: Constrain) -> jax.Array:
-        dt = x.dtype
-        q = product("bsd,dhk->bshk", x, use(self.q_proj, constrain).astype(dt))
-        k = product("bsd,dhk->bshk", x, use(self.k_proj, constrain).astype(dt))
-        v = product("bsd,dhk->bshk", x, use(self.v_proj, constrain).astype(dt))
+        dt, fp8 = x.dtype, {"fp8": self.fp8, "constrain": constrain}
+        q = product("bsd,dhk->bshk", x, use(self.q_proj, constrain).astype(dt), **fp8)
+        k = product("bsd,dhk->bshk", x, use(self.k_proj, constrain).astype(dt), **fp8)
+        v = product("bsd,dhk->bshk", x, use(self.v_proj, constrain).astype(dt), **fp8)
         if self.bias:
             q, k, v = (
                 q + use(self.q_bias, constrain).astype(dt),
@@ -192,7 +194,7 @@ class Attention(nnx.Module):
         v = constrain(checkpoint_name(v, "qkv"), ("batch", None, "act_kv_heads", None))
         out = attention_core(q, k, v, causal=self.causal, kernel=self.kernel)
         out = constrain(checkpoint_name(out, "attn_out"), ("batch", "seq", "act_heads", None))
-        y = product("bshk,hkd->bsd", out, use(self.o_proj, constrain).astype(dt))
+        y = product("bshk,hkd->bsd", out, use(self.o_proj, constrain).astype(dt), **fp8)
         if self.bias:
             y = y + use(self.o_bias, constrain).astype(dt)
         return y
@@ -211,8 +213,18 @@ class MLP(nnx.Module):
     ``geglu`` (an input, a gate and an output matrix). The input projections are column-split, the output
     row-split."""
 
-    def __init__(self, d_model: int, d_ff: int, *, kind: MLPKind, bias: bool, layers: int, rngs: nnx.Rngs) -> None:
-        self.kind, self.gated, self.bias = kind, kind in GATED, bias
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        kind: MLPKind,
+        bias: bool,
+        layers: int,
+        rngs: nnx.Rngs,
+        fp8: Fp8Config | None = None,
+    ) -> None:
+        self.kind, self.gated, self.bias, self.fp8 = kind, kind in GATED, bias, fp8
         self.w_in = param(rngs, (d_model, d_ff), ("embed", "mlp"))
         if self.gated:
             self.w_gate = param(rngs, (d_model, d_ff), ("embed", "mlp"))
@@ -224,18 +236,18 @@ class MLP(nnx.Module):
             self.b_out = param(rngs, (d_model,), ("embed",), init="zeros")
 
     def __call__(self, x: jax.Array, constrain: Constrain) -> jax.Array:
-        dt = x.dtype
-        h = product("...d,df->...f", x, use(self.w_in, constrain).astype(dt))
+        dt, fp8 = x.dtype, {"fp8": self.fp8, "constrain": constrain}
+        h = product("bsd,df->bsf", x, use(self.w_in, constrain).astype(dt), **fp8)
         if self.bias:
             h = h + use(self.b_in, constrain).astype(dt)
         h = checkpoint_name(h, "mlp_hidden")  # the up-projection's output and the activation's are both kept
         gate = None
         if self.gated:
-            gate = product("...d,df->...f", x, use(self.w_gate, constrain).astype(dt))
+            gate = product("bsd,df->bsf", x, use(self.w_gate, constrain).astype(dt), **fp8)
             if self.bias:
                 gate = gate + use(self.b_gate, constrain).astype(dt)
         h = constrain(checkpoint_name(activate(self.kind, h, gate), "mlp_hidden"), ("batch", "seq", "act_mlp"))
-        y = product("...f,fd->...d", h, use(self.w_out, constrain).astype(dt))
+        y = product("bsf,fd->bsd", h, use(self.w_out, constrain).astype(dt), **fp8)
         if self.bias:
             y = y + use(self.b_out, constrain).astype(dt)
         return y

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from hyperjax.config import ModelConfig
+from hyperjax.config import Fp8Config, ModelConfig
 from hyperjax.models.layers import Constrain, attention_core, make_norm, param, rope, use
 from hyperjax.models.taps import product
 
@@ -23,7 +23,8 @@ from hyperjax.models.taps import product
 class LatentAttention(nnx.Module):
     """Causal multi-head latent attention of ``cfg.heads`` heads (``cfg.attention: mla``)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, fp8: Fp8Config | None = None) -> None:
+        self.fp8 = fp8  # its projections' FP8 recipe (None: train.dtype)
         h, a, hd, rd, c = cfg.d_model, cfg.heads, cfg.head_dim, cfg.rope_head_dim, cfg.kv_lora_rank
         self.heads, self.head_dim, self.rope_dim, self.rank = a, hd, rd, c
         self.theta, self.kernel = cfg.rope_theta, cfg.attention_kernel
@@ -42,18 +43,18 @@ class LatentAttention(nnx.Module):
         self.o_proj = param(rngs, (a, hd, h), ("heads", "head_dim", "embed"), scale=0.02 / (2 * cfg.layers) ** 0.5)
 
     def __call__(self, x: jax.Array, constrain: Constrain) -> jax.Array:
-        dt = x.dtype
+        dt, fp8 = x.dtype, {"fp8": self.fp8, "constrain": constrain}
         positions = jnp.arange(x.shape[1])
         if self.compressed:
-            latent = self.q_norm(product("bsd,dr->bsr", x, use(self.q_down, constrain).astype(dt)), constrain)
-            q = product("bsr,rhk->bshk", checkpoint_name(latent, "qkv"), use(self.q_up, constrain).astype(dt))
+            latent = self.q_norm(product("bsd,dr->bsr", x, use(self.q_down, constrain).astype(dt), **fp8), constrain)
+            q = product("bsr,rhk->bshk", checkpoint_name(latent, "qkv"), use(self.q_up, constrain).astype(dt), **fp8)
         else:
-            q = product("bsd,dhk->bshk", x, use(self.q_proj, constrain).astype(dt))
-        kv = product("bsd,dr->bsr", x, use(self.kv_down, constrain).astype(dt))
+            q = product("bsd,dhk->bshk", x, use(self.q_proj, constrain).astype(dt), **fp8)
+        kv = product("bsd,dr->bsr", x, use(self.kv_down, constrain).astype(dt), **fp8)
         latent = checkpoint_name(self.kv_norm(kv[..., : self.rank], constrain), "qkv")
         k_rope = rope(kv[..., None, self.rank :], positions, self.theta)  # one rotary key for every head
-        k = product("bsr,rhk->bshk", latent, use(self.k_up, constrain).astype(dt))
-        v = product("bsr,rhk->bshk", latent, use(self.v_up, constrain).astype(dt))
+        k = product("bsr,rhk->bshk", latent, use(self.k_up, constrain).astype(dt), **fp8)
+        v = product("bsr,rhk->bshk", latent, use(self.v_up, constrain).astype(dt), **fp8)
         q = jnp.concatenate([q[..., : self.head_dim], rope(q[..., self.head_dim :], positions, self.theta)], -1)
         k = jnp.concatenate([k, jnp.broadcast_to(k_rope, (*k.shape[:3], self.rope_dim))], -1)
         # as in multi-head attention: queries keep their sequence shard, keys and values are gathered whole
@@ -64,4 +65,4 @@ class LatentAttention(nnx.Module):
         v = constrain(checkpoint_name(v, "qkv"), ("batch", None, "act_heads", None))
         out = attention_core(q, k, v, causal=True, kernel=self.kernel)
         out = constrain(checkpoint_name(out, "attn_out"), ("batch", "seq", "act_heads", None))
-        return product("bshk,hkd->bsd", out, use(self.o_proj, constrain).astype(dt))
+        return product("bshk,hkd->bsd", out, use(self.o_proj, constrain).astype(dt), **fp8)

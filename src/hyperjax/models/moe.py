@@ -34,8 +34,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from hyperjax.config import GATED, ModelConfig, MoEConfig
+from hyperjax.config import GATED, Fp8Config, ModelConfig, MoEConfig
 from hyperjax.errors import ShardingError
+from hyperjax.models.fp8 import GroupAxes, grouped_product
 from hyperjax.models.layers import MLP, Constrain, activate, param, use
 from hyperjax.models.taps import product
 
@@ -124,8 +125,9 @@ class MoE(nnx.Module):
     ``shared_experts x moe.d_ff``.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, fp8: Fp8Config | None = None) -> None:
         x = cfg.moe
+        self.fp8 = fp8  # the experts' FP8 recipe (None: train.dtype); the router stays float32
         h, e, f = cfg.d_model, x.experts, x.d_ff
         self.moe, self.kind, self.bias = x, cfg.mlp, cfg.bias
         self.router = param(rngs, (h, e), ("embed", None))
@@ -141,7 +143,9 @@ class MoE(nnx.Module):
                 self.b_gate = param(rngs, (e, f), ("experts", "expert_mlp"), init="zeros")
             self.b_out = param(rngs, (e, h), ("experts", "embed"), init="zeros")
         if x.shared_experts:
-            self.shared = MLP(h, x.shared_experts * f, kind=cfg.mlp, bias=cfg.bias, layers=cfg.layers, rngs=rngs)
+            self.shared = MLP(
+                h, x.shared_experts * f, kind=cfg.mlp, bias=cfg.bias, layers=cfg.layers, rngs=rngs, fp8=fp8
+            )
 
     def __call__(self, x: jax.Array, constrain: Constrain) -> tuple[jax.Array, RouterStats]:
         moe = self.moe
@@ -152,7 +156,7 @@ class MoE(nnx.Module):
         gate_bias = self.b_gate[...] if self.bias and self.kind in GATED else None
         biases = [self.b_in[...], gate_bias, self.b_out[...]] if self.bias else [None, None, None]
         capacity = expert_capacity(moe, b * s * _replicas(constrain))
-        y = _experts(tokens, idx, weights, keep, experts, biases, self.kind, capacity, moe, constrain)
+        y = _experts(tokens, idx, weights, keep, experts, biases, self.kind, capacity, moe, constrain, self.fp8)
         if moe.shared_experts:
             y = y + self.shared(x, constrain)
         return y, stats
@@ -258,12 +262,14 @@ def _experts(
     capacity: int | None,
     moe: MoEConfig,
     constrain: Constrain,
+    fp8: Fp8Config | None,
 ) -> jax.Array:
     """The routed experts' output for every token: the exchange under ``shard_map`` on a mesh, the same
     computation in place without one."""
     mesh = getattr(constrain, "mesh", None)
     if mesh is None:
-        return _local(x, idx, weights, keep, experts, biases, kind=kind, capacity=capacity, moe=moe, ep=(), tp=())
+        local = partial(_local, kind=kind, capacity=capacity, moe=moe, ep=(), tp=(), fp8=fp8, every=())
+        return local(x, idx, weights, keep, experts, biases)
     batch, ep, tp = constrain.mesh_axes("batch"), constrain.mesh_axes("experts"), constrain.mesh_axes("expert_mlp")
     seq = constrain.mesh_axes(token_axis(constrain))
     stray = [a for a in ep if a not in batch + seq]
@@ -280,7 +286,7 @@ def _experts(
     out_weight = P(held(ep), held(tp), None)
     bias = P(held(ep), held(tp))
     specs = (act, act, act, act, [weight, weight, out_weight], [bias, bias, P(held(ep), None)])
-    body = partial(_local, kind=kind, capacity=capacity, moe=moe, ep=ep, tp=tp)
+    body = partial(_local, kind=kind, capacity=capacity, moe=moe, ep=ep, tp=tp, fp8=fp8, every=mesh.axis_names)
     exchange = jax.shard_map(
         body,
         mesh=constrain.region_mesh(),
@@ -305,8 +311,11 @@ def _local(
     moe: MoEConfig,
     ep: tuple[str, ...],
     tp: tuple[str, ...],
+    fp8: Fp8Config | None,
+    every: tuple[str, ...],
 ) -> jax.Array:
-    """One device's tokens through the experts: pack, exchange, grouped products, exchange back, combine."""
+    """One device's tokens through the experts: pack, exchange, grouped products, exchange back, combine
+    (the products in FP8 with ``fp8``; ``every`` names all mesh axes, over which their scales are reduced)."""
     w_in, w_gate, w_out = experts
     b, s, d = x.shape
     k, dt = moe.top_k, x.dtype
@@ -328,17 +337,18 @@ def _local(
     order = jnp.argsort(which, stable=True)  # grouped by local expert; empty slots last
     sizes = jnp.bincount(which, length=local_experts).astype(jnp.int32)
     grouped, group = recv[order], which[order]
-    h = jax.lax.ragged_dot(grouped, w_in.astype(dt), sizes)
+    up = partial(_grouped, sizes=sizes, group=group, fp8=fp8, axes=GroupAxes(every, (), tp, ep))
+    h = up(grouped, w_in.astype(dt))
     if biases[0] is not None:
         h = h + _per_row(biases[0], group).astype(dt)
     h = checkpoint_name(h, "mlp_hidden")
     gate = None
     if w_gate is not None:
-        gate = jax.lax.ragged_dot(grouped, w_gate.astype(dt), sizes)
+        gate = up(grouped, w_gate.astype(dt))
         if biases[1] is not None:
             gate = gate + _per_row(biases[1], group).astype(dt)
     h = checkpoint_name(activate(kind, h, gate), "mlp_hidden")
-    out = jax.lax.ragged_dot(h, w_out.astype(dt), sizes)
+    out = _grouped(h, w_out.astype(dt), sizes=sizes, group=group, fp8=fp8, axes=GroupAxes(every, tp, (), ep))
     if biases[2] is not None:  # the output bias once over the tensor axis, whose partial sums are added
         out = out + _per_row(biases[2], group).astype(dt) / (jax.lax.psum(1, tp) if tp else 1)
     back = _exchange(jnp.zeros_like(out).at[order].set(out), ep, devices)
@@ -347,6 +357,15 @@ def _local(
     if tp:  # expert columns split over the tensor axis: partial sums
         y = jax.lax.psum(y, tp)
     return y.reshape(b, s, d)
+
+
+def _grouped(
+    x: jax.Array, w: jax.Array, *, sizes: jax.Array, group: jax.Array, fp8: Fp8Config | None, axes: GroupAxes
+) -> jax.Array:
+    """The grouped product of ``x``'s rows with their experts' weights, in FP8 with ``fp8``."""
+    if fp8 is None:
+        return jax.lax.ragged_dot(x, w, sizes)
+    return grouped_product(x, w, sizes, group, fp8, axes)
 
 
 def _exchange(buffer: jax.Array, axes: tuple[str, ...], devices: int) -> jax.Array:

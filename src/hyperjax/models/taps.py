@@ -25,10 +25,14 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from hyperjax.config import Fp8Config
+from hyperjax.models.fp8 import product as fp8_product
 
 
 @dataclasses.dataclass
@@ -47,29 +51,41 @@ class _Weights:
 _ACTIVE: contextvars.ContextVar[tuple[_Split | _Weights, ...]] = contextvars.ContextVar("taps", default=())
 
 
-def product(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """``jnp.einsum(spec, x, w)`` for activation ``x`` and weight ``w``, split-backward aware."""
+def product(spec: str, x: jax.Array, w: jax.Array, *, fp8: Fp8Config | None = None, constrain: Any = None) -> jax.Array:
+    """``jnp.einsum(spec, x, w)`` for activation ``x`` and weight ``w``, split-backward aware.
+
+    With ``fp8`` the product multiplies FP8 operands (:func:`hyperjax.models.fp8.product`); ``constrain``
+    (the model's) reduces token-wide amaxes over the replicas a training step holds apart.
+    """
+    if fp8 is None:
+        mul = jnp.einsum
+    else:
+        mul = partial(fp8_product, fp8=fp8, reduce=getattr(constrain, "replica_max", None) or _same)
     active = _ACTIVE.get()
     if not active:
-        return jnp.einsum(spec, x, w)
+        return mul(spec, x, w)
     state = active[-1]
     if isinstance(state, _Weights):
         i = len(state.outputs)
         if i >= len(state.inputs) or state.inputs[i].shape != x.shape:
             raise RuntimeError(f"weight product {i} does not match the recorded forward ({spec}, input {x.shape})")
-        y = jnp.einsum(spec, state.inputs[i], w)
+        y = mul(spec, state.inputs[i], w)
         state.outputs.append(y)
         return y
     if state.offsets is None:
-        y = jnp.einsum(spec, x, w)
+        y = mul(spec, x, w)
         state.shapes.append(jax.ShapeDtypeStruct(y.shape, y.dtype))
         return y
     i = len(state.inputs)
-    y = jnp.einsum(spec, x, jax.lax.stop_gradient(w))
+    y = mul(spec, x, jax.lax.stop_gradient(w))
     if i >= len(state.offsets) or state.offsets[i].shape != y.shape:
         raise RuntimeError(f"weight product {i} does not match the traced shapes ({spec}, output {y.shape})")
     state.inputs.append(x)
     return y + state.offsets[i]
+
+
+def _same(x: jax.Array) -> jax.Array:
+    return x
 
 
 @contextlib.contextmanager

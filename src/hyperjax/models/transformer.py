@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from hyperjax.config import ACTIVATIONS, DType, ModelConfig, Overlap, Recompute
+from hyperjax.config import ACTIVATIONS, DType, Fp8Config, ModelConfig, Overlap, Recompute
 from hyperjax.models.layers import MLP, Attention, Constrain, make_norm, no_constraint, param, use
 from hyperjax.models.mla import LatentAttention
 from hyperjax.models.moe import MoE, RouterStats, combine_halves, merge_stats
@@ -99,14 +99,22 @@ class Block(nnx.Module):
     ``x + attn(norm(x)) + mlp(norm(x))``. Block ``layer`` of a mixture-of-experts model has an MoE MLP
     where ``cfg.is_moe(layer)``; attention is latent under ``attention: mla``."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, causal: bool = True, layer: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        causal: bool = True,
+        layer: int = 0,
+        fp8: Fp8Config | None = None,
+    ) -> None:
         self.parallel = cfg.block == "parallel"
         if self.parallel:
             self.norm = make_norm(cfg.norm, cfg.d_model, bias=cfg.bias, rngs=rngs)
         else:
             self.norm1 = make_norm(cfg.norm, cfg.d_model, bias=cfg.bias, rngs=rngs)
         if cfg.attention == "mla":
-            self.attn = LatentAttention(cfg, rngs=rngs)
+            self.attn = LatentAttention(cfg, rngs=rngs, fp8=fp8)
         else:
             self.attn = Attention(
                 cfg.d_model,
@@ -119,14 +127,15 @@ class Block(nnx.Module):
                 rngs=rngs,
                 causal=causal,
                 kernel=cfg.attention_kernel,
+                fp8=fp8,
             )
         if not self.parallel:
             self.norm2 = make_norm(cfg.norm, cfg.d_model, bias=cfg.bias, rngs=rngs)
         self.sparse = cfg.is_moe(layer)
         if self.sparse:
-            self.mlp = MoE(cfg, rngs=rngs)
+            self.mlp = MoE(cfg, rngs=rngs, fp8=fp8)
         else:
-            self.mlp = MLP(cfg.d_model, cfg.d_ff, kind=cfg.mlp, bias=cfg.bias, layers=cfg.layers, rngs=rngs)
+            self.mlp = MLP(cfg.d_model, cfg.d_ff, kind=cfg.mlp, bias=cfg.bias, layers=cfg.layers, rngs=rngs, fp8=fp8)
 
     def _mlp(self, h: jax.Array, constrain: Constrain) -> tuple[jax.Array, RouterStats | None]:
         return self.mlp(h, constrain) if self.sparse else (self.mlp(h, constrain), None)
@@ -156,6 +165,8 @@ class Transformer(nnx.Module):
       policies: what each block keeps for backward (:data:`BlockPolicy`, one per layer, e.g. from an
         offload placement); ``None``: what ``recompute`` says.
       overlap: ``two-microbatch`` runs each micro-batch as two halves (:func:`run_blocks`).
+      fp8: the blocks' linear layers (and with ``output_layer`` the head) multiply in FP8 by this recipe;
+        ``None``: in ``dtype``.
     """
 
     def __init__(
@@ -167,13 +178,15 @@ class Transformer(nnx.Module):
         rngs: nnx.Rngs,
         policies: tuple[BlockPolicy, ...] | None = None,
         overlap: Overlap = "none",
+        fp8: Fp8Config | None = None,
     ) -> None:
         self.cfg, self.dtype, self.recompute, self.overlap = cfg, dtype, recompute, overlap
+        self.head_fp8 = fp8 if fp8 is not None and fp8.output_layer else None
         self.policies = policies if policies is not None else (recompute_policy(recompute),) * cfg.layers
         self.embed = param(rngs, (cfg.vocab, cfg.d_model), ("vocab", "embed"))
         if cfg.positions == "learned":
             self.pos_embed = param(rngs, (cfg.seq_len, cfg.d_model), (None, "embed"), scale=0.01)
-        self.blocks = nnx.List([Block(cfg, rngs=rngs, layer=i) for i in range(cfg.layers)])
+        self.blocks = nnx.List([Block(cfg, rngs=rngs, layer=i, fp8=fp8) for i in range(cfg.layers)])
         self.final_norm = make_norm(cfg.norm, cfg.d_model, bias=cfg.bias, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab), ("embed", "vocab"))
@@ -240,8 +253,9 @@ def logits(m: nnx.Module, head: nnx.Param, x: jax.Array, constrain: Constrain) -
     dt = jnp.dtype(m.dtype)
     x = m.final_norm(x, constrain)
     w = use(head, constrain)
-    spec = "...d,vd->...v" if head.logical_axes[0] == "vocab" else "...d,dv->...v"
-    out = product(spec, x, w.astype(dt)).astype(jnp.float32)
+    spec = "bsd,vd->bsv" if head.logical_axes[0] == "vocab" else "bsd,dv->bsv"
+    out = product(spec, x, w.astype(dt), fp8=getattr(m, "head_fp8", None), constrain=constrain)
+    out = out.astype(jnp.float32)
     return constrain(out, ("batch", "seq", "act_vocab"))
 
 

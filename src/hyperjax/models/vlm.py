@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hyperjax.config import DType, ModelConfig, Recompute, VisionConfig
+from hyperjax.config import DType, Fp8Config, ModelConfig, Recompute, VisionConfig
 from hyperjax.models.layers import Constrain, LayerNorm, no_constraint, param, use
 from hyperjax.models.moe import RouterStats
 from hyperjax.models.taps import product
@@ -29,13 +29,22 @@ def patchify(images: jax.Array, patch: int) -> jax.Array:
 class VisionEncoder(nnx.Module):
     """ViT: patch embedding, learned positions, bidirectional pre-norm blocks, projection to ``d_out``."""
 
-    def __init__(self, v: VisionConfig, d_out: int, *, dtype: DType, recompute: Recompute, rngs: nnx.Rngs) -> None:
+    def __init__(
+        self,
+        v: VisionConfig,
+        d_out: int,
+        *,
+        dtype: DType,
+        recompute: Recompute,
+        rngs: nnx.Rngs,
+        fp8: Fp8Config | None = None,
+    ) -> None:
         self.vision, self.dtype, self.recompute = v, dtype, recompute
         self.policy = recompute_policy(recompute)
         self.cfg = v.as_model()
         self.patch_embed = param(rngs, (v.patch_dim, v.d_model), (None, "embed"))
         self.pos_embed = param(rngs, (v.patches, v.d_model), (None, "embed"), scale=0.01)
-        self.blocks = nnx.List([Block(self.cfg, rngs=rngs, causal=False) for _ in range(v.layers)])
+        self.blocks = nnx.List([Block(self.cfg, rngs=rngs, causal=False, fp8=fp8) for _ in range(v.layers)])
         self.final_norm = LayerNorm(v.d_model, rngs=rngs)
         self.project = param(rngs, (v.d_model, d_out), (None, "embed"))
 
@@ -70,11 +79,17 @@ class VisionLanguageModel(nnx.Module):
     """``encoder`` (ViT) then ``language_model`` (rotary positions) over ``[image tokens; text]``."""
 
     def __init__(
-        self, cfg: ModelConfig, *, dtype: DType = "float32", recompute: Recompute = "none", rngs: nnx.Rngs
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: DType = "float32",
+        recompute: Recompute = "none",
+        rngs: nnx.Rngs,
+        fp8: Fp8Config | None = None,
     ) -> None:
         self.cfg = cfg
-        self.encoder = VisionEncoder(cfg.vision, cfg.d_model, dtype=dtype, recompute=recompute, rngs=rngs)
-        self.language_model = Transformer(cfg, dtype=dtype, recompute=recompute, rngs=rngs)
+        self.encoder = VisionEncoder(cfg.vision, cfg.d_model, dtype=dtype, recompute=recompute, rngs=rngs, fp8=fp8)
+        self.language_model = Transformer(cfg, dtype=dtype, recompute=recompute, rngs=rngs, fp8=fp8)
 
     def __call__(self, tokens: jax.Array, constrain: Constrain = no_constraint, *, images: jax.Array) -> jax.Array:
         """Float32 logits ``(batch, seq, vocab)`` of the text ``tokens`` after the ``images``."""

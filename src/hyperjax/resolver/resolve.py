@@ -63,6 +63,12 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
     """
     hw = load_hardware(config.hardware) if hardware is None else hardware
     t, p = config.train, config.parallel
+    if t.fp8 is not None and "fp8" not in hw.device.peak_flops:
+        raise ConfigError(
+            f"train.fp8 (recipe {t.fp8.recipe}) multiplies in FP8, but preset {hw.name}'s device {hw.device.name} "
+            f"has no FP8 products: it multiplies {', '.join(hw.device.peak_flops)}; set train.fp8: null, or choose "
+            "a preset whose device lists fp8 in peak_flops (dgx-h100)"
+        )
     n = device_count(config, devices)
     check_capacity(hw, n)
     if config.mpmd.submeshes:
@@ -95,6 +101,7 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
         )
     shard = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.shard.items()))
     split = p.expert_tensor is None or p.tensor == 1  # experts' hidden split over the tensor axis
+    _check_fp8_tiles(config)
     for s in stages:
         try:
             _check(
@@ -136,6 +143,23 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
         offload=config.offload.policy,
         overlap=p.overlap,
     )
+
+
+def _check_fp8_tiles(config: Config) -> None:
+    """Blockwise FP8 tiles an expert's hidden width inside the experts' exchange, where each device holds
+    its own share of it: the share must hold whole tiles, or one device would scale a tile the others
+    hold too."""
+    fp8, moe, tp = config.train.fp8, config.model.moe, config.parallel.tensor
+    if fp8 is None or fp8.recipe != "blockwise" or moe is None or tp == 1 or config.parallel.expert_tensor == 1:
+        return
+    tile = min(fp8.block, moe.d_ff)
+    if moe.d_ff % tp or (moe.d_ff // tp) % tile:
+        raise ConfigError(
+            f"train.fp8.recipe=blockwise scales each expert's hidden width (model.moe.d_ff={moe.d_ff}) in tiles of "
+            f"{tile}, but parallel.tensor={tp} splits it into {moe.d_ff / tp:g} per device; set "
+            f"parallel.expert_tensor: 1 (experts over expert x tensor, with sequence parallelism) or a tensor "
+            f"degree that leaves a multiple of {tile} per device"
+        )
 
 
 def _check_overlap(cfg: Config, stages: tuple[Stage, ...], rows: int, microbatches: int, split: bool) -> None:

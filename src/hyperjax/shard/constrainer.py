@@ -79,6 +79,10 @@ class Constrainer:
         x = jax.lax.stop_gradient(x)
         return jax.lax.psum(x, self.manual) if self.manual else x
 
+    def replica_max(self, x: jax.Array) -> jax.Array:
+        """``x``'s maximum over the replicas (an FP8 scale's amax over the whole batch)."""
+        return jax.lax.pmax(x, self.manual) if self.manual else x
+
     def replica_gather(self, x: jax.Array) -> jax.Array:
         """Every replica's ``x``, stacked in replica order on a new leading axis (no gradient)."""
         x = jax.lax.stop_gradient(x)

@@ -96,7 +96,13 @@ def train(
     log = (sys.stdout if lead else None) if log is None else log
     policies = block_policies(ready.offload.placement, cfg.model.layers) if ready.offload is not None else None
     model = build_model(
-        cfg.model, dtype=run.dtype, recompute=run.recompute, seed=t.seed, policies=policies, overlap=run.overlap
+        cfg.model,
+        dtype=run.dtype,
+        recompute=run.recompute,
+        seed=t.seed,
+        policies=policies,
+        overlap=run.overlap,
+        fp8=t.fp8,
     )
     if profile:
         check_profiled(run)

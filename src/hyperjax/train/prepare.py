@@ -35,13 +35,21 @@ def prepare(run: Run) -> Prepared:
     """Check that ``run`` can train, and run the offload pass it asks for.
 
     Raises:
-      ConfigError: an offload policy on a run the step cannot apply it to, or a budget no placement fits.
+      ConfigError: an offload policy on a run the step cannot apply it to, a budget no placement fits, or
+        FP8 scaling the runtime does not carry (``delayed``).
     """
     if run.offload != "none" and (run.pipelined or run.config.model.vision is not None):
         raise ConfigError(
             f"offload.policy={run.offload!r}: training applies a placement to one SPMD program of a "
             "decoder-only model, not to a pipeline, MPMD submeshes or a vision model; set offload.policy: none "
             "(hyperjax predict prices offload for pipelines too)"
+        )
+    fp8 = run.config.train.fp8
+    if fp8 is not None and fp8.recipe == "delayed":
+        raise ConfigError(
+            "train.fp8.recipe=delayed takes each scale from an amax history kept across steps, which the "
+            "emulated runtime does not carry; train with recipe tensorwise (the same per-tensor FP8 products, "
+            "scaled by the current amax), and price delayed scaling with hyperjax predict"
         )
     offload = None
     if run.offload != "none":
