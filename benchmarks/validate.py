@@ -4,7 +4,8 @@ Each file in ``benchmarks/validation/`` describes one published run (source, mea
 TFLOP/s) and holds hyperjax's config for it: dense runs (Korthikanti et al.) and mixtures of experts
 (Megatron-Core's Qwen3-235B runs, Megatron-Bridge's GPT-OSS-120B); ``fp8/`` holds NeMo's FP8 runs on DGX
 H100 (Transformer Engine's delayed scaling) and ``torchtitan/`` torchtitan's Llama 3.1 8B runs with and
-without Float8 on 500 W, 96 GB H100s, whose peak memory is printed beside the step time. This script resolves every run
+without Float8 on 500 W, 96 GB H100s, whose peak memory is printed beside the step time; ``tpu/`` MaxText's
+published runs of its 2023 decoders on 1 to 32 TPU v5e pods. This script resolves every run
 (``hyperjax.resolve``), predicts it (``hyperjax.estimate``) on the run's hardware preset, and prints
 predicted vs measured step time and model TFLOP/s per device (with the source's own FLOP count: Korthikanti's
 eq. 7, or the figure the source prints), and the mean absolute percentage error of each kind.
@@ -58,7 +59,7 @@ def torchtitan_flops(cfg: Config) -> float:
 
 def kind_of(cfg: Config, path: Path) -> str:
     """Which table a run belongs to: the folder it lies in, else dense or MoE."""
-    if path.parent.name in ("fp8", "torchtitan"):
+    if path.parent.name in ("fp8", "torchtitan", "tpu"):
         return path.parent.name
     return "moe" if cfg.model.moe is not None else "dense"
 
@@ -147,6 +148,7 @@ TABLES = (
     ("moe", "mixture of experts: cost model vs published measured runs (Megatron-Core, DGX H100)"),
     ("fp8", "FP8 (delayed scaling): cost model vs NeMo 24.07's published runs (DGX H100)"),
     ("torchtitan", "torchtitan Llama 3.1 8B, BF16 and Float8 (tensorwise), 500 W 96 GB H100: time and memory"),
+    ("tpu", "MaxText's 2023 decoders, 16B-128B on 1-32 TPU v5e pods (2-D torus ICI, DCN between pods)"),
 )
 
 
@@ -197,6 +199,7 @@ def main() -> int:
     found += [
         *sorted((HERE / "validation" / "fp8").glob("*.yaml")),
         *sorted((HERE / "validation" / "torchtitan").glob("*.yaml")),
+        *sorted((HERE / "validation" / "tpu").glob("*.yaml")),
     ]
     rows = [row(path) for path in found]
     console = Console(width=170)

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from hyperjax import axis_spans, load_hardware
@@ -47,3 +49,24 @@ def test_trivial_and_all_to_all():
     s = span({"data": 1, "tensor": 8}, "tensor")
     a2a = collective_time("all_to_all", 1e9, s, A100)
     assert a2a == pytest.approx(7 * A100.tiers[0].latency + 7 / 8 * 1e9 / A100.tiers[0].effective_bandwidth)
+
+
+def test_a_group_over_several_torus_dimensions_uses_all_of_them():
+    v5p, v5e = load_hardware("tpu-v5p"), load_hardware("tpu-v5e")
+    assert v5p.tiers[0].torus_for(64) == ((4, True), (4, True), (4, True))
+    assert v5p.tiers[0].torus_for(16) == ((2, False), (2, False), (4, False))  # no whole 4x4x4 cube: lines
+    assert v5e.tiers[0].torus_for(256) == ((16, True), (16, True))
+    assert v5e.tiers[0].torus_for(64) == ((8, False), (8, False)) and v5e.tiers[0].torus_for(96) is None
+    two = axis_spans(v5p, {"data": 4, "tensor": 16})
+    assert two["tensor"].torus == ((4, True), (4, True)) and two["data"].torus == ((4, True),)
+    flat = dataclasses.replace(v5p, tiers=(dataclasses.replace(v5p.tiers[0], torus_dims=None), *v5p.tiers[1:]))
+    ici = v5p.tiers[0]
+    one_ring = collective_time("all_gather", 1e9, two["tensor"], flat)
+    assert one_ring == pytest.approx(15 * ici.latency + 15 / 16 * 1e9 / ici.effective_bandwidth)
+    both = collective_time("all_gather", 1e9, two["tensor"], v5p)  # two rings at once, 3 + 3 hops
+    assert both == pytest.approx(6 * ici.latency + 15 / 16 * 1e9 / (2 * ici.effective_bandwidth))
+    line = axis_spans(v5e, {"data": 8, "fsdp": 8})["fsdp"]  # 8 of an 8 x 8 slice: no wraparound
+    assert line.torus == ((8, False),)
+    assert collective_time("all_gather", 1e9, line, v5e) == pytest.approx(
+        7 * v5e.tiers[0].latency + 7 / 8 * 1e9 / (0.5 * v5e.tiers[0].effective_bandwidth)
+    )

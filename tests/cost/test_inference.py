@@ -95,3 +95,28 @@ def test_published_dense_decode_rows_are_predicted_within_a_third():
     dense = [r["decode_s_per_token"]["error"] for r in rows if r["kind"] == "dense"]
     dense = [e for e in dense if e is not None]
     assert len(dense) >= 6 and max(abs(e) for e in dense) < 0.35
+
+
+def test_inference_fits_the_offload_budget_and_places_what_does_not(capsys):
+    base = [
+        "predict", str(ROOT / "configs/llama3-70b.yaml"), "--inference", "--json", "--devices", "8",
+        "--set", "parallel.data=1", "--set", "parallel.pipeline=1", "--set", "serve.prompt_len=32000",
+        "--set", "serve.batch=4",
+    ]  # fmt: skip
+
+    def answer(*sets: str) -> dict:
+        assert main([*base, *(x for s in sets for x in ("--set", s))]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    whole = answer()
+    assert whole["fits"] and "offload" not in whole and whole["memory_per_device_gib"]["peak"] > 20
+    squeezed = answer("offload.device_memory_gib=20")  # the budget judges fits, not the 80 GB of HBM
+    assert not squeezed["fits"]
+    placed = answer("offload.device_memory_gib=20", "offload.policy=auto")
+    offload = placed["offload"]
+    assert placed["fits"] and offload["fits"] and offload["peak_gib"] <= 20 and offload["budget_gib"] == 20
+    assert offload["kv_blocks_on_host"] > 0 and offload["decode_s_per_token"] > offload["device_only_s_per_token"]
+    greedy = answer("offload.device_memory_gib=20", "offload.policy=greedy")["offload"]
+    assert greedy["policy"] == "greedy" and greedy["decode_s_per_token"] >= offload["decode_s_per_token"] * (1 - 1e-3)
+    assert main([*base, "--set", "offload.policy=manual"]) == 2  # manual names training's groups
+    assert "offload.policy='manual'" in capsys.readouterr().err

@@ -101,13 +101,16 @@ def test_recompute_keeps_outputs_and_gradients(family):
     cfg = ModelConfig(family=family, **SMALL)
     tokens = jax.random.randint(jax.random.key(1), (2, cfg.seq_len), 0, cfg.vocab)
 
-    def loss_and_grads(recompute: str):
-        graphdef, state = nnx.split(build_model(cfg, recompute=recompute))
+    def loss_and_grads(recompute: str, modules=None):
+        model = build_model(cfg, recompute=recompute, recompute_modules=modules)
+        if modules is not None:  # the named activations are recomputed, the rest kept
+            assert model.policies[0] == (("qkv", "attn_core", "attn_out", "mlp_hidden"), ())
+        graphdef, state = nnx.split(model)
         return jax.jit(jax.value_and_grad(lambda p: nnx.merge(graphdef, p)(tokens).mean()))(nnx.to_pure_dict(state))
 
     ref_loss, ref_grads = loss_and_grads("none")
-    for mode in ("selective", "full"):
-        loss, grads = loss_and_grads(mode)
+    for mode, modules in (("selective", None), ("full", None), ("selective", ("mlp_act", "norms"))):
+        loss, grads = loss_and_grads(mode, modules)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -155,7 +155,7 @@ def test_placement_is_a_value(tmp_path):
     p.save(path)
     assert Placement.load(path) == p
     assert hash(p) == hash(Placement.load(path))
-    assert p.rows(3)[0] == ("0", "device", "host", "device", "device", "device", "device", "device", "device")
+    assert p.rows(3)[0] == ("0", "device", "host", "device", "device", "device", "device", "device", "device", "device")
     assert from_recompute("selective", 2).block(1)["attn_core"] == "recompute"
 
 

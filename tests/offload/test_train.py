@@ -94,8 +94,8 @@ def test_manual_activation_offload_and_recompute_keep_the_losses(reference, tmp_
     placement = plan.offload.placement
     assert placement["layers.3.act.qkv"] == "host" and placement["layers.2.act.norms"] == "recompute"
     model = build_model(cfg.model, seed=cfg.train.seed, policies=block_policies(placement, cfg.model.layers))
-    assert model.policies[1] == (("norms", "attn_out"), ("qkv", "mlp_hidden"))  # attn_core recomputed
-    assert model.policies[3] == (("norms", "attn_core", "attn_out"), ("qkv", "mlp_hidden"))
+    assert model.policies[1] == (("norms", "attn_out", "mlp_act"), ("qkv", "mlp_hidden"))  # attn_core recomputed
+    assert model.policies[3] == (("norms", "attn_core", "attn_out", "mlp_act"), ("qkv", "mlp_hidden"))
     program = build_program(plan, model)
     step, state = program.advance, program.state
     losses = []

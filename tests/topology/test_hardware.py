@@ -29,9 +29,10 @@ def test_required_presets_load(name):
     [
         ("dgx-h100", 1979e12),
         ("dgx-h200", 1979e12),
-        ("h100-96g-500w", 1825e12),
+        ("h100-96g-500w", 1769e12),
         ("dgx-a100-80g", None),
         ("tpu-v5p", None),
+        ("tpu-v5e", None),
         ("cloudmatrix384", None),
         ("ascend910c-cluster", None),
     ],

@@ -15,10 +15,10 @@ from rich.table import Table
 from hyperjax.cli.display import check_writable, console, fmt_count
 from hyperjax.cli.options import add_command, add_config_arguments, config_from_args
 from hyperjax.config import ACTIVATIONS
-from hyperjax.cost import Estimate, estimate, write_trace
+from hyperjax.cost import Estimate, estimate, memory_budget, write_trace
 from hyperjax.cost.inference import InferenceEstimate, estimate_inference
 from hyperjax.errors import ConfigError
-from hyperjax.offload import OffloadResult, offload_pass, with_offload
+from hyperjax.offload import OffloadResult, ServingPlacement, offload_pass, serving_pass, with_offload
 from hyperjax.offload.placement import KINDS
 from hyperjax.resolver import resolve
 
@@ -78,12 +78,32 @@ def run(args: argparse.Namespace) -> int:
 def _inference(args: argparse.Namespace) -> int:
     if args.trace:
         raise ConfigError("--trace draws a training step; it does nothing with --inference")
-    est = estimate_inference(resolve(config_from_args(args), args.devices))
+    run = resolve(config_from_args(args), args.devices)
+    est = estimate_inference(run)
+    placed = serving_pass(est, budget_bytes=memory_budget(run)) if run.offload != "none" else None
     if args.json:
-        print(json.dumps(est.to_dict(), indent=2))
+        data = est.to_dict()
+        if placed is not None:  # the run's fit is the placement's
+            data |= {"fits": placed.fits, "offload": placed.to_dict()}
+        print(json.dumps(data, indent=2))
         return 0
     print_inference(est)
+    if placed is not None:
+        print_serving_placement(placed)
     return 0
+
+
+def print_serving_placement(p: ServingPlacement) -> None:
+    """The serving offload pass's placement and its price."""
+    out = console()
+    out.print(
+        f"  offload ({p.policy} pass, {p.context:,} tokens cached per sequence, budget {p.budget_gib:.3g} GiB): "
+        f"weights of {p.weights_on_host} layers and {p.kv_blocks_on_host} of {p.kv_blocks} KV-cache blocks on the "
+        f"host ({p.host_gib:.3g} GiB); peak {p.peak_gib:.3g} GiB; decode {p.decode_s_per_token * 1e3:.4g} ms per "
+        f"token against {p.device_only_s_per_token * 1e3:.4g} ms all on the device; "
+        + ("fits" if p.fits else "[red]does not fit[/red] even with everything it can place on the host"),
+        soft_wrap=True,
+    )
 
 
 def print_inference(est: InferenceEstimate) -> None:
@@ -102,7 +122,8 @@ def print_inference(est: InferenceEstimate) -> None:
     )
     out.print(share_table("one decode step", "ms", est.decode_breakdown_s, est.decode_s_per_token, scale=1e3))
     out.print(memory_table(est.memory_per_device_gib, "{:.3g}"))
-    out.print(f"  {'fits' if est.fits else '[red]does not fit[/red]'} in device memory")
+    budget = "offload.device_memory_gib" if run.config.offload.device_memory_gib is not None else "device memory"
+    out.print(f"  {'fits' if est.fits else '[red]does not fit[/red]'} in {budget} with everything on the device")
 
 
 def share_table(title: str, unit: str, terms: dict[str, float], total: float, *, scale: float = 1.0) -> Table:

@@ -148,6 +148,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             return value
         if typing.get_origin(option) is tuple and isinstance(value, list | tuple):
             kind = typing.get_args(option)[0]
+            kind = str if typing.get_origin(kind) is typing.Literal else kind  # words: checked by the section
             if all(isinstance(x, kind) and not isinstance(x, bool) for x in value):
                 return tuple(value)
     raise ConfigError(f"{key}={value!r} has the wrong type: expected {_name(hint)}, got {type(value).__name__}")

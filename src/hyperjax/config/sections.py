@@ -13,15 +13,20 @@ from typing import Any
 from hyperjax.config.checks import positive, vocabularies
 from hyperjax.config.model import ModelConfig
 from hyperjax.config.types import (
+    ACTIVATIONS,
+    Activation,
     DataSource,
+    DpOverlap,
     DType,
     Fp8Format,
     Fp8Recipe,
+    FsdpUnit,
     OffloadOption,
     OffloadPolicy,
     Overlap,
     Recompute,
     ScheduleName,
+    TpOverlap,
     choices,
 )
 from hyperjax.errors import ConfigError
@@ -79,6 +84,7 @@ class TrainConfig:
     dtype: DType = "float32"  # compute dtype: float32 or bfloat16 (parameters stay float32)
     fp8: Fp8Config | None = None  # FP8 products of the blocks' linear layers (null: none); see Fp8Config
     recompute: Recompute = "none"  # activation recomputation per block: none, selective or full
+    recompute_modules: tuple[Activation, ...] | None = None  # what selective recomputes; null: attn_core
     seed: int = 0  # parameter initialisation and data order
     data: DataSource = "text"  # text: the shipped corpus, byte-level; synthetic: a learnable token sequence
     checkpoint_every: int = 50  # steps between checkpoints (written only when --checkpoint-dir is given)
@@ -95,6 +101,12 @@ class TrainConfig:
         for key in ("min_lr_ratio", "beta1", "beta2"):
             if not 0 <= getattr(self, key) < 1 + (key == "min_lr_ratio"):
                 raise ConfigError(f"train.{key}={getattr(self, key)} is out of range [0, 1]")
+        unknown = sorted(set(self.recompute_modules or ()) - set(ACTIVATIONS))
+        if unknown or self.recompute_modules == ():
+            raise ConfigError(
+                f"train.recompute_modules={list(self.recompute_modules or ())} must name one or more of "
+                f"{list(ACTIVATIONS)} (unknown: {unknown}); null recomputes the attention core"
+            )
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ConfigError("train.weight_decay and train.grad_clip must be >= 0")
 
@@ -120,6 +132,9 @@ class ParallelConfig:
     virtual_stages: int = 1  # model chunks per pipeline stage (interleaved schedule when > 1)
     schedule: ScheduleName = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved or zero-bubble
     overlap: Overlap = "none"  # MoE all-to-all behind compute: none, two-microbatch, or fb-pair (1f1b pipelines)
+    tp_overlap: TpOverlap = "none"  # tensor-parallel collectives beside products (priced): none, bulk, pipelined
+    dp_overlap: DpOverlap = "backward"  # gradient reduction beside compute (priced): none, backward, full
+    fsdp_unit: FsdpUnit = "tensor"  # what FSDP gathers and reduce-scatters at once (priced): tensor or layer
     stage_devices: tuple[int, ...] | None = None  # devices per pipeline stage; null: equal stages
     stage_layers: tuple[int, ...] | None = None  # layers per chunk (model order); null: balanced by predicted time
     zero_stage: int = 0  # 1: optimizer state sharded over data; 2: gradients too

@@ -22,7 +22,8 @@ Fp8Format = Literal["hybrid", "e4m3"]
 """FP8 formats: ``hybrid`` is E4M3 forward and E5M2 for gradients; ``e4m3`` is E4M3 throughout."""
 
 Recompute = Literal["none", "selective", "full"]
-"""Activation recomputation per block: nothing, the attention core, or the whole block."""
+"""Activation recomputation per block: nothing, the activations ``train.recompute_modules`` names (the
+attention core unless it names others), or the whole block."""
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zero-bubble"]
 """Pipeline schedules (:mod:`hyperjax.mpmd.schedules`)."""
@@ -33,6 +34,25 @@ and combine waits), two halves of every micro-batch whose exchanges hide behind 
 (DeepSeek-V3's two-micro-batch overlap), or a pipeline's forward and backward of different micro-batches
 paired so that each one's exchanges hide behind the other's compute (DualPipe's F-B pairing)."""
 
+TpOverlap = Literal["none", "bulk", "pipelined"]
+"""How tensor-parallel collectives meet the products beside them (priced; the emulated mesh leaves the
+schedule to XLA): not at all (Megatron's and torchtitan's default), in the backward behind the
+weight-gradient products (Megatron's bulk ``tp_comm_overlap``), or split into chunks that run beside the
+chunks of their products in every pass (Transformer Engine's pipelined userbuffers, torchtitan's async
+TP, XLA's collective matmul on TPU)."""
+
+DpOverlap = Literal["none", "backward", "full"]
+"""How the data-parallel gradient reduction (and ZeRO's parameter gather) meets compute (priced): after
+the backward, exposed; beside the last micro-batch's backward as its gradients are ready (PyTorch DDP,
+Megatron's ``overlap_grad_reduce``, XLA's async collectives: the default); or that, with the parameter
+all-gather beside the next step's first forward too (Megatron's ``overlap_param_gather``)."""
+
+FsdpUnit = Literal["tensor", "layer"]
+"""What FSDP gathers and reduce-scatters at once: one tensor (XLA's SPMD partitioner: hyperjax, MaxText;
+each weight gathered before its product, its gradient reduce-scattered in the compute dtype as soon as
+it is produced) or a whole block (PyTorch FSDP2's unit, torchtitan: the block's gradients reduced
+together in float32)."""
+
 TaskKind = Literal["F", "B", "W"]
 """Pipeline tasks: forward, backward (input gradient when split), weight gradient (split backward only)."""
 
@@ -42,9 +62,14 @@ OffloadPolicy = Literal["none", "auto", "greedy", "manual"]
 OffloadOption = Literal["device", "host", "recompute"]
 """Where one tensor group lives during a step."""
 
-Activation = Literal["norms", "qkv", "attn_core", "attn_out", "mlp_hidden"]
-"""The activations a block keeps for its backward, by the ``checkpoint_name`` the models tag them with.
-The block input (``block_in``) is the rematerialisation boundary and always stays on the device."""
+Activation = Literal["norms", "qkv", "attn_core", "attn_out", "mlp_hidden", "mlp_act"]
+"""The activations a block keeps for its backward, by the ``checkpoint_name`` the models tag them with:
+the norms' inputs and outputs, the queries, keys and values, the attention core's probabilities (its
+softmax statistics with a fused kernel), the output projection's input, the MLP's input projections'
+outputs (with a mixture of experts' dispatched rows and expert outputs) and its activation function's
+output. The block input (``block_in``) is the rematerialisation boundary and always stays on the device.
+Megatron-Core's ``--recompute-modules`` map onto them: ``core_attn`` is ``attn_core``, ``layernorm`` is
+``norms``, ``moe_act`` and the MLP's activation are ``mlp_act``, ``mla_up_proj`` is ``qkv``."""
 
 ModuleName = Literal["decoder", "encoder", "language_model"]
 """The modules a stage runs: a language model alone, or a vision-language model's encoder and language model."""
@@ -81,6 +106,18 @@ BlockLayout = Literal["sequential", "parallel"]
 ``x + attn(norm(x)) + mlp(norm(x))``."""
 
 ACTIVATIONS: tuple[Activation, ...] = typing.get_args(Activation)
+
+
+def recomputed(recompute: Recompute, modules: tuple[Activation, ...] | None = None) -> tuple[Activation, ...]:
+    """The activations a block recomputes under ``recompute``: none; ``modules`` (the attention core when
+    ``None``) for ``selective``; all of them for ``full``."""
+    if recompute == "none":
+        return ()
+    if recompute == "full":
+        return ACTIVATIONS
+    return ("attn_core",) if modules is None else tuple(a for a in ACTIVATIONS if a in modules)
+
+
 GATED: tuple[MLPKind, ...] = ("swiglu", "geglu")
 
 

@@ -3,10 +3,11 @@
 from hyperjax.cost.collectives import KINDS, collective_time
 from hyperjax.cost.compute import gemm_time, stream_time
 from hyperjax.cost.counts import count_params, model_flops_per_sequence, model_tensors
-from hyperjax.cost.estimate import Estimate, estimate, stage_spans
+from hyperjax.cost.estimate import Estimate, estimate, memory_budget, stage_spans
 from hyperjax.cost.inference import InferenceEstimate, ServeLayer, estimate_inference
 from hyperjax.cost.layer import LayerCost, price_layer
-from hyperjax.cost.stage import FRAGMENTATION, ChunkCost, PartCost, StageCore, StageCost, chunk_starts, zero_share
+from hyperjax.cost.memory import FRAGMENTATION, stage_memory, zero_share
+from hyperjax.cost.stage import ChunkCost, PartCost, StageCore, StageCost, chunk_starts
 from hyperjax.cost.trace import simulate, stage_metadata, task_events, write_trace
 
 __all__ = [
@@ -26,10 +27,12 @@ __all__ = [
     "estimate",
     "estimate_inference",
     "gemm_time",
+    "memory_budget",
     "model_flops_per_sequence",
     "model_tensors",
     "price_layer",
     "simulate",
+    "stage_memory",
     "stage_metadata",
     "stage_spans",
     "stream_time",

@@ -10,6 +10,11 @@ An all-to-all has no phases: each rank sends its buffer's slices to every other 
 slices bound for ranks behind each tier cross that tier's links side by side with the rest. It lasts as
 long as the slowest tier's share of the traffic takes (DeepEP's dispatch over NVLink and RDMA together,
 for one), plus a latency per rank reached through each tier.
+
+On a torus tier (TPU ICI) a group spanning several torus dimensions runs its all-gather, reduce-scatter
+and all-reduce over all of them at once, the multi-dimensional ring of the TPU papers: the bandwidth of
+one dimension's bidirectional ring per dimension it spans (half where the dimension has no wraparound and
+the ring is a line), and a latency per hop along each.
 """
 
 from __future__ import annotations
@@ -61,5 +66,9 @@ def collective_time(kind: str, nbytes: float, span: AxisSpan, hardware: Hardware
     for tier, ranks in levels:
         outer //= ranks
         chunk = nbytes / outer
-        time += (ranks - 1) * tier.latency + (ranks - 1) / ranks * chunk / tier.effective_bandwidth
+        bandwidth, hops = tier.effective_bandwidth, ranks - 1
+        if tier.torus_dims is not None and span.torus:
+            bandwidth *= sum(1.0 if wraps else 0.5 for _, wraps in span.torus)
+            hops = sum(r - 1 for r, _ in span.torus)
+        time += hops * tier.latency + (ranks - 1) / ranks * chunk / bandwidth
     return time

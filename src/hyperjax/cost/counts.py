@@ -319,12 +319,13 @@ def activation_units(m: ModelConfig, *, moe: bool = False, imbalance: float = 1.
 
     For GPT (``heads x head_dim = d_model``, ``d_ff = 4 d_model``, sequential blocks) these are
     Korthikanti's ``34 h`` split as block input 2, norms 8 (the norms' inputs and outputs, the mid-block
-    residual and dropout masks), Q/K/V 6, the output projection's input 2 and the MLP's hidden 16; the
-    attention core's ``5 a s`` is per token too. A gated MLP keeps three hidden tensors, a parallel block
-    has one norm and no mid-block residual. Latent attention keeps its latents and its wider queries and
-    keys. An MoE block keeps, per routed copy of a token (``top_k``), the dispatched input and the
-    expert's output beside the expert's hidden, and the router's scores in float32; ``imbalance`` scales
-    the routed copies a device holds (its busiest-device load over the mean).
+    residual and dropout masks), Q/K/V 6, the output projection's input 2, the MLP's input projection 8
+    and its activation 8; the attention core's ``5 a s`` is per token too. A gated MLP keeps its input and
+    gate projections (``mlp_hidden``) and their product (``mlp_act``), a parallel block has one norm and no
+    mid-block residual. Latent attention keeps its latents and its wider queries and keys. An MoE block
+    keeps, per routed copy of a token (``top_k``), the dispatched input and the expert's output beside the
+    expert's hidden, and the router's scores in float32; ``imbalance`` scales the routed copies a device
+    holds (its busiest-device load over the mean).
     """
     h, a, hd = m.d_model, m.heads, m.head_dim
     if m.attention == "mla":
@@ -332,18 +333,20 @@ def activation_units(m: ModelConfig, *, moe: bool = False, imbalance: float = 1.
         qkv = 2.0 * (2 * a * (hd + rd) + a * hd + m.kv_lora_rank + rd + (m.q_lora_rank or 0))
     else:
         qkv = 2.0 * (a + 2 * m.kv_heads) * hd
-    hidden = (6.0 if m.gated else 4.0) * m.d_ff
+    inputs = 4.0 if m.gated else 2.0  # bytes per hidden unit of the input projections' outputs
+    hidden, act = inputs * m.d_ff, 2.0 * m.d_ff
     if moe:
         x = m.moe
-        per_copy = (6.0 if m.gated else 4.0) * x.d_ff + 2.0 * 2 * h
-        hidden = x.top_k * imbalance * per_copy + (6.0 if m.gated else 4.0) * x.shared_experts * x.d_ff
-        hidden += 4.0 * x.experts
+        copies = x.top_k * imbalance
+        hidden = copies * (inputs * x.d_ff + 2.0 * 2 * h) + inputs * x.shared_experts * x.d_ff + 4.0 * x.experts
+        act = copies * 2.0 * x.d_ff + 2.0 * x.shared_experts * x.d_ff
     return {
         "block_in": 2.0 * h,
         "norms": (8.0 if m.block == "sequential" else 4.0) * h,
         "qkv": qkv,
         "attn_out": 2.0 * a * hd,
         "mlp_hidden": hidden,
+        "mlp_act": act,
         # materialized: Korthikanti's scores, softmax and dropout mask; fused: its float32 softmax statistics
         "attn_core": 5.0 * a * m.seq_len if m.attention_kernel == "materialized" else 4.0 * a,
     }

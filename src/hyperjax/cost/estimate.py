@@ -167,6 +167,14 @@ def chunk_task_seconds(sched: Schedule, stages: tuple[StageCost, ...]) -> dict[T
     return paired_seconds(sched, seconds, {n: c.exchange.pair_saving_s for n, c in lengths.items()})
 
 
+def memory_budget(run: Run) -> float:
+    """The bytes one device's tensors may use: ``offload.device_memory_gib`` when set, else the preset's
+    HBM less what its runtime reserves (``device.reserved_bytes``). Training, serving and the offload
+    passes judge ``fits`` against it alike."""
+    gib = run.config.offload.device_memory_gib
+    return gib * GIB if gib is not None else run.hardware.device.usable_bytes
+
+
 def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estimate:
     """Predict one training step of ``run`` on its hardware.
 
@@ -238,7 +246,7 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
     step = busy + idle + c.data_parallel_exposed_s + c.optimizer_s + c.weight_cast_s
     fullest = max(range(len(kind_of)), key=lambda i: peak_with(kinds[kind_of[i]], held[i]))
     memory = dict(with_in_flight(kinds[kind_of[fullest]], run.stages[fullest], held[fullest]).memory)
-    fits = memory["peak"] <= hw.device.hbm_bytes
+    fits = memory["peak"] <= memory_budget(run)
     # a pair's exchange hidden, and its compute slowed, against the two tasks apart (fb-pair)
     pair_hidden = sum(paired.get(t.chunk, 0) * (t.exchange.total_s - t.exchange.pair_exposed_s) for t in mine)
     pair_slowdown = sum(paired.get(t.chunk, 0) * t.exchange.pair_slowdown_s for t in mine)
@@ -322,9 +330,14 @@ def _closed_form_idle(run: Run, c: StageCost) -> float:
 
 _SPANS: dict[tuple, dict[str, AxisSpan]] = {}
 
-GROUPS = {"data+expert": ("data", "expert"), "expert+tensor": ("expert", "tensor")}
-"""Collectives over two mesh axes at once: the gradient reduction of everything but the routed experts
-(every device holding a batch shard), and the all-to-all of experts spread over the tensor axis too."""
+GROUPS = {
+    "data+context+expert": ("data", "context", "expert"),
+    "data+context": ("data", "context"),
+    "expert+tensor": ("expert", "tensor"),
+}
+"""Collectives over several mesh axes at once: the gradient reduction of everything but the routed experts
+(every device holding a batch or sequence shard), that of the routed experts (replicated over the data
+and context axes), and the all-to-all of experts spread over the tensor axis too."""
 
 
 def _spans(hardware: Hardware, axes: tuple[tuple[str, int], ...]) -> dict[str, AxisSpan]:

@@ -78,15 +78,17 @@ def fp8_input_units(m: ModelConfig, *, moe: bool = False, imbalance: float = 1.0
     attention's latents."""
     h, a, hd = m.d_model, m.heads, m.head_dim
     qkv = 2.0 * (m.kv_lora_rank + (m.q_lora_rank or 0)) if m.attention == "mla" else 0.0
-    hidden = 2.0 * m.d_ff
+    dispatched, act = 0.0, 2.0 * m.d_ff
     if moe:
         x = m.moe
-        hidden = x.top_k * imbalance * (2.0 * x.d_ff + 2.0 * h) + 2.0 * x.shared_experts * x.d_ff
+        dispatched = x.top_k * imbalance * 2.0 * h
+        act = x.top_k * imbalance * 2.0 * x.d_ff + 2.0 * x.shared_experts * x.d_ff
     return {
         "norms": (4.0 if m.block == "sequential" else 2.0) * h,
         "qkv": qkv,
         "attn_out": 2.0 * a * hd,
-        "mlp_hidden": hidden,
+        "mlp_hidden": dispatched,
+        "mlp_act": act,
     }
 
 

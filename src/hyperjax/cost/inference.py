@@ -30,7 +30,7 @@ from typing import Any
 from hyperjax.config import ModelConfig, Run
 from hyperjax.cost.collectives import collective_time
 from hyperjax.cost.compute import gemm_time
-from hyperjax.cost.estimate import GIB, stage_spans
+from hyperjax.cost.estimate import GIB, memory_budget, stage_spans
 from hyperjax.cost.layer import price_layer
 from hyperjax.cost.pipeline import boundary_span
 from hyperjax.cost.stage import chunk_starts, part_models
@@ -230,7 +230,7 @@ def estimate_inference(run: Run) -> InferenceEstimate:
         tokens_per_s_per_device=batch / step / run.devices,
         kv_cache_gib_per_device=gib["kv_cache"],
         memory_per_device_gib=gib,
-        fits=fullest["peak"] <= hw.device.hbm_bytes,
+        fits=fullest["peak"] <= memory_budget(run),
         decode_breakdown_s={
             "weights_and_compute": step - kv_read - comm,
             "kv_cache_read": kv_read,

@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hyperjax.config import ModelConfig, Run
+from hyperjax.config import ModelConfig, Run, recomputed
 from hyperjax.cost.counts import attention_flops_per_token, block_products, model_flops_per_sequence, model_tensors
 from hyperjax.models.moe import exchange_slots, expert_capacity  # the emulation sizes its buffers there
 
@@ -78,7 +78,8 @@ def runtime_inventory(run: Run) -> Inventory:
     experts = _experts(run)
     forward = model_flops_per_sequence(m) * t.global_batch / 3 - experts.routed_flops
     core = attention_flops_per_token(m) * s * m.layers * t.global_batch  # attention scores and values
-    extra = {"none": 0.0, "selective": core, "full": forward}[t.recompute]
+    gone = recomputed(t.recompute, t.recompute_modules)
+    extra = forward if t.recompute == "full" else (core if "attn_core" in gone else 0.0)
     flops = (3 * forward + extra) / devices + 3 * experts.emulated_flops
     # XLA's CPU compiler currently drops the rematerialisation (the compiled FLOPs and collectives equal
     # the program without it); on accelerators the recomputed forward pass runs. Compare with care.

@@ -25,7 +25,7 @@ import dataclasses
 import functools
 from collections.abc import Mapping
 
-from hyperjax.config import Fp8Config, ModelConfig, Recompute
+from hyperjax.config import ACTIVATIONS, Activation, Fp8Config, ModelConfig, Recompute, TpOverlap, recomputed
 from hyperjax.cost.collectives import collective_time
 from hyperjax.cost.compute import gemm_time, grouped_gemm_time, stream_time
 from hyperjax.cost.counts import Product, activation_units, block_products, block_tensors
@@ -66,6 +66,8 @@ class LayerCost:
         ``backward_s``).
       weight_cast_s: casting the layer's weights to FP8, once per step.
       fp8_weights: elements of the layer's FP8 weights on one device before FSDP.
+      largest_param: the layer's largest tensor on one device before FSDP (what FSDP gathers at once
+        when its unit is one tensor).
     """
 
     products_s: Mapping[str, float]
@@ -86,6 +88,7 @@ class LayerCost:
     expert_comm_s: float = 0.0
     exchange_s: float = 0.0
     expert_params: float = 0.0
+    largest_param: float = 0.0
     fp8_products_s: float = 0.0
     cast_s: float = 0.0
     weight_cast_s: float = 0.0
@@ -115,6 +118,8 @@ def price_layer(
     moe: bool = False,
     expert_tensor: bool = True,
     fp8: Fp8Config | None = None,
+    modules: tuple[Activation, ...] | None = None,
+    tp_overlap: TpOverlap = "none",
 ) -> LayerCost:
     """Price one block of ``m`` for ``micro`` sequences on one device of a mesh with ``axes``.
 
@@ -133,6 +138,9 @@ def price_layer(
       expert_tensor: experts' hidden widths are split over the tensor axis (``parallel.expert_tensor``
         null); otherwise the experts spread over it.
       fp8: the FP8 recipe of the linear layers (``train.fp8``); ``None``: they run in ``dtype``.
+      modules: the activations ``selective`` recomputes (``train.recompute_modules``; ``None``: the
+        attention core).
+      tp_overlap: how the tensor-parallel collectives meet the products beside them (``parallel.tp_overlap``).
     """
     return _price_layer(
         m,
@@ -146,16 +154,19 @@ def price_layer(
         moe,
         expert_tensor,
         fp8,
+        modules,
+        tp_overlap,
     )
 
 
 @functools.lru_cache(maxsize=4096)
-def _block_params(m: ModelConfig, moe: bool, tp: int, ep: int, expert_tensor: bool) -> tuple[float, float]:
-    """A block's parameters on one device before FSDP, and those of them that are routed experts'."""
+def _block_params(m: ModelConfig, moe: bool, tp: int, ep: int, expert_tensor: bool) -> tuple[float, float, float]:
+    """A block's parameters on one device before FSDP, those of them that are routed experts', and its
+    largest tensor's."""
     local = [
         (t.local_size(tensor=tp, expert=ep, expert_tensor=expert_tensor), t.expert) for t in block_tensors(m, moe=moe)
     ]
-    return sum(n for n, _ in local), sum(n for n, routed in local if routed)
+    return sum(n for n, _ in local), sum(n for n, routed in local if routed), max((n for n, _ in local), default=0.0)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -171,6 +182,8 @@ def _price_layer(
     moe: bool,
     expert_tensor: bool,
     fp8: Fp8Config | None,
+    modules: tuple[Activation, ...] | None,
+    tp_overlap: TpOverlap,
 ) -> LayerCost:
     axes, spans = dict(axes_items), dict(span_items)
     tp, cp, fsdp, ep = axes["tensor"], axes["context"], axes["fsdp"], axes.get("expert", 1)
@@ -231,7 +244,9 @@ def _price_layer(
     scale = e / 2  # the byte counts are for 16-bit activations
     per_token = micro * (s / cp) * scale
     rep = tp if sequence_parallel else 1
-    ways = {"block_in": rep, "norms": rep, "qkv": tp, "attn_out": tp, "mlp_hidden": tp, "attn_core": tp}
+    ways = {"block_in": rep, "norms": rep, "attn_core": tp} | {
+        a: tp for a in ("qkv", "attn_out", "mlp_hidden", "mlp_act")
+    }
     # the busiest device streams its routed copies (imbalance); what a device keeps is summed over many
     # layers and micro-batches, whose busiest devices differ, so memory counts the mean load
     units = activation_units(m, moe=moe, imbalance=routed.imbalance if routed else 1.0)
@@ -241,29 +256,42 @@ def _price_layer(
         for name, u in fp8_input_units(m, moe=moe).items():
             kept[name] -= u * micro * (s / cp) * (e - 1) / 2 / ways[name]
     replicated = acts["block_in"] + acts["norms"]
-    split = acts["qkv"] + acts["attn_out"] + acts["mlp_hidden"]
-    held = kept["block_in"] + kept["norms"] + kept["qkv"] + kept["attn_out"] + kept["mlp_hidden"]
+    split = sum(acts[a] for a in ("qkv", "attn_out", "mlp_hidden", "mlp_act"))
     ew_fwd = stream_time(2 * (replicated + split), ops=12 + (8 if moe else 0), hardware=hardware)
     # materialized: the scores and probabilities stream through HBM; fused: they stay on chip, and the
     # backward recomputes the scores (five products of the core's size against the forward's two)
     ew_core_fwd = 0.0 if flash else stream_time(2 * acts["attn_core"], ops=4, hardware=hardware)
     fwd = proj + core + ew_fwd + ew_core_fwd + cast_fwd
     bwd = 2 * proj + (2.5 if flash else 2.0) * core + 2 * (ew_fwd + ew_core_fwd) + cast_bwd
-    stored = {"none": held + kept["attn_core"], "selective": held, "full": kept["block_in"]}[recompute]
     ew_share = lambda name: ew_fwd * acts[name] / (replicated + split)
+    # recomputing an activation re-runs the forward ops that produce it; a fused core's backward already
+    # recomputes its scores, so recomputing it costs nothing more
     by_name = {
         "norms": ew_fwd * (acts["norms"] + acts["block_in"]) / (replicated + split),
         "qkv": products["qkv"] + ew_share("qkv"),
         "attn_out": products["attn_out"] + ew_share("attn_out"),
         "mlp_hidden": products["mlp_hidden"] + ew_share("mlp_hidden"),
+        "mlp_act": ew_share("mlp_act"),
         "attn_core": core + ew_core_fwd,
     }
-    # selective recomputation re-runs a materialized core; a fused core keeps nothing to recompute
-    extra = {"none": 0.0, "selective": 0.0 if flash else core + ew_core_fwd, "full": fwd}[recompute]
+    gone = recomputed(recompute, modules)
+    stored = kept["block_in"] + sum(kept[a] for a in ACTIVATIONS if a not in gone)
+    extra = fwd if recompute == "full" else sum(0.0 if a == "attn_core" and flash else by_name[a] for a in gone)
 
     act_bytes = micro * (s / cp) * m.d_model * e
     passes = 2 + (1 if recompute == "full" else 0)  # forward, backward, re-forward
-    tensor_comm = 2 * passes * collective_time("all_reduce", act_bytes, spans["tensor"], hardware)
+    one_pass = 2 * collective_time("all_reduce", act_bytes, spans["tensor"], hardware)
+    # each pass's collectives against the products they can run beside: none; in the backward, the
+    # weight-gradient products (bulk); in every pass, its own products, a first chunk exposed (pipelined).
+    # What they hide behind runs slower by the share of the device the collective holds
+    beside = {"none": (0.0, 0.0, 0.0), "bulk": (0.0, proj, 0.0), "pipelined": (proj, 2 * proj, proj)}[tp_overlap]
+    tensor_comm, slowed = 0.0, []
+    for g in beside[:passes]:  # forward, backward, re-forward
+        hidden = min(one_pass * (1 - 1 / tp), g) if g > 0 and tp > 1 else 0.0
+        tensor_comm += one_pass - hidden
+        slowed.append(hidden * hardware.device.comm_compute_share)
+    fwd += slowed[0]
+    bwd += sum(slowed[1:])
     if fp8 is not None and fp8.recipe == "tensorwise":  # each current amax agreed over the tensor group
         tensor_comm += amaxes * passes * collective_time("all_reduce", 4, spans["tensor"], hardware)
     kv_bytes = 2 * micro * s * m.kv_heads * hd * e / tp
@@ -277,7 +305,7 @@ def _price_layer(
             low_one = exchange_time(m, routed, exchange, bytes_per_element=1, hardware=hardware)
             expert_comm -= (passes - 1) * (one - low_one)
 
-    params, experts = _block_params(m, moe, tp, ep, expert_tensor)
+    params, experts, largest = _block_params(m, moe, tp, ep, expert_tensor)
     gathered = params * e - (weights8 * (e - 1) if fp8 is not None and fp8.all_gather else 0.0)
     gather = collective_time("all_gather", gathered, spans["fsdp"], hardware)
     scatter = collective_time("reduce_scatter", params * 4, spans["fsdp"], hardware)
@@ -300,6 +328,7 @@ def _price_layer(
         recompute_by_name_s=by_name,
         params=params / fsdp,
         expert_params=experts / fsdp,
+        largest_param=largest,
         param_transfer_bytes=params / fsdp * e,
         fp8_products_s=3 * low,
         cast_s=cast_fwd + cast_bwd,

@@ -7,7 +7,8 @@ import dataclasses
 import math
 
 from hyperjax.config import Run, Stage
-from hyperjax.cost.stage import FRAGMENTATION, StageCost
+from hyperjax.cost.memory import FRAGMENTATION
+from hyperjax.cost.stage import StageCost
 from hyperjax.topology import AxisSpan, Hardware
 
 

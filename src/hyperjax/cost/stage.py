@@ -17,8 +17,9 @@ from hyperjax.config import ModelConfig, Run, Stage
 from hyperjax.cost.collectives import collective_time
 from hyperjax.cost.compute import gemm_time, stream_time
 from hyperjax.cost.counts import Tensor, decoder_tensors, encoder_tensors
-from hyperjax.cost.fp8 import cast_time, held_bytes
+from hyperjax.cost.fp8 import cast_time
 from hyperjax.cost.layer import LayerCost, price_layer
+from hyperjax.cost.memory import stage_memory, zero_share
 from hyperjax.cost.overlap import Exchange, chunk_exchange
 from hyperjax.topology import AxisSpan
 
@@ -127,10 +128,6 @@ class StageCost:
         return sum(p.head_s for p in self.parts)
 
 
-FRAGMENTATION = 1.05
-"""Allocator fragmentation and workspace over the counted memory terms."""
-
-
 def part_models(
     m: ModelConfig, stage: Stage, chunk_index: int, first: int = 0
 ) -> list[tuple[str, ModelConfig, int, bool]]:
@@ -153,13 +150,6 @@ def _kinds(m: ModelConfig, first: int, layers: int) -> list[tuple[int, bool]]:
     """``(blocks, moe)`` of blocks ``first .. first + layers - 1``: the dense ones, then the MoE ones."""
     moe = sum(m.is_moe(i) for i in range(first, first + layers))
     return [(n, kind) for n, kind in ((layers - moe, False), (moe, True)) if n]
-
-
-def zero_share(params: float, expert_params: float, axes: Mapping[str, int]) -> float:
-    """What one device keeps of ``params`` parameters' ZeRO-sharded state (optimizer state, or gradients at
-    stage 2): split over the batch axes, data and expert, except the routed experts' (``expert_params`` of
-    them), which the expert axis already splits: theirs over data alone."""
-    return (params - expert_params) / (axes["data"] * axes.get("expert", 1)) + expert_params / axes["data"]
 
 
 def chunk_starts(run: Run) -> dict[int, int]:
@@ -248,6 +238,8 @@ def stage_core(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: AxisS
                 moe=moe,
                 expert_tensor=run.expert_tensor_split,
                 fp8=run.config.train.fp8,
+                modules=run.config.train.recompute_modules,
+                tp_overlap=run.config.parallel.tp_overlap,
             )
             ends = module != "decoder" or c == last
             starts = module != "decoder" or c == 0
@@ -314,32 +306,31 @@ def price_stage(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> S
         )
         for c, f, b, w, x, ex in core.tasks
     )
-    trained, held = core.trained_params, core.held_params
+    trained = core.trained_params
     kind = "all_reduce" if run.zero_stage == 0 else "reduce_scatter"
-    # gradients are reduced over every device holding a batch shard: routed experts' over the data axis,
-    # the rest also over the expert axis, which carries batch outside the experts
-    reduced = ((trained - core.expert_params, core.spans["data+expert"]), (core.expert_params, core.spans["data"]))
-    dp_time = sum(collective_time(kind, n * 4, span, hw) for n, span in reduced)
-    if run.zero_stage >= 1:
-        dp_time += sum(collective_time("all_gather", n * e, span, hw) for n, span in reduced)
-    layers = sum(p.layers for p in core.parts)
-    dp_exposed = max(0.0, dp_time - core.last_backward_s) + dp_time / max(layers, 1) if stage.data_parallel > 1 else 0.0
-    zero = lambda n: zero_share(n, core.expert_params, axes)
-    opt_params = zero(trained) if run.zero_stage >= 1 else trained
-    fsdp = axes["fsdp"]
-    # FSDP materialises a layer whole: its gathered parameters and the next layer's (prefetched) in the
-    # compute dtype (FP8 with train.fp8.all_gather), and its full gradient in float32 before the reduce-scatter
-    whole = max((p.layer.params * fsdp for p in core.parts), default=0.0) if fsdp > 1 else 0.0
-    fp8 = run.config.train.fp8
+    # gradients are reduced over every device holding a batch or sequence shard: routed experts' over the
+    # data and context axes, the rest also over the expert axis, which carries batch outside the experts
+    reduced = (
+        (trained - core.expert_params, core.spans["data+context+expert"]),
+        (core.expert_params, core.spans["data+context"]),
+    )
+    reduce = sum(collective_time(kind, n * 4, span, hw) for n, span in reduced)
+    gather = sum(collective_time("all_gather", n * e, span, hw) for n, span in reduced) if run.zero_stage >= 1 else 0.0
+    dp_time = reduce + gather
+    layers = max(sum(p.layers for p in core.parts), 1)
+    # parallel.dp_overlap: exposed whole; beside the last micro-batch's backward as its buckets are ready
+    # (the last layer's bucket after it); with the parameter gather beside the next step's first forward too
+    if run.config.parallel.dp_overlap == "none":
+        dp_exposed = dp_time
+    elif run.config.parallel.dp_overlap == "full":
+        first_forward = sum(t[1] for t in core.tasks)
+        dp_exposed = max(0.0, reduce - core.last_backward_s) + max(0.0, gather - first_forward) + dp_time / layers
+    else:
+        dp_exposed = max(0.0, dp_time - core.last_backward_s) + dp_time / layers
+    opt_params = zero_share(trained, core.expert_params, axes) if run.zero_stage >= 1 else trained
+    memory = stage_memory(run, stage, core, in_flight=in_flight)
+    fsdp, fp8 = axes["fsdp"], run.config.train.fp8
     gathered = 1 if fp8 is not None and fp8.all_gather else e
-    fp8_bytes = 0.0 if fp8 is None else held_bytes(fp8, run.config.model, core.parts, fsdp)
-    memory = {
-        "params": held * (4 + (2 if e == 2 else 0)) + whole * (2 * gathered + 4) + fp8_bytes,
-        "optimizer": opt_params * 8,
-        "gradients": (zero(held) if run.zero_stage >= 2 else held) * 4,
-        "activations": in_flight * core.kept_bytes + core.head_bytes + _halves_bytes(run, stage, core),
-    }
-    memory["peak"] = sum(memory.values()) * FRAGMENTATION
     return StageCost(
         stage=stage,
         parts=core.parts,
@@ -419,14 +410,3 @@ def _part(
         trained_params=trained,
         boundary_bytes=boundary,
     )
-
-
-def _halves_bytes(run: Run, stage: Stage, core: StageCore) -> float:
-    """What ``two-microbatch`` overlap adds to a stage's memory: while one half's exchange runs the other
-    half's is in flight too, so one MoE layer holds a second send and receive buffer of a half's routed
-    copies (``tokens / 2 x top_k`` rows of the hidden width each); 0 for other schedules."""
-    m = run.config.model
-    if run.overlap != "two-microbatch" or not any(p.moe for p in core.parts):
-        return 0.0
-    tokens = run.rows / stage.data_parallel * m.seq_len / stage.axes["context"]
-    return 2 * (tokens / 2) * m.moe.top_k * m.d_model * (2 if run.dtype == "bfloat16" else 4)

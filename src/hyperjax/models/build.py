@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from hyperjax.config import DType, Fp8Config, ModelConfig, Overlap, Recompute, choices
+from hyperjax.config import Activation, DType, Fp8Config, ModelConfig, Overlap, Recompute, choices
 from hyperjax.errors import ConfigError
 from hyperjax.models.transformer import BlockPolicy, Transformer
 from hyperjax.models.vlm import VisionLanguageModel
@@ -15,6 +15,7 @@ def build_model(
     *,
     dtype: DType = "float32",
     recompute: Recompute = "none",
+    recompute_modules: tuple[Activation, ...] | None = None,
     seed: int = 0,
     policies: tuple[BlockPolicy, ...] | None = None,
     overlap: Overlap = "none",
@@ -24,7 +25,8 @@ def build_model(
 
     A :class:`Transformer`, or with ``cfg.vision`` a :class:`VisionLanguageModel`. ``policies`` (one per
     block, e.g. from an offload placement) say what a decoder's blocks keep for backward; ``None``: what
-    ``recompute`` says. ``overlap`` (``parallel.overlap``): ``two-microbatch`` runs a decoder's micro-batches
+    ``recompute`` says (``selective`` recomputes ``recompute_modules``, by default the attention core).
+    ``overlap`` (``parallel.overlap``): ``two-microbatch`` runs a decoder's micro-batches
     as two halves. ``fp8`` (``train.fp8``): the blocks' linear layers multiply in FP8 by that recipe.
 
     Raises:
@@ -42,5 +44,14 @@ def build_model(
                 "parallel.overlap='two-microbatch' runs a decoder's micro-batch as two halves; a vision-language "
                 "model does not split its micro-batches; set parallel.overlap: none"
             )
-        return VisionLanguageModel(cfg, dtype=dtype, recompute=recompute, rngs=rngs, fp8=fp8)
-    return Transformer(cfg, dtype=dtype, recompute=recompute, rngs=rngs, policies=policies, overlap=overlap, fp8=fp8)
+        return VisionLanguageModel(cfg, dtype=dtype, recompute=recompute, modules=recompute_modules, rngs=rngs, fp8=fp8)
+    return Transformer(
+        cfg,
+        dtype=dtype,
+        recompute=recompute,
+        recompute_modules=recompute_modules,
+        rngs=rngs,
+        policies=policies,
+        overlap=overlap,
+        fp8=fp8,
+    )

@@ -240,13 +240,13 @@ class MLP(nnx.Module):
         h = product("bsd,df->bsf", x, use(self.w_in, constrain).astype(dt), **fp8)
         if self.bias:
             h = h + use(self.b_in, constrain).astype(dt)
-        h = checkpoint_name(h, "mlp_hidden")  # the up-projection's output and the activation's are both kept
+        h = checkpoint_name(h, "mlp_hidden")  # the up-projection's output; the gate's is tagged in activate
         gate = None
         if self.gated:
             gate = product("bsd,df->bsf", x, use(self.w_gate, constrain).astype(dt), **fp8)
             if self.bias:
                 gate = gate + use(self.b_gate, constrain).astype(dt)
-        h = constrain(checkpoint_name(activate(self.kind, h, gate), "mlp_hidden"), ("batch", "seq", "act_mlp"))
+        h = constrain(checkpoint_name(activate(self.kind, h, gate), "mlp_act"), ("batch", "seq", "act_mlp"))
         y = product("bsf,fd->bsd", h, use(self.w_out, constrain).astype(dt), **fp8)
         if self.bias:
             y = y + use(self.b_out, constrain).astype(dt)

@@ -347,7 +347,7 @@ def _local(
         gate = up(grouped, w_gate.astype(dt))
         if biases[1] is not None:
             gate = gate + _per_row(biases[1], group).astype(dt)
-    h = checkpoint_name(activate(kind, h, gate), "mlp_hidden")
+    h = checkpoint_name(activate(kind, h, gate), "mlp_act")
     out = _grouped(h, w_out.astype(dt), sizes=sizes, group=group, fp8=fp8, axes=GroupAxes(every, tp, (), ep))
     if biases[2] is not None:  # the output bias once over the tensor axis, whose partial sums are added
         out = out + _per_row(biases[2], group).astype(dt) / (jax.lax.psum(1, tp) if tp else 1)

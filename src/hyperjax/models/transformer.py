@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from hyperjax.config import ACTIVATIONS, DType, Fp8Config, ModelConfig, Overlap, Recompute
+from hyperjax.config import ACTIVATIONS, Activation, DType, Fp8Config, ModelConfig, Overlap, Recompute, recomputed
 from hyperjax.models.layers import MLP, Attention, Constrain, make_norm, no_constraint, param, use
 from hyperjax.models.mla import LatentAttention
 from hyperjax.models.moe import MoE, RouterStats, combine_halves, merge_stats
@@ -26,11 +26,13 @@ BlockPolicy = tuple[tuple[str, ...], tuple[str, ...]] | None
 the names in neither are recomputed. ``None``: no rematerialisation at all."""
 
 
-def recompute_policy(recompute: Recompute) -> BlockPolicy:
-    """The policy ``train.recompute`` means: keep everything, all but the attention core, or nothing."""
+def recompute_policy(recompute: Recompute, modules: tuple[Activation, ...] | None = None) -> BlockPolicy:
+    """The policy ``train.recompute`` means: keep everything, all but the activations ``modules`` names
+    (the attention core when ``None``), or nothing."""
     if recompute == "none":
         return None
-    return (tuple(a for a in ACTIVATIONS if a != "attn_core") if recompute == "selective" else (), ())
+    gone = recomputed(recompute, modules)
+    return (tuple(a for a in ACTIVATIONS if a not in gone), ())
 
 
 def _remat(policy: tuple[tuple[str, ...], tuple[str, ...]]) -> jax.checkpoint_policies:
@@ -161,6 +163,7 @@ class Transformer(nnx.Module):
       cfg: the model's shape and parts.
       dtype: compute dtype (``float32`` or ``bfloat16``); parameters stay float32.
       recompute: activation recomputation per block: ``none``, ``selective`` or ``full``.
+      recompute_modules: the activations ``selective`` recomputes (``train.recompute_modules``).
       rngs: parameter initialisation randomness.
       policies: what each block keeps for backward (:data:`BlockPolicy`, one per layer, e.g. from an
         offload placement); ``None``: what ``recompute`` says.
@@ -175,6 +178,7 @@ class Transformer(nnx.Module):
         *,
         dtype: DType = "float32",
         recompute: Recompute = "none",
+        recompute_modules: tuple[Activation, ...] | None = None,
         rngs: nnx.Rngs,
         policies: tuple[BlockPolicy, ...] | None = None,
         overlap: Overlap = "none",
@@ -182,7 +186,9 @@ class Transformer(nnx.Module):
     ) -> None:
         self.cfg, self.dtype, self.recompute, self.overlap = cfg, dtype, recompute, overlap
         self.head_fp8 = fp8 if fp8 is not None and fp8.output_layer else None
-        self.policies = policies if policies is not None else (recompute_policy(recompute),) * cfg.layers
+        self.policies = (
+            policies if policies is not None else (recompute_policy(recompute, recompute_modules),) * cfg.layers
+        )
         self.embed = param(rngs, (cfg.vocab, cfg.d_model), ("vocab", "embed"))
         if cfg.positions == "learned":
             self.pos_embed = param(rngs, (cfg.seq_len, cfg.d_model), (None, "embed"), scale=0.01)

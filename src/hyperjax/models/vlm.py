@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hyperjax.config import DType, Fp8Config, ModelConfig, Recompute, VisionConfig
+from hyperjax.config import Activation, DType, Fp8Config, ModelConfig, Recompute, VisionConfig
 from hyperjax.models.layers import Constrain, LayerNorm, no_constraint, param, use
 from hyperjax.models.moe import RouterStats
 from hyperjax.models.taps import product
@@ -36,11 +36,12 @@ class VisionEncoder(nnx.Module):
         *,
         dtype: DType,
         recompute: Recompute,
+        modules: tuple[Activation, ...] | None = None,
         rngs: nnx.Rngs,
         fp8: Fp8Config | None = None,
     ) -> None:
         self.vision, self.dtype, self.recompute = v, dtype, recompute
-        self.policy = recompute_policy(recompute)
+        self.policy = recompute_policy(recompute, modules)
         self.cfg = v.as_model()
         self.patch_embed = param(rngs, (v.patch_dim, v.d_model), (None, "embed"))
         self.pos_embed = param(rngs, (v.patches, v.d_model), (None, "embed"), scale=0.01)
@@ -84,12 +85,17 @@ class VisionLanguageModel(nnx.Module):
         *,
         dtype: DType = "float32",
         recompute: Recompute = "none",
+        modules: tuple[Activation, ...] | None = None,
         rngs: nnx.Rngs,
         fp8: Fp8Config | None = None,
     ) -> None:
         self.cfg = cfg
-        self.encoder = VisionEncoder(cfg.vision, cfg.d_model, dtype=dtype, recompute=recompute, rngs=rngs, fp8=fp8)
-        self.language_model = Transformer(cfg, dtype=dtype, recompute=recompute, rngs=rngs, fp8=fp8)
+        self.encoder = VisionEncoder(
+            cfg.vision, cfg.d_model, dtype=dtype, recompute=recompute, modules=modules, rngs=rngs, fp8=fp8
+        )
+        self.language_model = Transformer(
+            cfg, dtype=dtype, recompute=recompute, recompute_modules=modules, rngs=rngs, fp8=fp8
+        )
 
     def __call__(self, tokens: jax.Array, constrain: Constrain = no_constraint, *, images: jax.Array) -> jax.Array:
         """Float32 logits ``(batch, seq, vocab)`` of the text ``tokens`` after the ``images``."""

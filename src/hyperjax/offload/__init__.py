@@ -4,7 +4,14 @@ from hyperjax.offload.apply import block_policies
 from hyperjax.offload.passes import OffloadResult, budget_bytes, offload_pass, with_offload
 from hyperjax.offload.placement import OPTIONS, Placement, from_patterns, from_recompute, group_names
 from hyperjax.offload.problem import Priced, Problem, build_problem, evaluate
-from hyperjax.offload.serving import Longest, longest_context, per_token_curve, serve_problem
+from hyperjax.offload.serving import (
+    Longest,
+    ServingPlacement,
+    longest_context,
+    per_token_curve,
+    serve_problem,
+    serving_pass,
+)
 from hyperjax.offload.solve import brute_force, greedy, solve_exact
 
 __all__ = [
@@ -14,6 +21,7 @@ __all__ = [
     "Placement",
     "Priced",
     "Problem",
+    "ServingPlacement",
     "block_policies",
     "brute_force",
     "budget_bytes",
@@ -27,6 +35,7 @@ __all__ = [
     "offload_pass",
     "per_token_curve",
     "serve_problem",
+    "serving_pass",
     "solve_exact",
     "with_offload",
 ]

@@ -72,9 +72,10 @@ class OffloadResult:
 
 
 def budget_bytes(cfg: Config, hardware: Hardware) -> float:
-    """The device-memory budget per device: ``offload.device_memory_gib``, else the preset's HBM."""
+    """The device-memory budget per device: ``offload.device_memory_gib``, else the preset's HBM less what
+    its runtime reserves (as :func:`hyperjax.cost.memory_budget`)."""
     gib = cfg.offload.device_memory_gib
-    return gib * GIB if gib is not None else hardware.device.hbm_bytes
+    return gib * GIB if gib is not None else hardware.device.usable_bytes
 
 
 def offload_pass(run: Run) -> OffloadResult:
@@ -92,7 +93,7 @@ def offload_pass(run: Run) -> OffloadResult:
     budget = budget_bytes(run.config, hardware)
     problem = build_problem(est, hardware=hardware, budget_bytes=budget, prefetch=o.prefetch)
     layers = problem.layers
-    start = from_recompute(run.recompute, layers)
+    start = from_recompute(run.recompute, layers, run.config.train.recompute_modules)
     if policy == "none":
         priced = evaluate(problem, start)
     elif policy == "manual":

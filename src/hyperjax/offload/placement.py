@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from hyperjax.config import ACTIVATIONS, OffloadOption, Recompute, choices
+from hyperjax.config import ACTIVATIONS, Activation, OffloadOption, Recompute, choices, recomputed
 from hyperjax.errors import ConfigError
 
 OPTIONS: tuple[OffloadOption, ...] = choices(OffloadOption)
@@ -131,7 +131,8 @@ def from_patterns(patterns: Mapping[str, str], layers: int, base: Placement | No
     return Placement.of(choice)
 
 
-def from_recompute(recompute: Recompute, layers: int) -> Placement:
-    """The placement ``train.recompute`` means: everything on the device, the named activations recomputed."""
-    names = {"none": (), "selective": ("attn_core",), "full": ACTIVATIONS}[recompute]
+def from_recompute(recompute: Recompute, layers: int, modules: tuple[Activation, ...] | None = None) -> Placement:
+    """The placement ``train.recompute`` means: everything on the device, the activations it names (with
+    ``selective``, ``modules``: ``train.recompute_modules``) recomputed."""
+    names = recomputed(recompute, modules)
     return Placement.of({f"layers.{i}.act.{a}": "recompute" for i in range(layers) for a in names})

@@ -212,4 +212,88 @@ def per_token_curve(
     return out
 
 
-__all__ = ["FRAGMENTATION", "Longest", "Policy", "longest_context", "per_token_curve", "place", "serve_problem"]
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServingPlacement:
+    """What ``offload.policy`` places for a serving estimate at its own context (prompt and new tokens).
+
+    Attributes:
+      policy: the pass that placed it (``exact`` for ``offload.policy: auto``, or ``greedy``).
+      context: tokens per sequence the decode step caches.
+      fits: whether the placement's peak fits the budget.
+      budget_gib: the device-memory budget (``offload.device_memory_gib``, else the preset's usable HBM).
+      peak_gib: device memory at the placement's peak (the smallest reachable when nothing fits).
+      host_gib: what it puts on the host.
+      decode_s_per_token: the decode step under the placement.
+      device_only_s_per_token: the same step with everything on the device (memory aside).
+      weights_on_host: layers whose weights live on the host.
+      kv_blocks_on_host: KV-cache blocks (of ``block_tokens``) on the host, of ``kv_blocks``.
+    """
+
+    policy: str
+    context: int
+    fits: bool
+    budget_gib: float
+    peak_gib: float
+    host_gib: float
+    decode_s_per_token: float
+    device_only_s_per_token: float
+    weights_on_host: int
+    kv_blocks_on_host: int
+    kv_blocks: int
+
+    def to_dict(self) -> dict[str, object]:
+        """The placement as plain JSON values."""
+        return dataclasses.asdict(self)
+
+
+def serving_pass(est: InferenceEstimate, *, budget_bytes: float, block_tokens: int = 8192) -> ServingPlacement:
+    """Place the weights and KV cache of ``est``'s decode step at its own context by ``offload.policy``
+    (``auto``: the exact pass; ``greedy``) within ``budget_bytes``; when nothing fits, the greedy pass's
+    smallest-peak placement is reported with ``fits`` false.
+
+    Raises:
+      ConfigError: ``offload.policy: manual`` (its patterns name training's groups) or ``none``.
+    """
+    word = est.run.offload
+    if word not in ("auto", "greedy"):
+        raise ConfigError(
+            f"offload.policy={word!r}: serving places layers.N.params and layers.N.kv.B groups by the auto or "
+            "greedy pass; offload.manual names training's groups. Set offload.policy: auto or greedy"
+        )
+    policy: Policy = "exact" if word == "auto" else "greedy"
+    context = est.prompt_len + est.new_tokens
+    problem = serve_problem(est, context=context, budget_bytes=budget_bytes, block_tokens=min(block_tokens, context))
+    priced = place(problem, policy)
+    fits = priced is not None
+    if priced is None:  # nothing fits: everything that can go to the host goes
+        from hyperjax.offload.placement import Placement
+        from hyperjax.offload.problem import evaluate
+
+        priced = evaluate(problem, Placement(tuple(sorted((g, "host") for g in problem.groups))))
+    host = priced.placement.on("host")
+    return ServingPlacement(
+        policy=policy,
+        context=context,
+        fits=fits,
+        budget_gib=budget_bytes / 2**30,
+        peak_gib=priced.peak_bytes / 2**30,
+        host_gib=priced.host_bytes / 2**30,
+        decode_s_per_token=priced.step_time_s,
+        device_only_s_per_token=problem.base_step_s,
+        weights_on_host=sum(g.endswith(".params") for g in host),
+        kv_blocks_on_host=sum(".kv." in g for g in host),
+        kv_blocks=sum(".kv." in g for g in problem.groups),
+    )
+
+
+__all__ = [
+    "FRAGMENTATION",
+    "Longest",
+    "Policy",
+    "ServingPlacement",
+    "longest_context",
+    "per_token_curve",
+    "place",
+    "serve_problem",
+    "serving_pass",
+]

@@ -75,12 +75,17 @@ def lower_bound(cfg: Config, overrides: dict[str, Any], hardware: Hardware, budg
                 hardware=hardware,
                 moe=moe,
                 expert_tensor=expert_tensor,
+                fp8=cfg.train.fp8,
+                modules=cfg.train.recompute_modules,
+                tp_overlap=cfg.parallel.tp_overlap,
             )
             for moe in kinds
         ]
-        # the first stage keeps its blocks' state (ZeRO-2: the leanest) and activations
+        # the first stage keeps its blocks' state (ZeRO-2: the leanest, with 16-bit compute the float32
+        # master sharded beside the moments and gradients) and activations
         state = [
-            x.params * (4 + (2 if e == 2 else 0)) + 12 * zero_share(x.params, x.expert_params, axes) for x in layers
+            x.params * (2 if e == 2 else 4) + (16 if e == 2 else 12) * zero_share(x.params, x.expert_params, axes)
+            for x in layers
         ]
         kept = sum(n * (st + held * x.stored_bytes) for n, st, x in zip(count[0], state, layers, strict=True))
         if kept * FRAGMENTATION <= budget_bytes:

@@ -17,8 +17,8 @@ axis next to it, so the MoE all-to-all crosses as few tiers as the degrees allow
 | ``expert_mlp`` | an expert's hidden width | ``tensor`` (``expert_tensor: 1``: none; ``experts`` takes it) |
 | ``head_dim``, ``layers`` | parameters | replicated |
 
-``zero_stage`` 1 shards optimizer state over ``data`` and ``expert`` (a routed expert's over ``data``
-alone: ``expert`` already splits it), 2 also gradients. A ``shard:`` mapping overrides any rule.
+``zero_stage`` 1 shards optimizer state over ``data``, ``context`` and ``expert`` (a routed expert's
+over ``data`` and ``context``: ``expert`` already splits it), 2 also gradients. A ``shard:`` mapping overrides any rule.
 """
 
 from __future__ import annotations
@@ -114,4 +114,4 @@ def strategy_for(
                 f"shard.{name}: mesh axis {unknown[0]!r} does not exist; the mesh axes are {', '.join(MESH_AXES)}"
             )
         rules[name] = axes
-    return Strategy(rules=rules, zero_stage=zero_stage, zero_axes=("data", "expert"))
+    return Strategy(rules=rules, zero_stage=zero_stage, zero_axes=("data", "context", "expert"))

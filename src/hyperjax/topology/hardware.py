@@ -45,6 +45,9 @@ class DeviceSpec:
       comm_compute_share: the share of the device's compute units an all-to-all holds while it runs beside
         compute (DeepEP's dispatch and combine kernels run on SMs of their own); compute running beside
         one slows by it (:func:`hyperjax.mpmd.lanes.replay_lanes`).
+      reserved_bytes: device memory the runtime takes before any tensor (the driver's context, the
+        communication library's buffers, the GEMM library's workspace): what a run can use is
+        ``hbm_bytes - reserved_bytes``.
     """
 
     name: str
@@ -58,8 +61,11 @@ class DeviceSpec:
     matmul_precision: Mapping[str, str] = dataclasses.field(default_factory=dict)
     grouped_gemm_rows: int = 1
     comm_compute_share: float = 0.0
+    reserved_bytes: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.reserved_bytes < self.hbm_bytes:
+            raise PresetError(f"device.reserved_bytes={self.reserved_bytes} must be in [0, hbm_bytes={self.hbm_bytes})")
         if not 0 <= self.comm_compute_share < 1:
             raise PresetError(f"device.comm_compute_share={self.comm_compute_share} must be in [0, 1)")
         if not isinstance(self.grouped_gemm_rows, int) or self.grouped_gemm_rows < 1:
@@ -103,8 +109,14 @@ class DeviceSpec:
                 tuple(sorted(self.matmul_precision.items())),
                 self.grouped_gemm_rows,
                 self.comm_compute_share,
+                self.reserved_bytes,
             )
         )
+
+    @property
+    def usable_bytes(self) -> float:
+        """Device memory a run's tensors can use: ``hbm_bytes`` less what the runtime reserves."""
+        return self.hbm_bytes - self.reserved_bytes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -117,8 +129,14 @@ class Tier:
       bandwidth: bytes/s one direction, per device, for traffic that crosses this tier.
       latency: seconds per message hop on this tier.
       efficiency: achievable fraction of ``bandwidth`` for large collectives, in (0, 1].
-      topology: ``switch`` (any-to-any), ``torus`` or ``ring``.
+      topology: ``switch`` (any-to-any), ``torus`` or ``ring``. For a torus, ``bandwidth`` is what one
+        torus dimension with wraparound gives a collective (a bidirectional ring: two links).
       source: where the figures come from.
+      torus_dims: a torus's dimensions (2: TPU v5e, 3: TPU v5p); the devices of one group of the tier form
+        :meth:`torus_for`'s shape, the fastest dimension first, and a collective over a group spanning
+        several dimensions runs on all of them at once. ``None``: the tier is priced as one ring.
+      torus_wrap: a slice whose dimensions are all at least this long has wraparound links on each of them;
+        a dimension without wraparound is a line, half a ring's bandwidth.
     """
 
     name: str
@@ -128,6 +146,8 @@ class Tier:
     efficiency: float
     topology: str = "switch"
     source: str
+    torus_dims: int | None = None
+    torus_wrap: int = 4
 
     def __post_init__(self) -> None:
         where = f"tier {self.name!r}"
@@ -140,6 +160,22 @@ class Tier:
             raise PresetError(f"{where}: efficiency={self.efficiency} must be in (0, 1]")
         if self.topology not in _TOPOLOGIES:
             raise PresetError(f"{where}: topology={self.topology!r} must be one of {_TOPOLOGIES}")
+        if self.torus_dims is not None and (self.topology != "torus" or self.torus_dims not in (1, 2, 3)):
+            raise PresetError(f"{where}: torus_dims={self.torus_dims!r} needs topology: torus and 1, 2 or 3 dimensions")
+
+    def torus_for(self, devices: int) -> tuple[tuple[int, bool], ...] | None:
+        """``(length, wraps)`` of each torus dimension of a slice of ``devices`` devices, fastest first:
+        the most cubic shape of powers of two (TPU slices: 4x4x4, 4x4x8, 16x16, ...), wrapping around
+        when every dimension is at least ``torus_wrap`` long; ``None`` for a tier that is no torus or a
+        device count that is no power of two."""
+        if self.torus_dims is None or devices < 1 or devices & (devices - 1):
+            return None
+        dims = [1] * self.torus_dims
+        while math.prod(dims) < devices:
+            dims[dims.index(min(dims))] *= 2
+        dims.sort()
+        wraps = min(dims) >= self.torus_wrap
+        return tuple((d, wraps) for d in dims)
 
     @property
     def effective_bandwidth(self) -> float:

@@ -38,12 +38,16 @@ class AxisSpan:
         blocks) joined by that tier. The ranks multiply to ``size`` when the axis aligns with the tier
         boundaries; a group straddling a boundary rounds up (3 devices split 2 + 1 over two nodes give
         ``(node, 2), (network, 2)``). Tiers contributing 1 are left out.
+      torus: on a torus tier (``Tier.torus_dims``), ``(ranks, wraps)`` of each torus dimension the group
+        spans: its ranks along it, and whether they close a ring (the whole dimension, with wraparound);
+        empty elsewhere.
     """
 
     axis: str
     size: int
     tier: str
     levels: tuple[tuple[str, int], ...]
+    torus: tuple[tuple[int, bool], ...] = ()
 
 
 def parse_axes(text: str) -> dict[str, int]:
@@ -146,9 +150,33 @@ def _span(hardware: Hardware, positions: np.ndarray, dims: list[int], name: str)
     ranks = _group_levels(hardware, groups)  # (groups, tiers)
     # the group reaching the slowest tier decides; ties go to the first such group
     reach = np.where(ranks > 1, np.arange(len(hardware.tiers)), -1).max(axis=1)
-    row = ranks[int(np.argmax(reach))]
+    chosen = int(np.argmax(reach))
+    row = ranks[chosen]
     kept = tuple((t.name, int(r)) for t, r in zip(hardware.tiers, row, strict=True) if r > 1)
-    return AxisSpan(axis=name, size=size, tier=kept[-1][0] if kept else hardware.tiers[0].name, levels=kept)
+    torus = _torus(hardware, groups[chosen], positions.size, {n for n, _ in kept})
+    return AxisSpan(
+        axis=name, size=size, tier=kept[-1][0] if kept else hardware.tiers[0].name, levels=kept, torus=torus
+    )
+
+
+def _torus(hardware: Hardware, group: np.ndarray, total: int, crossed: set[str]) -> tuple[tuple[int, bool], ...]:
+    """``(ranks, wraps)`` of each torus dimension ``group`` (device positions) spans on the torus tier it
+    crosses: the devices of a tier group fill its torus shape fastest dimension first."""
+    for tier in hardware.tiers:
+        if tier.name not in crossed or tier.torus_dims is None:
+            continue
+        block = min(total, tier.group_size or total)
+        shape = tier.torus_for(block)
+        if shape is None:
+            return ()
+        out, stride = [], 1
+        for length, wraps in shape:
+            ranks = len(np.unique((group % block) // stride % length))
+            stride *= length
+            if ranks > 1:
+                out.append((ranks, wraps and ranks == length))
+        return tuple(out)
+    return ()
 
 
 def _group_levels(hardware: Hardware, groups: np.ndarray) -> np.ndarray:

@@ -99,6 +99,7 @@ def train(
         cfg.model,
         dtype=run.dtype,
         recompute=run.recompute,
+        recompute_modules=t.recompute_modules,
         seed=t.seed,
         policies=policies,
         overlap=run.overlap,
