@@ -76,6 +76,29 @@ def test_fsdp_materialises_its_unit():
     assert params(layer) - params(tensor) == pytest.approx(lay.params * 8 * 8 - t.largest_param * 6)
 
 
+def test_fsdp_over_context_shards_the_state_over_both_and_reduces_over_neither_again():
+    sets = ["parallel.fsdp=4", "parallel.context=2", "parallel.data=1", "emulate.devices=8", "parallel.tensor=1"]
+    apart = predict(sets)
+    both = predict([*sets, "parallel.fsdp_context=true"])
+    assert both.memory_per_device_gib["optimizer"] == pytest.approx(apart.memory_per_device_gib["optimizer"] / 2)
+    assert both.stages[0].parts[0].layer.params == pytest.approx(apart.stages[0].parts[0].layer.params / 2)
+    assert apart.communication_s["data_parallel"] > 0 == both.communication_s["data_parallel"]
+
+
+def test_fsdp_kept_gathered_trades_memory_for_gathers():
+    sets = ["parallel.fsdp=4", "parallel.pipeline=2", "parallel.data=1", "emulate.devices=8", "train.micro_batch=2"]
+    freed, kept = predict(sets), predict([*sets, "parallel.fsdp_reshard=false"])
+    stage = freed.stages[0]
+    unsharded = sum(p.layers * p.layer.params * 4 for p in stage.parts)
+    grown = kept.stages[0].memory["params"] + kept.stages[0].memory["gradients"]
+    grown -= stage.memory["params"] + stage.memory["gradients"]
+    whole = max(p.layer.largest_param for p in stage.parts) * 6  # the two tensors and a gradient it no longer needs
+    assert grown == pytest.approx(unsharded * 4 - whole)  # 16-bit copies and 16-bit gradients of every layer
+    once = sum(p.layers * (p.layer.fsdp_gather_s + p.layer.fsdp_scatter_s) for p in kept.stages[0].parts)
+    assert freed.run.microbatches > 1 and kept.communication_s["fsdp"] == pytest.approx(once)
+    assert freed.communication_s["fsdp"] > freed.run.microbatches * once  # two gathers a layer per micro-batch
+
+
 def test_model_flops_match_korthikanti_eq7():
     cfg, _ = run(ROOT / "benchmarks/validation/korthikanti-175b-sp-selective.yaml")
     m, b = cfg.model, cfg.train.global_batch

@@ -35,6 +35,10 @@ def test_rules():
     sp = strategy_for(sequence_parallel=True)
     assert sp.spec(("batch", "res_seq", "act_embed")) == P(("data", "fsdp", "expert"), ("context", "tensor"), None)
     assert sp.spec(("batch", "seq", "act_mlp")) == P(("data", "fsdp", "expert"), "context", "tensor")
+    # torchtitan's FSDP over dp_shard x cp: parameters over both, the sequence still over context
+    fc = strategy_for(fsdp_context=True)
+    assert fc.spec(("embed", "mlp")) == P(("fsdp", "context"), "tensor")
+    assert fc.spec(("batch", "seq", "act_mlp")) == P(("data", "fsdp", "expert"), "context", "tensor")
 
 
 def test_overrides():

@@ -49,12 +49,13 @@ STRATEGIES = [
     ["parallel.zero_stage=2", "parallel.fsdp=2", "parallel.tensor=2"],
     ["parallel.data=4", "parallel.tensor=2", "train.micro_batch=2"],
     ["parallel.tensor=2", "parallel.context=2", "parallel.fsdp=2", "train.recompute=full"],
+    ["parallel.fsdp=2", "parallel.context=2", "parallel.data=2", "parallel.fsdp_context=true", "parallel.zero_stage=1"],
 ]
 
 
 @pytest.mark.parametrize(
     "sets",
-    sweep(STRATEGIES, fast={1, 2, 3, 5, 7, 8, 9}),
+    sweep(STRATEGIES, fast={1, 2, 3, 5, 7, 8, 9, 10}),
     ids=lambda s: ",".join(x.split(".")[-1] for x in s),
 )
 def test_strategy_matches_single_device(single_device, sets):

@@ -135,6 +135,8 @@ class ParallelConfig:
     tp_overlap: TpOverlap = "none"  # tensor-parallel collectives beside products (priced): none, bulk, pipelined
     dp_overlap: DpOverlap = "backward"  # gradient reduction beside compute (priced): none, backward, full
     fsdp_unit: FsdpUnit = "tensor"  # what FSDP gathers and reduce-scatters at once (priced): tensor or layer
+    fsdp_context: bool = False  # FSDP shards parameters over fsdp x context (torchtitan's dp_shard x cp)
+    fsdp_reshard: bool = True  # FSDP frees a layer after its forward (priced); false: gathered once a step
     stage_devices: tuple[int, ...] | None = None  # devices per pipeline stage; null: equal stages
     stage_layers: tuple[int, ...] | None = None  # layers per chunk (model order); null: balanced by predicted time
     zero_stage: int = 0  # 1: optimizer state sharded over data; 2: gradients too

@@ -167,6 +167,14 @@ def chunk_task_seconds(sched: Schedule, stages: tuple[StageCost, ...]) -> dict[T
     return paired_seconds(sched, seconds, {n: c.exchange.pair_saving_s for n, c in lengths.items()})
 
 
+def _fsdp_comm(run: Run, c: StageCost, m: int) -> float:
+    """FSDP's gathers and reduce-scatters a step: two gathers and one reduce-scatter a layer for each of ``m``
+    micro-batches, or each once a step (``parallel.fsdp_reshard: false``, part of ``data_parallel`` too)."""
+    if not run.config.parallel.fsdp_reshard:
+        return sum(p.layers * (p.layer.fsdp_gather_s + p.layer.fsdp_scatter_s) for p in c.parts)
+    return m * sum(p.layers * (2 * p.layer.fsdp_gather_s + p.layer.fsdp_scatter_s) for p in c.parts)
+
+
 def memory_budget(run: Run) -> float:
     """The bytes one device's tensors may use: ``offload.device_memory_gib`` when set, else the preset's
     HBM less what its runtime reserves (``device.reserved_bytes``). Training, serving and the offload
@@ -271,7 +279,7 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
             "tensor_parallel": m * sum(p.layers * p.layer.tensor_comm_s for p in c.parts),
             "context_parallel": m * sum(p.layers * p.layer.context_comm_s for p in c.parts),
             "expert_parallel": m * sum(p.layers * p.layer.expert_comm_s for p in c.parts),
-            "fsdp": m * sum(p.layers * (2 * p.layer.fsdp_gather_s + p.layer.fsdp_scatter_s) for p in c.parts),
+            "fsdp": _fsdp_comm(run, c, m),
             "pipeline_p2p": m * c.p2p_s,
             "data_parallel": c.data_parallel_s,
         },
@@ -333,11 +341,14 @@ _SPANS: dict[tuple, dict[str, AxisSpan]] = {}
 GROUPS = {
     "data+context+expert": ("data", "context", "expert"),
     "data+context": ("data", "context"),
+    "data+expert": ("data", "expert"),
+    "fsdp+context": ("fsdp", "context"),
     "expert+tensor": ("expert", "tensor"),
 }
 """Collectives over several mesh axes at once: the gradient reduction of everything but the routed experts
 (every device holding a batch or sequence shard), that of the routed experts (replicated over the data
-and context axes), and the all-to-all of experts spread over the tensor axis too."""
+and context axes), FSDP's gathers over the context axis too (``parallel.fsdp_context``), and the all-to-all
+of experts spread over the tensor axis too."""
 
 
 def _spans(hardware: Hardware, axes: tuple[tuple[str, int], ...]) -> dict[str, AxisSpan]:

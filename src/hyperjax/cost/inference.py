@@ -215,7 +215,7 @@ def estimate_inference(run: Run) -> InferenceEstimate:
             comm += hop
         step += stage_s
         memory = {"weights": weights, "kv_cache": kv, "activations": acts}
-        memory["peak"] = sum(memory.values()) * 1.05
+        memory["peak"] = sum(memory.values()) * hw.device.allocator_factor
         if fullest is None or memory["peak"] > fullest["peak"]:
             fullest, fullest_layers = memory, layers
             fullest_other = stage_s - sum(x.rest_s + x.kv_read_s(ctx, hw) for x in layers)
@@ -237,6 +237,7 @@ def estimate_inference(run: Run) -> InferenceEstimate:
             "communication": comm,
         },
         layers=tuple(fullest_layers),
-        fixed_bytes=fullest["peak"] / 1.05 - sum(x.weight_bytes + x.kv_bytes_per_token * total for x in fullest_layers),
+        fixed_bytes=fullest["peak"] / hw.device.allocator_factor
+        - sum(x.weight_bytes + x.kv_bytes_per_token * total for x in fullest_layers),
         other_s=max(fullest_other, 0.0),
     )

@@ -120,6 +120,7 @@ def price_layer(
     fp8: Fp8Config | None = None,
     modules: tuple[Activation, ...] | None = None,
     tp_overlap: TpOverlap = "none",
+    fsdp_reshard: bool = True,
 ) -> LayerCost:
     """Price one block of ``m`` for ``micro`` sequences on one device of a mesh with ``axes``.
 
@@ -141,6 +142,8 @@ def price_layer(
       modules: the activations ``selective`` recomputes (``train.recompute_modules``; ``None``: the
         attention core).
       tp_overlap: how the tensor-parallel collectives meet the products beside them (``parallel.tp_overlap``).
+      fsdp_reshard: FSDP gathers the layer for every pass (``True``), or once a step, the stage priced
+        apart (``parallel.fsdp_reshard: false``): nothing of it waits here.
     """
     return _price_layer(
         m,
@@ -156,6 +159,7 @@ def price_layer(
         fp8,
         modules,
         tp_overlap,
+        fsdp_reshard,
     )
 
 
@@ -184,6 +188,7 @@ def _price_layer(
     fp8: Fp8Config | None,
     modules: tuple[Activation, ...] | None,
     tp_overlap: TpOverlap,
+    fsdp_reshard: bool,
 ) -> LayerCost:
     axes, spans = dict(axes_items), dict(span_items)
     tp, cp, fsdp, ep = axes["tensor"], axes["context"], axes["fsdp"], axes.get("expert", 1)
@@ -309,7 +314,7 @@ def _price_layer(
     gathered = params * e - (weights8 * (e - 1) if fp8 is not None and fp8.all_gather else 0.0)
     gather = collective_time("all_gather", gathered, spans["fsdp"], hardware)
     scatter = collective_time("reduce_scatter", params * 4, spans["fsdp"], hardware)
-    exposed = max(0.0, 2 * gather + scatter - (fwd + bwd + extra))
+    exposed = max(0.0, 2 * gather + scatter - (fwd + bwd + extra)) if fsdp_reshard else 0.0
     return LayerCost(
         products_s=products,
         core_s=core,

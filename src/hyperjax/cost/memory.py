@@ -3,17 +3,22 @@ activations (see the cost-model docs' table of mechanisms)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from hyperjax.config import Run, Stage
 from hyperjax.cost.fp8 import held_bytes
 
-if TYPE_CHECKING:
-    from hyperjax.cost.stage import StageCore
 
-FRAGMENTATION = 1.05
-"""Allocator fragmentation and workspace over the counted memory terms."""
+class StageCore(Protocol):
+    """What memory reads of a :class:`hyperjax.cost.stage.StageCore` (named here to keep the import one-way)."""
+
+    parts: Sequence[Any]
+    held_params: float
+    trained_params: float
+    expert_params: float
+    kept_bytes: float
+    head_bytes: float
 
 
 def zero_share(params: float, expert_params: float, axes: Mapping[str, int]) -> float:
@@ -25,13 +30,28 @@ def zero_share(params: float, expert_params: float, axes: Mapping[str, int]) -> 
     return (params - expert_params) / (ways * axes.get("expert", 1)) + expert_params / ways
 
 
+def sharding_axes(run: Run, axes: Mapping[str, int]) -> dict[str, int]:
+    """``axes`` as the parameters see them: with ``parallel.fsdp_context`` FSDP shards over ``fsdp x
+    context``, so ``fsdp`` stands for both (the context axis still splits the sequence)."""
+    if run.config.parallel.fsdp_context:
+        return dict(axes, fsdp=axes["fsdp"] * axes["context"])
+    return dict(axes)
+
+
+def replica_axes(run: Run, axes: Mapping[str, int]) -> dict[str, int]:
+    """``axes`` as ZeRO and the gradient reduction see them: the axes the parameters are replicated on,
+    without ``context`` where FSDP already shards over it."""
+    return dict(axes, context=1) if run.config.parallel.fsdp_context else dict(axes)
+
+
 def stage_memory(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> dict[str, float]:
     """Bytes per device of ``stage`` of ``run`` holding ``in_flight`` micro-batches: ``params``,
-    ``optimizer``, ``gradients``, ``activations`` and ``peak`` (their sum with the allocator's share)."""
-    axes = stage.axes
+    ``optimizer``, ``gradients``, ``activations`` and ``peak`` (their sum with the allocator's share,
+    ``device.allocator_overhead``)."""
+    axes = sharding_axes(run, stage.axes)
     e = 2 if run.dtype == "bfloat16" else 4
     trained, held = core.trained_params, core.held_params
-    zero = lambda n: zero_share(n, core.expert_params, axes)
+    zero = lambda n: zero_share(n, core.expert_params, replica_axes(run, stage.axes))
     opt_params = zero(trained) if run.zero_stage >= 1 else trained
     fsdp = axes["fsdp"]
     # FSDP materialises its unit whole: a layer's gathered parameters and the next layer's (prefetched) in
@@ -43,6 +63,15 @@ def stage_memory(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> 
     by_layer = run.config.parallel.fsdp_unit == "layer"
     unit = max((p.layer.params * fsdp if by_layer else p.layer.largest_param for p in core.parts), default=0.0)
     whole = unit if fsdp > 1 else 0.0
+    # gathered once a step (parallel.fsdp_reshard: false): every layer of the stage stays gathered, and its
+    # gradients accumulate unsharded in the compute dtype until the step's reduce-scatter
+    kept = (
+        sum(p.layers * p.layer.params * fsdp for p in core.parts)
+        if fsdp > 1 and not run.config.parallel.fsdp_reshard
+        else 0.0
+    )
+    if kept:
+        whole = 0.0
     fp8_bytes = 0.0 if fp8 is None else held_bytes(fp8, run.config.model, core.parts, fsdp)
     # float32 parameters whole; with 16-bit compute a 16-bit copy beside them, except where the float32
     # master copy is sharded: FSDP keeps float32 shards and gathers a layer in the compute dtype, and a
@@ -51,12 +80,12 @@ def stage_memory(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> 
     sharded_master = e == 2 and fsdp == 1 and run.zero_stage >= 1
     weight_bytes = 2 if sharded_master else 4 + (2 if e == 2 and fsdp == 1 else 0)
     memory = {
-        "params": held * weight_bytes + whole * (2 * gathered + (4 if by_layer else e)) + fp8_bytes,
+        "params": held * weight_bytes + whole * (2 * gathered + (4 if by_layer else e)) + kept * gathered + fp8_bytes,
         "optimizer": opt_params * (12 if sharded_master else 8),
-        "gradients": (zero(held) if run.zero_stage >= 2 else held) * 4,
+        "gradients": (zero(held) if run.zero_stage >= 2 else held) * 4 + kept * e,
         "activations": in_flight * core.kept_bytes + core.head_bytes + _halves_bytes(run, stage, core),
     }
-    memory["peak"] = sum(memory.values()) * FRAGMENTATION
+    memory["peak"] = sum(memory.values()) * run.hardware.device.allocator_factor
     return memory
 
 

@@ -7,7 +7,6 @@ import dataclasses
 import math
 
 from hyperjax.config import Run, Stage
-from hyperjax.cost.memory import FRAGMENTATION
 from hyperjax.cost.stage import StageCost
 from hyperjax.topology import AxisSpan, Hardware
 
@@ -27,7 +26,8 @@ def with_in_flight(cost: StageCost, stage: Stage, held: int) -> StageCost:
 def peak_with(cost: StageCost, held: int) -> float:
     """The peak memory of ``cost`` had its stage held ``held`` micro-batches."""
     kept = sum(p.layers * p.layer.stored_bytes for p in cost.parts)
-    return cost.memory["peak"] + (held - cost.in_flight) * kept * FRAGMENTATION
+    terms = sum(v for k, v in cost.memory.items() if k != "peak")
+    return cost.memory["peak"] * (1 + (held - cost.in_flight) * kept / terms) if terms else cost.memory["peak"]
 
 
 def in_flight(run: Run, s: int) -> int:

@@ -19,7 +19,7 @@ from hyperjax.cost.compute import gemm_time, stream_time
 from hyperjax.cost.counts import Tensor, decoder_tensors, encoder_tensors
 from hyperjax.cost.fp8 import cast_time
 from hyperjax.cost.layer import LayerCost, price_layer
-from hyperjax.cost.memory import stage_memory, zero_share
+from hyperjax.cost.memory import replica_axes, sharding_axes, stage_memory, zero_share
 from hyperjax.cost.overlap import Exchange, chunk_exchange
 from hyperjax.topology import AxisSpan
 
@@ -216,7 +216,9 @@ def stage_core(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: AxisS
       spans: the tiers each of the stage's mesh axes spans.
       p2p: the tier a hand-over to a neighbouring stage crosses (``None`` for a single stage).
     """
-    hw, m, axes = run.hardware, run.config.model, stage.axes
+    hw, m, axes = run.hardware, run.config.model, sharding_axes(run, stage.axes)
+    if run.config.parallel.fsdp_context and axes["context"] > 1:  # FSDP gathers over fsdp x context
+        spans = dict(spans, fsdp=spans["fsdp+context"])
     micro = run.rows / stage.data_parallel
     last = run.chunks - 1
     starts_at = chunk_starts(run)
@@ -240,6 +242,7 @@ def stage_core(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: AxisS
                 fp8=run.config.train.fp8,
                 modules=run.config.train.recompute_modules,
                 tp_overlap=run.config.parallel.tp_overlap,
+                fsdp_reshard=run.config.parallel.fsdp_reshard,
             )
             ends = module != "decoder" or c == last
             starts = module != "decoder" or c == 0
@@ -249,7 +252,7 @@ def stage_core(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: AxisS
             here.append(dataclasses.replace(part, moe=moe))
         chunk_parts.append(here)
         parts += here
-    first_gather = parts[0].layer.fsdp_gather_s if axes["fsdp"] > 1 else 0.0
+    first_gather = parts[0].layer.fsdp_gather_s if axes["fsdp"] > 1 and run.config.parallel.fsdp_reshard else 0.0
     # the all-to-all is exposed as the overlap schedule leaves it; the rest of the blocks' on the path
     layer_comm = [sum(p.layers * (p.layer.on_path_comm_s - p.layer.expert_comm_s) for p in ps) for ps in chunk_parts]
     share = hw.device.comm_compute_share
@@ -310,12 +313,17 @@ def price_stage(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> S
     kind = "all_reduce" if run.zero_stage == 0 else "reduce_scatter"
     # gradients are reduced over every device holding a batch or sequence shard: routed experts' over the
     # data and context axes, the rest also over the expert axis, which carries batch outside the experts
+    over = "" if run.config.parallel.fsdp_context else "+context"  # FSDP over context reduce-scatters it
     reduced = (
-        (trained - core.expert_params, core.spans["data+context+expert"]),
-        (core.expert_params, core.spans["data+context"]),
+        (trained - core.expert_params, core.spans[f"data{over}+expert"]),
+        (core.expert_params, core.spans[f"data{over}"]),
     )
     reduce = sum(collective_time(kind, n * 4, span, hw) for n, span in reduced)
     gather = sum(collective_time("all_gather", n * e, span, hw) for n, span in reduced) if run.zero_stage >= 1 else 0.0
+    if sharding_axes(run, axes)["fsdp"] > 1 and not run.config.parallel.fsdp_reshard:
+        # FSDP gathers the stage's layers once a step and reduce-scatters their accumulated gradients once
+        reduce += sum(p.layers * p.layer.fsdp_scatter_s for p in core.parts)
+        gather += sum(p.layers * p.layer.fsdp_gather_s for p in core.parts)
     dp_time = reduce + gather
     layers = max(sum(p.layers for p in core.parts), 1)
     # parallel.dp_overlap: exposed whole; beside the last micro-batch's backward as its buckets are ready
@@ -327,9 +335,9 @@ def price_stage(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> S
         dp_exposed = max(0.0, reduce - core.last_backward_s) + max(0.0, gather - first_forward) + dp_time / layers
     else:
         dp_exposed = max(0.0, dp_time - core.last_backward_s) + dp_time / layers
-    opt_params = zero_share(trained, core.expert_params, axes) if run.zero_stage >= 1 else trained
+    opt_params = zero_share(trained, core.expert_params, replica_axes(run, axes)) if run.zero_stage >= 1 else trained
     memory = stage_memory(run, stage, core, in_flight=in_flight)
-    fsdp, fp8 = axes["fsdp"], run.config.train.fp8
+    fsdp, fp8 = sharding_axes(run, axes)["fsdp"], run.config.train.fp8
     gathered = 1 if fp8 is not None and fp8.all_gather else e
     return StageCost(
         stage=stage,

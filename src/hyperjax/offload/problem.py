@@ -36,7 +36,6 @@ from hyperjax.offload.placement import Placement, parse_group
 from hyperjax.topology import Hardware
 
 GIB = 2**30
-FRAGMENTATION = 1.05  # as the estimate: allocator fragmentation and workspace
 PHASES = ("backward", "optimizer")
 
 
@@ -77,6 +76,7 @@ class Problem:
       stretch: time a pipeline stage adds stretches its bubble by this factor (1 without a pipeline).
       ordered: ``(a, b)`` pairs of interchangeable groups: ``b`` goes to the host only if ``a`` does (the
         exact solver's symmetry breaking; it excludes no distinct placement).
+      allocator: a peak's bytes per byte of live tensors, as the estimate (``device.allocator_factor``).
     """
 
     groups: dict[str, dict[str, Choice]]
@@ -90,6 +90,7 @@ class Problem:
     stretch: float = 1.0
     layers: int = 0
     ordered: tuple[tuple[str, str], ...] = ()
+    allocator: float = 1.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +237,7 @@ def build_problem(est: Estimate, *, hardware: Hardware, budget_bytes: float, pre
         fixed_terms=outside,
         base_step_s=est.step_time_s,
         budget_bytes=budget_bytes,
+        allocator=hardware.device.allocator_factor,
         host_bytes=hardware.host.bytes_per_device,
         stretch=1.0 + est.bubble_ratio,
         layers=n,
@@ -296,10 +298,17 @@ class Tally:
                 phase[ph] += nbytes
                 staging += nbytes
         exposed = float(np.maximum(self.loads.max(axis=1) - self.capacity, 0.0).sum())
-        peak = FRAGMENTATION * float(phase.max())
+        peak = self.problem.allocator * float(phase.max())
         step = self.problem.base_step_s + self.problem.stretch * (self.seconds + exposed)
         fits = peak <= self.problem.budget_bytes and self.host <= self.problem.host_bytes
-        return step, peak, fits, exposed, (FRAGMENTATION * phase[0], FRAGMENTATION * phase[1]), staging
+        return (
+            step,
+            peak,
+            fits,
+            exposed,
+            (self.problem.allocator * phase[0], self.problem.allocator * phase[1]),
+            staging,
+        )
 
 
 def evaluate(problem: Problem, placement: Placement) -> Priced:

@@ -22,7 +22,7 @@ from typing import Literal
 
 from hyperjax.cost.inference import InferenceEstimate
 from hyperjax.errors import ConfigError
-from hyperjax.offload.problem import FRAGMENTATION, Choice, Priced, Problem
+from hyperjax.offload.problem import Choice, Priced, Problem
 from hyperjax.offload.solve import greedy, solve_exact
 
 Policy = Literal["none", "greedy", "exact"]
@@ -90,6 +90,7 @@ def serve_problem(
         fixed_terms={"embeddings, head and activations": est.fixed_bytes},
         base_step_s=sum(c for _, c in windows),
         budget_bytes=budget_bytes,
+        allocator=hw.device.allocator_factor,
         host_bytes=hw.host.bytes_per_device,
         layers=n,
         # a layer's full blocks are alike: the older goes first (the last, partial block stays free)
@@ -287,7 +288,6 @@ def serving_pass(est: InferenceEstimate, *, budget_bytes: float, block_tokens: i
 
 
 __all__ = [
-    "FRAGMENTATION",
     "Longest",
     "Policy",
     "ServingPlacement",

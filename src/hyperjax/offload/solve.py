@@ -19,7 +19,7 @@ import numpy as np
 from scipy import sparse
 
 from hyperjax.offload.placement import Placement, parse_group
-from hyperjax.offload.problem import FRAGMENTATION, GIB, Priced, Problem, Tally, evaluate
+from hyperjax.offload.problem import GIB, Priced, Problem, Tally, evaluate
 
 
 def _program(problem: Problem) -> tuple[list[tuple[str, str]], dict[str, Any]]:
@@ -60,7 +60,7 @@ def _program(problem: Problem) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     for r, (y, x) in enumerate(buffer_rows):
         buffer[r, y], buffer[r, x] = 1.0, -1.0
     caps = np.repeat([c for _, c in problem.windows], 2)
-    budget = problem.budget_bytes / FRAGMENTATION - np.array(problem.fixed)
+    budget = problem.budget_bytes / problem.allocator - np.array(problem.fixed)
     blocks = {
         "one": (one.tocsr(), np.ones(one.shape[0]), np.ones(one.shape[0])),
         "buffer": (buffer.tocsr(), np.zeros(len(buffer_rows)), np.full(len(buffer_rows), np.inf)),

@@ -105,7 +105,15 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
     for s in stages:
         try:
             _check(
-                config.model, p.sequence_parallel, p.zero_stage, split, shard, tuple(s.axes.items()), s.modules, rows
+                config.model,
+                p.sequence_parallel,
+                p.zero_stage,
+                split,
+                shard,
+                tuple(s.axes.items()),
+                s.modules,
+                rows,
+                p.fsdp_context,
             )
         except ShardingError as e:
             raise ShardingError(f"{s.name}: {e}" if len(stages) > 1 else str(e)) from None
@@ -261,10 +269,15 @@ def _check(
     axes: tuple[tuple[str, int], ...],
     modules: tuple[str, ...],
     rows: int,
+    fsdp_context: bool = False,
 ) -> None:
     """:func:`check_stage` for one stage, remembered: a search checks the same few stages thousands of times."""
     strategy = strategy_for(
-        sequence_parallel=sequence_parallel, zero_stage=zero_stage, expert_tensor=expert_tensor, overrides=dict(shard)
+        sequence_parallel=sequence_parallel,
+        zero_stage=zero_stage,
+        expert_tensor=expert_tensor,
+        overrides=dict(shard),
+        fsdp_context=fsdp_context,
     )
     stage = Stage(name="", devices=0, first_device=0, axes=dict(axes), chunks=(), layers=(), modules=modules)
     check_stage(m, strategy, stage, rows)

@@ -21,7 +21,7 @@ import math
 from typing import Any
 
 from hyperjax.config import Config
-from hyperjax.cost import FRAGMENTATION, price_layer, stage_spans, zero_share
+from hyperjax.cost import price_layer, stage_spans, zero_share
 from hyperjax.resolver import balance_layers
 from hyperjax.search.strategies import RECOMPUTE
 from hyperjax.topology import Hardware
@@ -44,6 +44,11 @@ def lower_bound(cfg: Config, overrides: dict[str, Any], hardware: Hardware, budg
     micro = overrides["train.micro_batch"] or cfg.train.global_batch // dp
     microbatches = cfg.train.global_batch // (micro * dp)
     spans = stage_spans(hardware, p, axes)
+    replicas = dict(axes)
+    if cfg.parallel.fsdp_context and axes["context"] > 1:  # parameters sharded over fsdp x context
+        spans = dict(spans, fsdp=spans["fsdp+context"])
+        axes = dict(axes, fsdp=fsdp * axes["context"])
+        replicas["context"] = 1
     chunks = balance_layers(m, [1] * (p * v)) if p > 1 else [m.layers]  # equal stages: devices cancel
     starts = [sum(chunks[:c]) for c in range(len(chunks))]
     # each stage's blocks of each kind (a mixture of experts' dense and MoE blocks differ)
@@ -78,17 +83,18 @@ def lower_bound(cfg: Config, overrides: dict[str, Any], hardware: Hardware, budg
                 fp8=cfg.train.fp8,
                 modules=cfg.train.recompute_modules,
                 tp_overlap=cfg.parallel.tp_overlap,
+                fsdp_reshard=cfg.parallel.fsdp_reshard,
             )
             for moe in kinds
         ]
         # the first stage keeps its blocks' state (ZeRO-2: the leanest, with 16-bit compute the float32
         # master sharded beside the moments and gradients) and activations
         state = [
-            x.params * (2 if e == 2 else 4) + (16 if e == 2 else 12) * zero_share(x.params, x.expert_params, axes)
+            x.params * (2 if e == 2 else 4) + (16 if e == 2 else 12) * zero_share(x.params, x.expert_params, replicas)
             for x in layers
         ]
         kept = sum(n * (st + held * x.stored_bytes) for n, st, x in zip(count[0], state, layers, strict=True))
-        if kept * FRAGMENTATION <= budget_bytes:
+        if kept * hardware.device.allocator_factor <= budget_bytes:
             break
     else:
         return math.inf

@@ -78,6 +78,7 @@ def strategy_for(
     zero_stage: int = 0,
     expert_tensor: bool = True,
     overrides: Mapping[str, MeshAxes] | None = None,
+    fsdp_context: bool = False,
 ) -> Strategy:
     """The strategy for the standard mesh axes (see the module docstring), with ``overrides`` applied.
 
@@ -96,7 +97,7 @@ def strategy_for(
         "act_kv_heads": "tensor",
         "act_mlp": "tensor",
         "act_vocab": "tensor",
-        "embed": "fsdp",
+        "embed": ("fsdp", "context") if fsdp_context else "fsdp",
         "heads": "tensor",
         "kv_heads": "tensor",
         "mlp": "tensor",

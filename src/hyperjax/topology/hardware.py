@@ -45,6 +45,9 @@ class DeviceSpec:
       comm_compute_share: the share of the device's compute units an all-to-all holds while it runs beside
         compute (DeepEP's dispatch and combine kernels run on SMs of their own); compute running beside
         one slows by it (:func:`hyperjax.mpmd.lanes.replay_lanes`).
+      allocator_overhead: what the memory allocator holds beyond the live tensors, as a fraction of them
+        (fragmentation, a caching allocator's free blocks, workspaces): a peak is the tensors' bytes times
+        ``1 + allocator_overhead``.
       reserved_bytes: device memory the runtime takes before any tensor (the driver's context, the
         communication library's buffers, the GEMM library's workspace): what a run can use is
         ``hbm_bytes - reserved_bytes``.
@@ -62,8 +65,11 @@ class DeviceSpec:
     grouped_gemm_rows: int = 1
     comm_compute_share: float = 0.0
     reserved_bytes: float = 0.0
+    allocator_overhead: float = 0.05
 
     def __post_init__(self) -> None:
+        if not 0 <= self.allocator_overhead < 1:
+            raise PresetError(f"device.allocator_overhead={self.allocator_overhead} must be in [0, 1)")
         if not 0 <= self.reserved_bytes < self.hbm_bytes:
             raise PresetError(f"device.reserved_bytes={self.reserved_bytes} must be in [0, hbm_bytes={self.hbm_bytes})")
         if not 0 <= self.comm_compute_share < 1:
@@ -110,8 +116,14 @@ class DeviceSpec:
                 self.grouped_gemm_rows,
                 self.comm_compute_share,
                 self.reserved_bytes,
+                self.allocator_overhead,
             )
         )
+
+    @property
+    def allocator_factor(self) -> float:
+        """A peak's bytes per byte of live tensors: ``1 + allocator_overhead``."""
+        return 1.0 + self.allocator_overhead
 
     @property
     def usable_bytes(self) -> float:

@@ -61,5 +61,6 @@ def prepare(run: Run) -> Prepared:
         zero_stage=run.zero_stage,
         expert_tensor=run.expert_tensor_split,
         overrides=run.config.shard,
+        fsdp_context=run.config.parallel.fsdp_context,
     )
     return Prepared(run=run, strategy=strategy, offload=offload)
