@@ -57,6 +57,7 @@ def test_a_group_over_several_torus_dimensions_uses_all_of_them():
     assert v5p.tiers[0].torus_for(16) == ((2, False), (2, False), (4, False))  # no whole 4x4x4 cube: lines
     assert v5e.tiers[0].torus_for(256) == ((16, True), (16, True))
     assert v5e.tiers[0].torus_for(64) == ((8, False), (8, False)) and v5e.tiers[0].torus_for(96) is None
+    assert v5e.tiers[0].torus_for(128) == ((8, False), (16, True))  # a full 16-chip axis wraps on its own
     two = axis_spans(v5p, {"data": 4, "tensor": 16})
     assert two["tensor"].torus == ((4, True), (4, True)) and two["data"].torus == ((4, True),)
     flat = dataclasses.replace(v5p, tiers=(dataclasses.replace(v5p.tiers[0], torus_dims=None), *v5p.tiers[1:]))

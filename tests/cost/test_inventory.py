@@ -59,6 +59,8 @@ STRATEGIES = [
     ["model.family=llama", "model.head_dim=48", "model.kv_heads=2", "parallel.tensor=2", "parallel.fsdp=4"],
     ["model.mlp=relu", "model.tie_embeddings=false", "parallel.tensor=4", "parallel.data=2"],
     ["model.mlp=geglu", "model.bias=false", "model.positions=rope", "parallel.tensor=2", "parallel.context=2"],
+    ["parallel.zero_stage=1", "parallel.context=2", "parallel.data=4"],  # ZeRO over data x context
+    ["parallel.fsdp=2", "parallel.context=2", "parallel.fsdp_context=true", "parallel.data=2"],
 ]
 
 

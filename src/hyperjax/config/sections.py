@@ -107,6 +107,11 @@ class TrainConfig:
                 f"train.recompute_modules={list(self.recompute_modules or ())} must name one or more of "
                 f"{list(ACTIVATIONS)} (unknown: {unknown}); null recomputes the attention core"
             )
+        if self.recompute_modules is not None and self.recompute != "selective":
+            raise ConfigError(
+                f"train.recompute_modules={list(self.recompute_modules)} names what selective recomputation "
+                f"recomputes, but train.recompute={self.recompute!r}; set train.recompute: selective or drop the key"
+            )
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ConfigError("train.weight_decay and train.grad_clip must be >= 0")
 
@@ -199,7 +204,7 @@ class OffloadConfig:
     """Where each tensor group lives during a step (``offload:``; see :mod:`hyperjax.offload`)."""
 
     policy: OffloadPolicy = "none"  # none: train.recompute decides; auto: the exact pass; greedy; manual
-    device_memory_gib: float | None = None  # the device-memory budget; null: the preset's HBM
+    device_memory_gib: float | None = None  # the device-memory budget; null: the HBM less reserved_bytes
     prefetch: int = 1  # layers of compute a host transfer may overlap (0: fetched when needed)
     manual: Mapping[str, OffloadOption] = dataclasses.field(default_factory=dict)  # group pattern -> option
 

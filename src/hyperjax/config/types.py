@@ -48,10 +48,9 @@ Megatron's ``overlap_grad_reduce``, XLA's async collectives: the default); or th
 all-gather beside the next step's first forward too (Megatron's ``overlap_param_gather``)."""
 
 FsdpUnit = Literal["tensor", "layer"]
-"""What FSDP gathers and reduce-scatters at once: one tensor (XLA's SPMD partitioner: hyperjax, MaxText;
-each weight gathered before its product, its gradient reduce-scattered in the compute dtype as soon as
-it is produced) or a whole block (PyTorch FSDP2's unit, torchtitan: the block's gradients reduced
-together in float32)."""
+"""What FSDP gathers and reduce-scatters at once: one tensor (XLA's SPMD partitioner: hyperjax, MaxText; each
+weight gathered before its product, its gradient reduce-scattered as soon as it is produced) or a whole block
+(PyTorch FSDP2's unit, torchtitan: the block's gradients reduced together in float32)."""
 
 TaskKind = Literal["F", "B", "W"]
 """Pipeline tasks: forward, backward (input gradient when split), weight gradient (split backward only)."""

@@ -6,7 +6,7 @@ from hyperjax.cost.counts import count_params, model_flops_per_sequence, model_t
 from hyperjax.cost.estimate import Estimate, estimate, memory_budget, stage_spans
 from hyperjax.cost.inference import InferenceEstimate, ServeLayer, estimate_inference
 from hyperjax.cost.layer import LayerCost, price_layer
-from hyperjax.cost.memory import stage_memory, zero_share
+from hyperjax.cost.memory import stage_memory, state_bytes, zero_share
 from hyperjax.cost.stage import ChunkCost, PartCost, StageCore, StageCost, chunk_starts
 from hyperjax.cost.trace import simulate, stage_metadata, task_events, write_trace
 
@@ -34,6 +34,7 @@ __all__ = [
     "stage_memory",
     "stage_metadata",
     "stage_spans",
+    "state_bytes",
     "stream_time",
     "task_events",
     "write_trace",

@@ -169,7 +169,8 @@ def chunk_task_seconds(sched: Schedule, stages: tuple[StageCost, ...]) -> dict[T
 
 def _fsdp_comm(run: Run, c: StageCost, m: int) -> float:
     """FSDP's gathers and reduce-scatters a step: two gathers and one reduce-scatter a layer for each of ``m``
-    micro-batches, or each once a step (``parallel.fsdp_reshard: false``, part of ``data_parallel`` too)."""
+    micro-batches, or each once a step (``parallel.fsdp_reshard: false``, timed with the data-parallel
+    reduction)."""
     if not run.config.parallel.fsdp_reshard:
         return sum(p.layers * (p.layer.fsdp_gather_s + p.layer.fsdp_scatter_s) for p in c.parts)
     return m * sum(p.layers * (2 * p.layer.fsdp_gather_s + p.layer.fsdp_scatter_s) for p in c.parts)
@@ -281,7 +282,8 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
             "expert_parallel": m * sum(p.layers * p.layer.expert_comm_s for p in c.parts),
             "fsdp": _fsdp_comm(run, c, m),
             "pipeline_p2p": m * c.p2p_s,
-            "data_parallel": c.data_parallel_s,
+            # FSDP's once-a-step collectives (parallel.fsdp_reshard: false) are timed with the reduction
+            "data_parallel": c.data_parallel_s - (0.0 if run.config.parallel.fsdp_reshard else _fsdp_comm(run, c, m)),
         },
         all_to_all=_all_to_all(run, mine, m, paired),
         fp8=_fp8(run, c, m),

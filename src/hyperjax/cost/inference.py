@@ -32,6 +32,7 @@ from hyperjax.cost.collectives import collective_time
 from hyperjax.cost.compute import gemm_time
 from hyperjax.cost.estimate import GIB, memory_budget, stage_spans
 from hyperjax.cost.layer import price_layer
+from hyperjax.cost.memory import sharding_axes
 from hyperjax.cost.pipeline import boundary_span
 from hyperjax.cost.stage import chunk_starts, part_models
 from hyperjax.errors import ConfigError
@@ -152,6 +153,9 @@ def estimate_inference(run: Run) -> InferenceEstimate:
             )
         local = batch // dp
         spans = stage_spans(hw, n, axes)
+        if run.config.parallel.fsdp_context and axes["context"] > 1:  # weights sharded over fsdp x context
+            spans = dict(spans, fsdp=spans["fsdp+context"])
+        axes = sharding_axes(run, axes)
         tp = axes["tensor"]
         weights = kv = acts = 0.0
         layers: list[ServeLayer] = []

@@ -103,10 +103,12 @@ def runtime_inventory(run: Run) -> Inventory:
         stored = lambda x, n: n / fsdp if "embed" in x.axes else n
         summed = [stored(x, n) for x, n in zip(tensors, sizes, strict=True) if not x.expert or "data" in manual]
         reduce += 4 * sum(summed) + 8
-    if fsdp > 1:
+    over_context = run.config.parallel.fsdp_context  # FSDP shards over fsdp x context
+    if fsdp * (cp if over_context else 1) > 1:
         gather += 4 * local
     if run.zero_stage >= 1:  # ZeRO gathers the updated parameters over the axes it split them over
-        gather += 4 * ((local - routed) * (data * ep > 1) + routed * (data > 1))
+        zc = 1 if over_context else cp
+        gather += 4 * ((local - routed) * (data * ep * zc > 1) + routed * (data * zc > 1))
     batch = t.global_batch / (data * fsdp * ep)
     act = batch * (s / cp) * h * e
     if tp > 1:  # the lookup's rows summed over the vocabulary's slices (scattered over the sequence with SP)

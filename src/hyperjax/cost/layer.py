@@ -219,11 +219,12 @@ def _price_layer(
         return gemm_time(rows, n, k, bytes_per_element=b, dtype=dt, hardware=hardware)
 
     products = {"qkv": 0.0, "attn_out": 0.0, "mlp_hidden": 0.0}
-    low = 0.0  # the FP8 products among them
+    low = tail = 0.0  # the FP8 products among them; the MLP's output products (what reads mlp_act)
     for p in block_products(m, moe=moe):
         key = "mlp_hidden" if p.group == "router" else p.group
         products[key] += product(p)
         low += product(p) if fp8 is not None and p.group != "router" else 0.0
+        tail += product(p) if p.name.endswith("_out") and key == "mlp_hidden" else 0.0
     proj = sum(products.values())
     cast_fwd = cast_bwd = weight_cast = weights8 = 0.0
     amaxes = 0
@@ -269,19 +270,24 @@ def _price_layer(
     fwd = proj + core + ew_fwd + ew_core_fwd + cast_fwd
     bwd = 2 * proj + (2.5 if flash else 2.0) * core + 2 * (ew_fwd + ew_core_fwd) + cast_bwd
     ew_share = lambda name: ew_fwd * acts[name] / (replicated + split)
-    # recomputing an activation re-runs the forward ops that produce it; a fused core's backward already
-    # recomputes its scores, so recomputing it costs nothing more
+    # recomputing an activation re-runs the forward ops that produce it: the mid-block residual the norms
+    # keep needs the output projection; a materialized core is re-run whole for its probabilities (as
+    # Megatron's core_attn checkpoint does), its output coming with them; a fused core keeps no
+    # probabilities (its backward recomputes its scores anyway) and re-runs its forward for its output; the
+    # MLP's hidden needs its input products, its activation only the element-wise op. Together they are the
+    # forward but the MLP's output product, whose output the block's backward does not read
     by_name = {
-        "norms": ew_fwd * (acts["norms"] + acts["block_in"]) / (replicated + split),
-        "qkv": products["qkv"] + ew_share("qkv"),
-        "attn_out": products["attn_out"] + ew_share("attn_out"),
-        "mlp_hidden": products["mlp_hidden"] + ew_share("mlp_hidden"),
+        "norms": ew_fwd * (acts["norms"] + acts["block_in"]) / (replicated + split) + products["attn_out"],
+        "qkv": products["qkv"] + ew_share("qkv") + cast_fwd,
+        "attn_core": 0.0 if flash else core + ew_core_fwd,
+        "attn_out": (core if flash else 0.0) + ew_share("attn_out"),
+        "mlp_hidden": products["mlp_hidden"] - tail + ew_share("mlp_hidden"),
         "mlp_act": ew_share("mlp_act"),
-        "attn_core": core + ew_core_fwd,
     }
     gone = recomputed(recompute, modules)
     stored = kept["block_in"] + sum(kept[a] for a in ACTIVATIONS if a not in gone)
-    extra = fwd if recompute == "full" else sum(0.0 if a == "attn_core" and flash else by_name[a] for a in gone)
+    # a framework's full recomputation re-runs the whole forward (Megatron's, and a rematerialised JAX block)
+    extra = fwd if recompute == "full" else sum(by_name[a] for a in gone)
 
     act_bytes = micro * (s / cp) * m.d_model * e
     passes = 2 + (1 if recompute == "full" else 0)  # forward, backward, re-forward

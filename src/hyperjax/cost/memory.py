@@ -44,45 +44,51 @@ def replica_axes(run: Run, axes: Mapping[str, int]) -> dict[str, int]:
     return dict(axes, context=1) if run.config.parallel.fsdp_context else dict(axes)
 
 
+def state_bytes(
+    run: Run, axes: Mapping[str, int], held: float, trained: float, expert_params: float
+) -> tuple[float, float, float]:
+    """Bytes of ``(weights, gradients, optimizer state)`` one device keeps for ``held`` parameters (``trained``
+    of them updated here, ``expert_params`` routed experts') on a stage with mesh ``axes``: float32 weights,
+    with 16-bit compute a 16-bit copy beside them, except where the float32 master is sharded: FSDP keeps
+    float32 shards and gathers in the compute dtype, and a distributed optimizer (ZeRO 1 and 2, Megatron's)
+    keeps the 16-bit weights whole and the float32 master with both moments sharded (2 + 4 + 12 / d)."""
+    e = 2 if run.dtype == "bfloat16" else 4
+    fsdp = sharding_axes(run, axes)["fsdp"]
+    zero = lambda n: zero_share(n, expert_params, replica_axes(run, axes))
+    sharded_master = e == 2 and fsdp == 1 and run.zero_stage >= 1
+    weights = held * (2 if sharded_master else 4 + (2 if e == 2 and fsdp == 1 else 0))
+    gradients = (zero(held) if run.zero_stage >= 2 else held) * 4
+    optimizer = (zero(trained) if run.zero_stage >= 1 else trained) * (12 if sharded_master else 8)
+    return weights, gradients, optimizer
+
+
 def stage_memory(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> dict[str, float]:
     """Bytes per device of ``stage`` of ``run`` holding ``in_flight`` micro-batches: ``params``,
     ``optimizer``, ``gradients``, ``activations`` and ``peak`` (their sum with the allocator's share,
     ``device.allocator_overhead``)."""
-    axes = sharding_axes(run, stage.axes)
     e = 2 if run.dtype == "bfloat16" else 4
-    trained, held = core.trained_params, core.held_params
-    zero = lambda n: zero_share(n, core.expert_params, replica_axes(run, stage.axes))
-    opt_params = zero(trained) if run.zero_stage >= 1 else trained
-    fsdp = axes["fsdp"]
+    fsdp = sharding_axes(run, stage.axes)["fsdp"]
+    weights, gradients, optimizer = state_bytes(
+        run, stage.axes, core.held_params, core.trained_params, core.expert_params
+    )
     # FSDP materialises its unit whole: a layer's gathered parameters and the next layer's (prefetched) in
     # the compute dtype (FP8 with train.fp8.all_gather) and its full gradient in float32 before the
-    # reduce-scatter (parallel.fsdp_unit: layer); or one tensor and the next, and one tensor's gradient in
-    # the compute dtype (tensor)
+    # reduce-scatter (parallel.fsdp_unit: layer); or one tensor and the next, and one tensor's gradient
+    # (tensor). Gathered once a step (parallel.fsdp_reshard: false), every layer of the stage stays
+    # gathered, and its gradients accumulate unsharded in the compute dtype until the step's reduce-scatter
     fp8 = run.config.train.fp8
     gathered = 1 if fp8 is not None and fp8.all_gather else e
     by_layer = run.config.parallel.fsdp_unit == "layer"
     unit = max((p.layer.params * fsdp if by_layer else p.layer.largest_param for p in core.parts), default=0.0)
-    whole = unit if fsdp > 1 else 0.0
-    # gathered once a step (parallel.fsdp_reshard: false): every layer of the stage stays gathered, and its
-    # gradients accumulate unsharded in the compute dtype until the step's reduce-scatter
-    kept = (
-        sum(p.layers * p.layer.params * fsdp for p in core.parts)
-        if fsdp > 1 and not run.config.parallel.fsdp_reshard
-        else 0.0
-    )
-    if kept:
-        whole = 0.0
+    kept = sum(p.layers * p.layer.params * fsdp for p in core.parts) if not run.config.parallel.fsdp_reshard else 0.0
+    whole, kept = (unit, 0.0) if kept == 0.0 else (0.0, kept)
+    if fsdp == 1:
+        whole = kept = 0.0
     fp8_bytes = 0.0 if fp8 is None else held_bytes(fp8, run.config.model, core.parts, fsdp)
-    # float32 parameters whole; with 16-bit compute a 16-bit copy beside them, except where the float32
-    # master copy is sharded: FSDP keeps float32 shards and gathers a layer in the compute dtype, and a
-    # distributed optimizer (ZeRO 1 and 2, Megatron's) keeps the 16-bit weights whole and the float32
-    # master with the moments, sharded over the data-parallel group: 2 + 4 + 12 / d bytes a parameter
-    sharded_master = e == 2 and fsdp == 1 and run.zero_stage >= 1
-    weight_bytes = 2 if sharded_master else 4 + (2 if e == 2 and fsdp == 1 else 0)
     memory = {
-        "params": held * weight_bytes + whole * (2 * gathered + (4 if by_layer else e)) + kept * gathered + fp8_bytes,
-        "optimizer": opt_params * (12 if sharded_master else 8),
-        "gradients": (zero(held) if run.zero_stage >= 2 else held) * 4 + kept * e,
+        "params": weights + whole * (2 * gathered + 4) + kept * gathered + fp8_bytes,
+        "optimizer": optimizer,
+        "gradients": gradients + kept * e,
         "activations": in_flight * core.kept_bytes + core.head_bytes + _halves_bytes(run, stage, core),
     }
     memory["peak"] = sum(memory.values()) * run.hardware.device.allocator_factor

@@ -333,8 +333,8 @@ def price_stage(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> S
     elif run.config.parallel.dp_overlap == "full":
         first_forward = sum(t[1] for t in core.tasks)
         dp_exposed = max(0.0, reduce - core.last_backward_s) + max(0.0, gather - first_forward) + dp_time / layers
-    else:
-        dp_exposed = max(0.0, dp_time - core.last_backward_s) + dp_time / layers
+    else:  # the gather follows the optimizer step: nothing of the step is left to hide it
+        dp_exposed = max(0.0, reduce - core.last_backward_s) + gather + dp_time / layers
     opt_params = zero_share(trained, core.expert_params, replica_axes(run, axes)) if run.zero_stage >= 1 else trained
     memory = stage_memory(run, stage, core, in_flight=in_flight)
     fsdp, fp8 = sharding_axes(run, axes)["fsdp"], run.config.train.fp8

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from hyperjax.config import ACTIVATIONS
-from hyperjax.cost import Estimate, LayerCost, StageCost, chunk_starts, zero_share
+from hyperjax.cost import Estimate, LayerCost, StageCost, chunk_starts, state_bytes
 from hyperjax.errors import ConfigError
 from hyperjax.offload.placement import Placement, parse_group
 from hyperjax.topology import Hardware
@@ -128,7 +128,6 @@ def build_problem(est: Estimate, *, hardware: Hardware, budget_bytes: float, pre
         )
     run = est.run
     n, m, k = len(blocks), est.run.microbatches, prefetch
-    e = 2 if run.dtype == "bfloat16" else 4
     axes = stage.stage.axes
     link = hardware.host.bandwidth
     lat = hardware.host.latency
@@ -151,14 +150,8 @@ def build_problem(est: Estimate, *, hardware: Hardware, budget_bytes: float, pre
         return tuple((w, direction, seconds / len(where)) for w in where)
 
     acts_in_flight = stage.in_flight
-    state = [  # each layer's parameters, gradients and optimizer state on the device
-        (
-            layer.params * (4 + (2 if e == 2 else 0)),
-            (zero_share(layer.params, layer.expert_params, axes) if run.zero_stage >= 2 else layer.params) * 4,
-            (zero_share(layer.params, layer.expert_params, axes) if run.zero_stage >= 1 else layer.params) * 8,
-        )
-        for layer in blocks
-    ]
+    # each layer's parameters, gradients and optimizer state on the device, as the estimate counts them
+    state = [state_bytes(run, axes, layer.params, layer.params, layer.expert_params) for layer in blocks]
     groups: dict[str, dict[str, Choice]] = {}
     for i, (layer, (p, g, o)) in enumerate(zip(blocks, state, strict=True)):
         before_f = [fwd(i - j) for j in range(1, k + 1)]  # the layers computed before layer i's forward

@@ -253,7 +253,8 @@ def serving_pass(est: InferenceEstimate, *, budget_bytes: float, block_tokens: i
     smallest-peak placement is reported with ``fits`` false.
 
     Raises:
-      ConfigError: ``offload.policy: manual`` (its patterns name training's groups) or ``none``.
+      ConfigError: ``offload.policy: manual`` (its patterns name training's groups) or ``none``, or
+        ``offload.prefetch: 0``.
     """
     word = est.run.offload
     if word not in ("auto", "greedy"):
@@ -263,7 +264,14 @@ def serving_pass(est: InferenceEstimate, *, budget_bytes: float, block_tokens: i
         )
     policy: Policy = "exact" if word == "auto" else "greedy"
     context = est.prompt_len + est.new_tokens
-    problem = serve_problem(est, context=context, budget_bytes=budget_bytes, block_tokens=min(block_tokens, context))
+    prefetch = est.run.config.offload.prefetch
+    if prefetch < 1:
+        raise ConfigError(
+            f"offload.prefetch={prefetch}: serving fetches a host group during the layers before its own; set "
+            "offload.prefetch >= 1"
+        )
+    block = min(block_tokens, context)
+    problem = serve_problem(est, context=context, budget_bytes=budget_bytes, prefetch=prefetch, block_tokens=block)
     priced = place(problem, policy)
     fits = priced is not None
     if priced is None:  # nothing fits: everything that can go to the host goes

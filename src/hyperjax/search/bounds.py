@@ -89,8 +89,9 @@ def lower_bound(cfg: Config, overrides: dict[str, Any], hardware: Hardware, budg
         ]
         # the first stage keeps its blocks' state (ZeRO-2: the leanest, with 16-bit compute the float32
         # master sharded beside the moments and gradients) and activations
+        lean = e == 2 and axes["fsdp"] == 1  # 16-bit weights whole, the float32 master sharded
         state = [
-            x.params * (2 if e == 2 else 4) + (16 if e == 2 else 12) * zero_share(x.params, x.expert_params, replicas)
+            x.params * (2 if lean else 4) + (16 if lean else 12) * zero_share(x.params, x.expert_params, replicas)
             for x in layers
         ]
         kept = sum(n * (st + held * x.stored_bytes) for n, st, x in zip(count[0], state, layers, strict=True))

@@ -5,9 +5,9 @@ virtual stages), ZeRO stage, micro-batch size, recomputation and, for a mixture 
 that hides its all-to-all; for a vision-language model under
 ``mpmd:`` also the split of the devices between its submeshes. Every answer is a resolved run
 (:func:`hyperjax.resolve`) priced by :func:`hyperjax.estimate`; those that do not fit the device-memory
-budget (``offload.device_memory_gib``, default the preset's HBM) are dropped. Under ``offload.policy:
-auto`` or ``greedy`` the fastest strategies that do not fit are also given to the placement pass
-(:mod:`hyperjax.offload`), and those it makes fit compete with the rest.
+budget (``offload.device_memory_gib``, default the preset's HBM less its ``reserved_bytes``) are
+dropped. Under ``offload.policy: auto`` or ``greedy`` the fastest strategies that do not fit are also
+given to the placement pass (:mod:`hyperjax.offload`), and those it makes fit compete with the rest.
 
 It answers in seconds at the scale of the machines people size:
 
@@ -177,7 +177,8 @@ def plan(
         if prune and len(fastest) == keep and bound[g] > -fastest[0]:
             break  # bases come in bound order: none after this one can enter the answer
         try:
-            plain = {**groups[g][0], "train.recompute": "none"} | (
+            named = cfg.train.recompute_modules is not None  # what selective recomputes, kept for pricing
+            plain = {**groups[g][0], "train.recompute": "selective" if named else "none"} | (
                 {"parallel.overlap": "none"} if cfg.model.moe else {}
             )
             base = resolve(candidate(cfg, plain), devices, hardware=hw)
@@ -197,6 +198,8 @@ def plan(
                 est = estimate(run, cores=cores)
                 priced += 1
                 overrides = {**combo, "train.recompute": recompute}
+                if named and recompute != "selective":  # the modules name what selective recomputes only
+                    overrides["train.recompute_modules"] = None
                 if est.memory_per_device_gib["peak"] <= budget_gib:
                     found.append((est.step_time_s, index[id(combo)], overrides))
                     heapq.heappush(fastest, -est.step_time_s)

@@ -147,8 +147,10 @@ class Tier:
       torus_dims: a torus's dimensions (2: TPU v5e, 3: TPU v5p); the devices of one group of the tier form
         :meth:`torus_for`'s shape, the fastest dimension first, and a collective over a group spanning
         several dimensions runs on all of them at once. ``None``: the tier is priced as one ring.
-      torus_wrap: a slice whose dimensions are all at least this long has wraparound links on each of them;
-        a dimension without wraparound is a line, half a ring's bandwidth.
+      torus_wrap: a dimension at least this long wraps around (TPU v5e: a full 16-chip axis); one without
+        wraparound is a line, half a ring's bandwidth.
+      torus_wrap_whole: wraparound only where every dimension of the slice reaches ``torus_wrap`` (TPU
+        v5p: slices of whole 4 x 4 x 4 cubes).
     """
 
     name: str
@@ -160,6 +162,7 @@ class Tier:
     source: str
     torus_dims: int | None = None
     torus_wrap: int = 4
+    torus_wrap_whole: bool = False
 
     def __post_init__(self) -> None:
         where = f"tier {self.name!r}"
@@ -177,17 +180,17 @@ class Tier:
 
     def torus_for(self, devices: int) -> tuple[tuple[int, bool], ...] | None:
         """``(length, wraps)`` of each torus dimension of a slice of ``devices`` devices, fastest first:
-        the most cubic shape of powers of two (TPU slices: 4x4x4, 4x4x8, 16x16, ...), wrapping around
-        when every dimension is at least ``torus_wrap`` long; ``None`` for a tier that is no torus or a
-        device count that is no power of two."""
+        the most cubic shape of powers of two (TPU slices: 4x4x4, 4x4x8, 16x16, ...), a dimension wrapping
+        around when it is at least ``torus_wrap`` long (with ``torus_wrap_whole``, when every one is);
+        ``None`` for a tier that is no torus or a device count that is no power of two."""
         if self.torus_dims is None or devices < 1 or devices & (devices - 1):
             return None
         dims = [1] * self.torus_dims
         while math.prod(dims) < devices:
             dims[dims.index(min(dims))] *= 2
         dims.sort()
-        wraps = min(dims) >= self.torus_wrap
-        return tuple((d, wraps) for d in dims)
+        whole = min(dims) >= self.torus_wrap or not self.torus_wrap_whole
+        return tuple((d, whole and d >= self.torus_wrap) for d in dims)
 
     @property
     def effective_bandwidth(self) -> float:
