@@ -6,7 +6,14 @@ from hyperjax.cost.counts import count_params, model_flops_per_sequence, model_t
 from hyperjax.cost.estimate import Estimate, estimate, memory_budget, stage_spans
 from hyperjax.cost.inference import InferenceEstimate, ServeLayer, estimate_inference
 from hyperjax.cost.layer import LayerCost, price_layer
-from hyperjax.cost.memory import stage_memory, state_bytes, zero_share
+from hyperjax.cost.memory import (
+    replica_axes,
+    sharding_axes,
+    sharding_spans,
+    stage_memory,
+    state_bytes,
+    zero_share,
+)
 from hyperjax.cost.stage import ChunkCost, PartCost, StageCore, StageCost, chunk_starts
 from hyperjax.cost.trace import simulate, stage_metadata, task_events, write_trace
 
@@ -30,6 +37,9 @@ __all__ = [
     "model_flops_per_sequence",
     "model_tensors",
     "price_layer",
+    "replica_axes",
+    "sharding_axes",
+    "sharding_spans",
     "simulate",
     "stage_memory",
     "stage_metadata",

@@ -32,7 +32,7 @@ from hyperjax.cost.collectives import collective_time
 from hyperjax.cost.compute import gemm_time
 from hyperjax.cost.estimate import GIB, memory_budget, stage_spans
 from hyperjax.cost.layer import price_layer
-from hyperjax.cost.memory import sharding_axes
+from hyperjax.cost.memory import sharding_axes, sharding_spans
 from hyperjax.cost.pipeline import boundary_span
 from hyperjax.cost.stage import chunk_starts, part_models
 from hyperjax.errors import ConfigError
@@ -152,10 +152,8 @@ def estimate_inference(run: Run) -> InferenceEstimate:
                 f"expert); use a multiple of {dp}"
             )
         local = batch // dp
-        spans = stage_spans(hw, n, axes)
-        if run.config.parallel.fsdp_context and axes["context"] > 1:  # weights sharded over fsdp x context
-            spans = dict(spans, fsdp=spans["fsdp+context"])
-        axes = sharding_axes(run, axes)
+        spans = sharding_spans(run.config.parallel, axes, stage_spans(hw, n, axes))  # weights over fsdp x context
+        axes = sharding_axes(run.config.parallel, axes)
         tp = axes["tensor"]
         weights = kv = acts = 0.0
         layers: list[ServeLayer] = []

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from hyperjax.config import Run, Stage
+from hyperjax.config import ParallelConfig, Run, Stage
 from hyperjax.cost.fp8 import held_bytes
 
 
@@ -30,18 +30,25 @@ def zero_share(params: float, expert_params: float, axes: Mapping[str, int]) -> 
     return (params - expert_params) / (ways * axes.get("expert", 1)) + expert_params / ways
 
 
-def sharding_axes(run: Run, axes: Mapping[str, int]) -> dict[str, int]:
+def sharding_axes(parallel: ParallelConfig, axes: Mapping[str, int]) -> dict[str, int]:
     """``axes`` as the parameters see them: with ``parallel.fsdp_context`` FSDP shards over ``fsdp x
     context``, so ``fsdp`` stands for both (the context axis still splits the sequence)."""
-    if run.config.parallel.fsdp_context:
+    if parallel.fsdp_context:
         return dict(axes, fsdp=axes["fsdp"] * axes["context"])
     return dict(axes)
 
 
-def replica_axes(run: Run, axes: Mapping[str, int]) -> dict[str, int]:
+def sharding_spans(parallel: ParallelConfig, axes: Mapping[str, int], spans: Mapping[str, Any]) -> dict[str, Any]:
+    """``spans`` as FSDP's collectives see them: over ``fsdp x context`` with ``parallel.fsdp_context``."""
+    if parallel.fsdp_context and axes["context"] > 1:
+        return dict(spans, fsdp=spans["fsdp+context"])
+    return dict(spans)
+
+
+def replica_axes(parallel: ParallelConfig, axes: Mapping[str, int]) -> dict[str, int]:
     """``axes`` as ZeRO and the gradient reduction see them: the axes the parameters are replicated on,
     without ``context`` where FSDP already shards over it."""
-    return dict(axes, context=1) if run.config.parallel.fsdp_context else dict(axes)
+    return dict(axes, context=1) if parallel.fsdp_context else dict(axes)
 
 
 def state_bytes(
@@ -53,8 +60,8 @@ def state_bytes(
     float32 shards and gathers in the compute dtype, and a distributed optimizer (ZeRO 1 and 2, Megatron's)
     keeps the 16-bit weights whole and the float32 master with both moments sharded (2 + 4 + 12 / d)."""
     e = 2 if run.dtype == "bfloat16" else 4
-    fsdp = sharding_axes(run, axes)["fsdp"]
-    zero = lambda n: zero_share(n, expert_params, replica_axes(run, axes))
+    fsdp = sharding_axes(run.config.parallel, axes)["fsdp"]
+    zero = lambda n: zero_share(n, expert_params, replica_axes(run.config.parallel, axes))
     sharded_master = e == 2 and fsdp == 1 and run.zero_stage >= 1
     weights = held * (2 if sharded_master else 4 + (2 if e == 2 and fsdp == 1 else 0))
     gradients = (zero(held) if run.zero_stage >= 2 else held) * 4
@@ -67,7 +74,7 @@ def stage_memory(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> 
     ``optimizer``, ``gradients``, ``activations`` and ``peak`` (their sum with the allocator's share,
     ``device.allocator_overhead``)."""
     e = 2 if run.dtype == "bfloat16" else 4
-    fsdp = sharding_axes(run, stage.axes)["fsdp"]
+    fsdp = sharding_axes(run.config.parallel, stage.axes)["fsdp"]
     weights, gradients, optimizer = state_bytes(
         run, stage.axes, core.held_params, core.trained_params, core.expert_params
     )
@@ -79,11 +86,11 @@ def stage_memory(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> 
     fp8 = run.config.train.fp8
     gathered = 1 if fp8 is not None and fp8.all_gather else e
     by_layer = run.config.parallel.fsdp_unit == "layer"
-    unit = max((p.layer.params * fsdp if by_layer else p.layer.largest_param for p in core.parts), default=0.0)
-    kept = sum(p.layers * p.layer.params * fsdp for p in core.parts) if not run.config.parallel.fsdp_reshard else 0.0
-    whole, kept = (unit, 0.0) if kept == 0.0 else (0.0, kept)
-    if fsdp == 1:
-        whole = kept = 0.0
+    whole = kept = 0.0  # a unit gathered at a time; the whole stage gathered
+    if fsdp > 1 and run.config.parallel.fsdp_reshard:
+        whole = max((p.layer.params * fsdp if by_layer else p.layer.largest_param for p in core.parts), default=0.0)
+    elif fsdp > 1:
+        kept = sum(p.layers * p.layer.params * fsdp for p in core.parts)
     fp8_bytes = 0.0 if fp8 is None else held_bytes(fp8, run.config.model, core.parts, fsdp)
     memory = {
         "params": weights + whole * (2 * gathered + 4) + kept * gathered + fp8_bytes,

@@ -19,7 +19,7 @@ from hyperjax.cost.compute import gemm_time, stream_time
 from hyperjax.cost.counts import Tensor, decoder_tensors, encoder_tensors
 from hyperjax.cost.fp8 import cast_time
 from hyperjax.cost.layer import LayerCost, price_layer
-from hyperjax.cost.memory import replica_axes, sharding_axes, stage_memory, zero_share
+from hyperjax.cost.memory import replica_axes, sharding_axes, sharding_spans, stage_memory, zero_share
 from hyperjax.cost.overlap import Exchange, chunk_exchange
 from hyperjax.topology import AxisSpan
 
@@ -216,9 +216,8 @@ def stage_core(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: AxisS
       spans: the tiers each of the stage's mesh axes spans.
       p2p: the tier a hand-over to a neighbouring stage crosses (``None`` for a single stage).
     """
-    hw, m, axes = run.hardware, run.config.model, sharding_axes(run, stage.axes)
-    if run.config.parallel.fsdp_context and axes["context"] > 1:  # FSDP gathers over fsdp x context
-        spans = dict(spans, fsdp=spans["fsdp+context"])
+    hw, m, axes = run.hardware, run.config.model, sharding_axes(run.config.parallel, stage.axes)
+    spans = sharding_spans(run.config.parallel, stage.axes, spans)
     micro = run.rows / stage.data_parallel
     last = run.chunks - 1
     starts_at = chunk_starts(run)
@@ -320,7 +319,7 @@ def price_stage(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> S
     )
     reduce = sum(collective_time(kind, n * 4, span, hw) for n, span in reduced)
     gather = sum(collective_time("all_gather", n * e, span, hw) for n, span in reduced) if run.zero_stage >= 1 else 0.0
-    if sharding_axes(run, axes)["fsdp"] > 1 and not run.config.parallel.fsdp_reshard:
+    if sharding_axes(run.config.parallel, axes)["fsdp"] > 1 and not run.config.parallel.fsdp_reshard:
         # FSDP gathers the stage's layers once a step and reduce-scatters their accumulated gradients once
         reduce += sum(p.layers * p.layer.fsdp_scatter_s for p in core.parts)
         gather += sum(p.layers * p.layer.fsdp_gather_s for p in core.parts)
@@ -335,9 +334,10 @@ def price_stage(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> S
         dp_exposed = max(0.0, reduce - core.last_backward_s) + max(0.0, gather - first_forward) + dp_time / layers
     else:  # the gather follows the optimizer step: nothing of the step is left to hide it
         dp_exposed = max(0.0, reduce - core.last_backward_s) + gather + dp_time / layers
-    opt_params = zero_share(trained, core.expert_params, replica_axes(run, axes)) if run.zero_stage >= 1 else trained
+    replicas = replica_axes(run.config.parallel, axes)
+    opt_params = zero_share(trained, core.expert_params, replicas) if run.zero_stage >= 1 else trained
     memory = stage_memory(run, stage, core, in_flight=in_flight)
-    fsdp, fp8 = sharding_axes(run, axes)["fsdp"], run.config.train.fp8
+    fsdp, fp8 = sharding_axes(run.config.parallel, axes)["fsdp"], run.config.train.fp8
     gathered = 1 if fp8 is not None and fp8.all_gather else e
     return StageCost(
         stage=stage,

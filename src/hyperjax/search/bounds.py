@@ -21,7 +21,7 @@ import math
 from typing import Any
 
 from hyperjax.config import Config
-from hyperjax.cost import price_layer, stage_spans, zero_share
+from hyperjax.cost import price_layer, replica_axes, sharding_axes, sharding_spans, stage_spans, zero_share
 from hyperjax.resolver import balance_layers
 from hyperjax.search.strategies import RECOMPUTE
 from hyperjax.topology import Hardware
@@ -43,12 +43,9 @@ def lower_bound(cfg: Config, overrides: dict[str, Any], hardware: Hardware, budg
     dp = data * fsdp * expert
     micro = overrides["train.micro_batch"] or cfg.train.global_batch // dp
     microbatches = cfg.train.global_batch // (micro * dp)
-    spans = stage_spans(hardware, p, axes)
-    replicas = dict(axes)
-    if cfg.parallel.fsdp_context and axes["context"] > 1:  # parameters sharded over fsdp x context
-        spans = dict(spans, fsdp=spans["fsdp+context"])
-        axes = dict(axes, fsdp=fsdp * axes["context"])
-        replicas["context"] = 1
+    spans = sharding_spans(cfg.parallel, axes, stage_spans(hardware, p, axes))  # FSDP over fsdp x context
+    replicas = replica_axes(cfg.parallel, axes)
+    axes = sharding_axes(cfg.parallel, axes)
     chunks = balance_layers(m, [1] * (p * v)) if p > 1 else [m.layers]  # equal stages: devices cancel
     starts = [sum(chunks[:c]) for c in range(len(chunks))]
     # each stage's blocks of each kind (a mixture of experts' dense and MoE blocks differ)
