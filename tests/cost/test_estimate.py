@@ -211,6 +211,8 @@ def test_recompute_modules_drop_what_they_name_and_rerun_its_ops():
     assert saved == pytest.approx(dropped * named.stages[0].layers)
     with pytest.raises(HyperjaxError, match=r"train.recompute_modules=\['norm'\] must name .*'norms'"):
         load_config(None, ["train.recompute_modules=[norm]"])
+    with pytest.raises(HyperjaxError, match=r"recompute_modules=\['norms'\] .* train.recompute='full'; set"):
+        load_config(None, ["train.recompute=full", "train.recompute_modules=[norms]"])
 
 
 def test_predict_cli_json(capsys):

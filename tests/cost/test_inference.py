@@ -120,3 +120,5 @@ def test_inference_fits_the_offload_budget_and_places_what_does_not(capsys):
     assert greedy["policy"] == "greedy" and greedy["decode_s_per_token"] >= offload["decode_s_per_token"] * (1 - 1e-3)
     assert main([*base, "--set", "offload.policy=manual"]) == 2  # manual names training's groups
     assert "offload.policy='manual'" in capsys.readouterr().err
+    assert main([*base, "--set", "offload.policy=auto", "--set", "offload.prefetch=0"]) == 2
+    assert "offload.prefetch=0: serving fetches" in capsys.readouterr().err

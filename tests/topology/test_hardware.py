@@ -143,11 +143,26 @@ def test_unbounded_tier_must_be_last():
         ("bandwidth", -1, r"bandwidth=-1 must be a positive number"),
         ("bandwidth", "fast", r"bandwidth='fast' must be a positive number"),
         ("topology", "mesh", r"topology='mesh' must be one of"),
+        ("torus_dims", 3, r"torus_dims=3 needs topology: torus"),  # cloudmatrix384's first tier is a switch
     ],
 )
 def test_tier_values(field, value, pattern):
     raw = _raw()
     raw["tiers"][0][field] = value
+    with pytest.raises(PresetError, match=pattern):
+        hardware_from_dict(raw)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "pattern"),
+    [
+        ("reserved_bytes", 1e12, r"device.reserved_bytes=1000000000000.0 must be in \[0, hbm_bytes="),
+        ("allocator_overhead", 1.5, r"device.allocator_overhead=1.5 must be in \[0, 1\)"),
+    ],
+)
+def test_device_memory_values(field, value, pattern):
+    raw = _raw()
+    raw["device"][field] = value
     with pytest.raises(PresetError, match=pattern):
         hardware_from_dict(raw)
 
