@@ -216,3 +216,43 @@ def test_matmul_precision_names_a_listed_dtype():
     raw["device"]["matmul_precision"] = "tf32"
     with pytest.raises(PresetError, match=r"must be a mapping from a compute dtype"):
         hardware_from_dict(raw)
+
+
+@pytest.mark.parametrize(
+    ("device", "pattern"),
+    [
+        (
+            {"attention_kernels": {"fa": {"forward": 1.5, "backward": 0.3}}, "fused_attention": "fa"},
+            r"device.attention_kernels.fa.forward=1.5 must be a fraction of the peak in \(0, 1\]",
+        ),
+        (
+            {"attention_kernels": {"fa": {"forward": 0.4, "backward": 0.3, "tile": 128}}, "fused_attention": "fa"},
+            r"device.attention_kernels.fa=.* must be a mapping of forward, backward and seq_half alone",
+        ),
+        (
+            {"attention_kernels": {"fa": {"forward": 0.4, "backward": 0.3}}, "fused_attention": "cudnn"},
+            r"device.fused_attention='cudnn' must name one of device.attention_kernels \['fa'\]",
+        ),
+        ({"fused_attention": "cudnn"}, r"device.fused_attention='cudnn' names a kernel, but device.attention_kernels"),
+    ],
+)
+def test_attention_kernel_values(device, pattern):
+    raw = _raw()
+    raw["device"] |= device
+    with pytest.raises(PresetError, match=pattern):
+        hardware_from_dict(raw)
+
+
+def test_attention_rates_follow_the_measured_kernel():
+    """A fused kernel's rate is the preset's long-sequence fraction ramped by seq / (seq + seq_half); a device
+    with no measured kernel runs one at its matmul efficiency."""
+    d = load_hardware("dgx-h100").device
+    k = d.attention_kernels["flash2"]
+    assert d.attention_rates("flash2", 8192) == pytest.approx(
+        (k.forward * 8192 / (8192 + k.seq_half), k.backward * 8192 / (8192 + k.seq_half))
+    )
+    assert d.attention_rates(None, 8192) == d.attention_rates(d.fused_attention, 8192)
+    assert d.attention_rates("flash2", 2048)[0] < d.attention_rates("flash2", 8192)[0] < k.forward
+    assert d.attention_rates("flash2", 8192)[0] < d.attention_rates("cudnn", 8192)[0]
+    a100 = load_hardware("dgx-a100-80g").device
+    assert a100.attention_rates(None, 4096) == (a100.matmul_efficiency, a100.matmul_efficiency)

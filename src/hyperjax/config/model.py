@@ -152,6 +152,7 @@ class ModelConfig:
     block: BlockLayout = "sequential"  # sequential (pre-norm attention then MLP) or parallel (GPT-J / PaLM)
     attention: AttentionKind = "mha"  # mha (multi-head / grouped-query) or mla (DeepSeek's latent attention)
     attention_kernel: AttentionKernel = "materialized"  # materialized (scores kept) or flash (one fused kernel)
+    attention_impl: str | None = None  # flash: the fused kernel priced (a name in the preset's attention_kernels)
     kv_lora_rank: int | None = None  # mla: width of the compressed keys and values (DeepSeek-V3: 512)
     q_lora_rank: int | None = None  # mla: width of the compressed queries; null: queries not compressed
     rope_head_dim: int | None = None  # mla: rotary dimensions per head, apart from head_dim (DeepSeek-V3: 64)
@@ -160,6 +161,12 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         vocabularies(self, "model")
+        if self.attention_impl is not None and self.attention_kernel != "flash":
+            raise ConfigError(
+                f"model.attention_impl={self.attention_impl!r} names a fused attention kernel, but "
+                f"model.attention_kernel={self.attention_kernel!r} keeps its scores; set model.attention_kernel: flash "
+                "or remove model.attention_impl"
+            )
         positive(self, "model", ("layers", "d_model", "heads", "d_ff", "vocab", "seq_len"))
         positive(self, "model", ("kv_heads", "head_dim"), optional=True)
         for key, value in FAMILY_PARTS[self.family].items():

@@ -1,7 +1,7 @@
 """One cost model: predicted step time, memory and communication of a resolved run on real hardware."""
 
 from hyperjax.cost.collectives import KINDS, collective_time
-from hyperjax.cost.compute import gemm_time, stream_time
+from hyperjax.cost.compute import gemm_time, grouped_gemm_time, stream_time
 from hyperjax.cost.counts import count_params, model_flops_per_sequence, model_tensors
 from hyperjax.cost.estimate import Estimate, estimate, memory_budget, stage_spans
 from hyperjax.cost.inference import InferenceEstimate, ServeLayer, estimate_inference
@@ -33,6 +33,7 @@ __all__ = [
     "estimate",
     "estimate_inference",
     "gemm_time",
+    "grouped_gemm_time",
     "memory_budget",
     "model_flops_per_sequence",
     "model_tensors",

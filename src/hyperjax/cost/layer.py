@@ -246,7 +246,13 @@ def _price_layer(
     # scores over the query-key width and attention-weighted values, one batched product each; a fused
     # kernel skips the blocks the causal mask hides (half the square for long sequences)
     core = gemm(s / cp, s, hd + rope, count=micro * a / tp) + gemm(s / cp, hd, s, count=micro * a / tp)
-    core *= 0.5 if flash else 1.0
+    core_bwd = 2.0 * core
+    if flash:  # the fused kernel at its own measured rates (the device's, by sequence length), not a GEMM's
+        forward, backward = hardware.device.attention_rates(m.attention_impl, s / cp)
+        flops = micro * a / tp * 2.0 * (s / cp) * s * (2 * hd + rope) * 0.5
+        peak = hardware.matmul_flops(dtype)
+        core = flops / (peak * forward) + hardware.device.kernel_overhead
+        core_bwd = 2.5 * flops / (peak * backward) + hardware.device.kernel_overhead
     scale = e / 2  # the byte counts are for 16-bit activations
     per_token = micro * (s / cp) * scale
     rep = tp if sequence_parallel else 1
@@ -268,7 +274,7 @@ def _price_layer(
     # backward recomputes the scores (five products of the core's size against the forward's two)
     ew_core_fwd = 0.0 if flash else stream_time(2 * acts["attn_core"], ops=4, hardware=hardware)
     fwd = proj + core + ew_fwd + ew_core_fwd + cast_fwd
-    bwd = 2 * proj + (2.5 if flash else 2.0) * core + 2 * (ew_fwd + ew_core_fwd) + cast_bwd
+    bwd = 2 * proj + core_bwd + 2 * (ew_fwd + ew_core_fwd) + cast_bwd
     ew_share = lambda name: ew_fwd * acts[name] / (replicated + split)
     # recomputing an activation re-runs the forward ops that produce it: the mid-block residual the norms
     # keep needs the output projection; a materialized core is re-run whole for its probabilities (as

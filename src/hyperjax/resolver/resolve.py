@@ -69,6 +69,18 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
             f"has no FP8 products: it multiplies {', '.join(hw.device.peak_flops)}; set train.fp8: null, or choose "
             "a preset whose device lists fp8 in peak_flops (dgx-h100)"
         )
+    impl, kernels = config.model.attention_impl, hw.device.attention_kernels
+    if impl is not None and impl not in kernels:
+        fix = (
+            f"choose one of those, or remove model.attention_impl (the preset's default, {hw.device.fused_attention})"
+            if kernels
+            else "remove model.attention_impl (a fused kernel is priced at the device's matmul_efficiency there), or "
+            "choose a preset that measures its kernels (dgx-h100)"
+        )
+        raise ConfigError(
+            f"model.attention_impl={impl!r} is not a fused attention kernel of preset {hw.name}'s device "
+            f"{hw.device.name}: it lists {sorted(kernels) or 'none'} in device.attention_kernels; {fix}"
+        )
     n = device_count(config, devices)
     check_capacity(hw, n)
     if config.mpmd.submeshes:

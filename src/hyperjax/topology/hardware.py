@@ -20,115 +20,9 @@ from typing import Any
 import yaml
 
 from hyperjax.errors import PresetError
+from hyperjax.topology.device import DeviceSpec, require_positive
 
 _TOPOLOGIES = ("switch", "torus", "ring")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DeviceSpec:
-    """One accelerator.
-
-    Attributes:
-      name: the device's product name.
-      peak_flops: dense peak FLOP/s per dtype name (``bfloat16``, ``float32``, ...).
-      hbm_bytes: device memory in bytes.
-      hbm_bandwidth: device memory bandwidth in bytes/s.
-      matmul_efficiency: achievable fraction of peak FLOP/s for large matrix multiplies.
-      memory_efficiency: achievable fraction of ``hbm_bandwidth`` for streaming (element-wise) work.
-      kernel_overhead: seconds each launched operator costs beyond its roofline time.
-      source: where the figures come from.
-      matmul_precision: for a compute dtype whose matrix multiplies run at another dtype's rate under
-        XLA's default precision, that dtype (``{float32: tf32}``: fp32 dots on NVIDIA tensor cores run as
-        TF32); a dtype not listed runs at its own ``peak_flops``.
-      grouped_gemm_rows: the rows a grouped product (a mixture of experts' experts, one kernel) gives each
-        group, rounded up to a multiple of this: its tile height (1: no rounding).
-      comm_compute_share: the share of the device's compute units an all-to-all holds while it runs beside
-        compute (DeepEP's dispatch and combine kernels run on SMs of their own); compute running beside
-        one slows by it (:func:`hyperjax.mpmd.lanes.replay_lanes`).
-      allocator_overhead: what the memory allocator holds beyond the live tensors, as a fraction of them
-        (fragmentation, a caching allocator's free blocks, workspaces): a peak is the tensors' bytes times
-        ``1 + allocator_overhead``.
-      reserved_bytes: device memory the runtime takes before any tensor (the driver's context, the
-        communication library's buffers, the GEMM library's workspace): what a run can use is
-        ``hbm_bytes - reserved_bytes``.
-    """
-
-    name: str
-    peak_flops: Mapping[str, float]
-    hbm_bytes: float
-    hbm_bandwidth: float
-    matmul_efficiency: float
-    memory_efficiency: float
-    kernel_overhead: float
-    source: str
-    matmul_precision: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    grouped_gemm_rows: int = 1
-    comm_compute_share: float = 0.0
-    reserved_bytes: float = 0.0
-    allocator_overhead: float = 0.05
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.allocator_overhead < 1:
-            raise PresetError(f"device.allocator_overhead={self.allocator_overhead} must be in [0, 1)")
-        if not 0 <= self.reserved_bytes < self.hbm_bytes:
-            raise PresetError(f"device.reserved_bytes={self.reserved_bytes} must be in [0, hbm_bytes={self.hbm_bytes})")
-        if not 0 <= self.comm_compute_share < 1:
-            raise PresetError(f"device.comm_compute_share={self.comm_compute_share} must be in [0, 1)")
-        if not isinstance(self.grouped_gemm_rows, int) or self.grouped_gemm_rows < 1:
-            raise PresetError(f"device.grouped_gemm_rows={self.grouped_gemm_rows!r} must be a positive integer")
-        if not self.peak_flops:
-            raise PresetError(f"device {self.name!r}: peak_flops is empty; give at least one dtype's FLOP/s")
-        for dtype, flops in self.peak_flops.items():
-            _require_positive(f"device.peak_flops.{dtype}", flops)
-        _require_positive("device.hbm_bytes", self.hbm_bytes)
-        _require_positive("device.hbm_bandwidth", self.hbm_bandwidth)
-        for key in ("matmul_efficiency", "memory_efficiency"):
-            if not 0 < getattr(self, key) <= 1:
-                raise PresetError(f"device.{key}={getattr(self, key)} must be in (0, 1]")
-        if self.kernel_overhead < 0:
-            raise PresetError(f"device.kernel_overhead={self.kernel_overhead} must be >= 0 seconds")
-        if not isinstance(self.matmul_precision, Mapping):
-            raise PresetError(
-                f"device.matmul_precision={self.matmul_precision!r} must be a mapping from a compute dtype to the "
-                "dtype its products run as, e.g. {float32: tf32}"
-            )
-        for dtype, runs_as in self.matmul_precision.items():
-            for key, value in ((f"device.matmul_precision.{dtype}", runs_as), ("device.matmul_precision", dtype)):
-                if value not in self.peak_flops:
-                    raise PresetError(
-                        f"{key}: {value!r} names a dtype with no peak_flops entry; it lists "
-                        f"{sorted(self.peak_flops)}. Add that dtype's FLOP/s or correct the name."
-                    )
-        object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
-        object.__setattr__(self, "matmul_precision", MappingProxyType(dict(self.matmul_precision)))
-
-    def __hash__(self) -> int:  # the mappings hash by their items, so a preset can key a cache
-        return hash(
-            (
-                self.name,
-                tuple(sorted(self.peak_flops.items())),
-                self.hbm_bytes,
-                self.hbm_bandwidth,
-                self.matmul_efficiency,
-                self.memory_efficiency,
-                self.kernel_overhead,
-                tuple(sorted(self.matmul_precision.items())),
-                self.grouped_gemm_rows,
-                self.comm_compute_share,
-                self.reserved_bytes,
-                self.allocator_overhead,
-            )
-        )
-
-    @property
-    def allocator_factor(self) -> float:
-        """A peak's bytes per byte of live tensors: ``1 + allocator_overhead``."""
-        return 1.0 + self.allocator_overhead
-
-    @property
-    def usable_bytes(self) -> float:
-        """Device memory a run's tensors can use: ``hbm_bytes`` less what the runtime reserves."""
-        return self.hbm_bytes - self.reserved_bytes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -168,7 +62,7 @@ class Tier:
         where = f"tier {self.name!r}"
         if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
             raise PresetError(f"{where}: group_size={self.group_size!r} must be a positive integer or null")
-        _require_positive(f"{where}.bandwidth", self.bandwidth)
+        require_positive(f"{where}.bandwidth", self.bandwidth)
         if self.latency < 0:
             raise PresetError(f"{where}: latency={self.latency} must be >= 0 seconds")
         if not 0 < self.efficiency <= 1:
@@ -215,8 +109,8 @@ class HostSpec:
     source: str
 
     def __post_init__(self) -> None:
-        _require_positive("host.bytes_per_device", self.bytes_per_device)
-        _require_positive("host.bandwidth", self.bandwidth)
+        require_positive("host.bytes_per_device", self.bytes_per_device)
+        require_positive("host.bandwidth", self.bandwidth)
         if self.latency < 0:
             raise PresetError(f"host.latency={self.latency} must be >= 0 seconds")
 
@@ -315,11 +209,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, tuple | list):
         return [_plain(v) for v in value]
     return value
-
-
-def _require_positive(key: str, value: Any) -> None:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-        raise PresetError(f"{key}={value!r} must be a positive number")
 
 
 def presets_dir() -> Path:

@@ -1,0 +1,206 @@
+"""The cost model's kernel prices against kernels measured on one GPU.
+
+``benchmarks/gpu_kernels_measure.py`` times, on a GPU with PyTorch, the kernels the published GPU runs call:
+cuBLAS products of a transformer's shapes (large, skinny, per-expert), grouped products for experts
+(``torch._grouped_mm``), fused attention (FlashAttention-2 and cuDNN through ``scaled_dot_product_attention``),
+HBM streaming and one Llama-3-8B block forward and backward. This script sets each beside what the cost
+model charges on the matching preset (``dgx-h200`` for an H200): ``gemm_time``, ``grouped_gemm_time``, the
+fused-attention rates of the preset's ``device.attention_kernels`` and ``price_layer`` for the block.
+
+    python benchmarks/gpu_kernels.py        # reads benchmarks/results/kernels-*-measured.json
+
+Nothing here is fitted: the products are priced from the preset's datasheet peak, ``matmul_efficiency``,
+``memory_efficiency`` and ``kernel_overhead``; the attention rates are the preset's, which cite the same
+measurement (so that table shows how closely the preset's two-number form follows it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+import hyperjax
+from hyperjax.cost import gemm_time, grouped_gemm_time, price_layer
+from hyperjax.topology import axis_spans
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+PRESETS = {"NVIDIA H200": "dgx-h200", "NVIDIA H100 80GB HBM3": "dgx-h100"}
+LLAMA_BLOCK = [
+    "emulate.devices=1",
+    "model.family=llama",
+    "model.layers=1",
+    "model.d_model=4096",
+    "model.heads=32",
+    "model.kv_heads=8",
+    "model.d_ff=14336",
+    "model.vocab=128256",
+    "model.rope_theta=500000",
+    "model.attention_kernel=flash",
+    "model.attention_impl=flash2",
+    "train.dtype=bfloat16",
+]
+
+
+def err(predicted: float, measured: float) -> float:
+    return predicted / measured - 1.0
+
+
+def products(measured: dict, hw) -> list[dict]:
+    out = []
+    for g in measured.get("gemm", []):
+        p = gemm_time(g["m"], g["n"], g["k"], bytes_per_element=2, dtype="bfloat16", hardware=hw)
+        out.append({**g, "predicted_s": p, "error": err(p, g["s"])})
+    return out
+
+
+def grouped(measured: dict, hw) -> list[dict]:
+    out = []
+    for g in measured.get("grouped", []):
+        rows = g["groups"] * g["rows"]
+        p = grouped_gemm_time(
+            rows, g["n"], g["k"], groups=g["groups"], bytes_per_element=2, dtype="bfloat16", hardware=hw
+        )
+        out.append({**g, "predicted_s": p, "error": err(p, g["s"])})
+    return out
+
+
+def attention(measured: dict, hw) -> list[dict]:
+    names = {"flash": "flash2", "cudnn": "cudnn"}
+    peak = hw.matmul_flops("bfloat16")
+    out = []
+    for a in measured.get("attention", []):
+        fwd, bwd = hw.device.attention_rates(names[a["backend"]], a["seq"])
+        flops = 4 * a["batch"] * a["heads"] * a["seq"] ** 2 * a["dim"] / 2
+        pf = flops / (peak * fwd) + hw.device.kernel_overhead
+        pb = 2.5 * flops / (peak * bwd) + hw.device.kernel_overhead
+        out.append({**a, "fwd_predicted_s": pf, "bwd_predicted_s": pb, "fwd_error": err(pf, a["fwd_s"])})
+        out[-1]["bwd_error"] = err(pb, a["bwd_s"])
+    return out
+
+
+def blocks(measured: dict, preset: str) -> list[dict]:
+    out = []
+    for b in [*measured.get("block_eager", []), *measured.get("block_compiled", [])]:
+        if not isinstance(b, dict) or "s" not in b:
+            continue
+        cfg = hyperjax.load_config(
+            None, [f"hardware={preset}", *LLAMA_BLOCK, f"model.seq_len={b['seq']}", f"train.global_batch={b['batch']}"]
+        )
+        hw = hyperjax.load_hardware(preset)
+        axes = {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
+        spans = axis_spans(hw, axes, groups={"expert+tensor": ("expert", "tensor")})
+        c = price_layer(
+            dataclasses.replace(cfg.model),
+            micro=b["batch"],
+            axes=axes,
+            spans=spans,
+            dtype="bfloat16",
+            recompute="none",
+            sequence_parallel=False,
+            hardware=hw,
+        )
+        p = c.forward_s + c.backward_s
+        out.append({**b, "predicted_s": p, "error": err(p, b["s"])})
+    return out
+
+
+def report(path: Path, console: Console) -> dict:
+    measured = json.loads(path.read_text())
+    preset = PRESETS[measured["device"]]
+    hw = hyperjax.load_hardware(preset)
+    res = {
+        "device": measured["device"],
+        "preset": preset,
+        "measured_file": path.name,
+        "products": products(measured, hw),
+        "grouped": grouped(measured, hw),
+        "attention": attention(measured, hw),
+        "blocks": blocks(measured, preset),
+        "stream": measured.get("stream"),
+    }
+    t = Table(title=f"BF16 products on one {measured['device']}: measured vs {preset} (roofline + kernel overhead)")
+    for c in ("M x K x N", "measured us", "TFLOP/s", "predicted us", "error"):
+        t.add_column(c, justify="right")
+    for g in res["products"]:
+        t.add_row(
+            f"{g['m']} x {g['k']} x {g['n']}",
+            f"{g['s'] * 1e6:.1f}",
+            f"{g['tflops']:.0f}",
+            f"{g['predicted_s'] * 1e6:.1f}",
+            f"{g['error']:+.0%}",
+        )
+    console.print(t)
+    t = Table(title="Grouped products (torch._grouped_mm, equal rows per group): measured vs grouped_gemm_time")
+    for c in ("groups x rows", "K -> N", "measured us", "TFLOP/s", "predicted us", "error"):
+        t.add_column(c, justify="right")
+    for g in res["grouped"]:
+        t.add_row(
+            f"{g['groups']} x {g['rows']}",
+            f"{g['k']} -> {g['n']}",
+            f"{g['s'] * 1e6:.1f}",
+            f"{g['tflops']:.0f}",
+            f"{g['predicted_s'] * 1e6:.1f}",
+            f"{g['error']:+.0%}",
+        )
+    console.print(t)
+    t = Table(title="Fused attention (causal, head_dim 128, 32 heads): measured vs the preset's attention_kernels")
+    for c in ("kernel", "batch x seq", "fwd ms", "pred.", "error", "bwd ms", "pred.", "error"):
+        t.add_column(c, justify="right")
+    for a in res["attention"]:
+        t.add_row(
+            a["backend"],
+            f"{a['batch']} x {a['seq']}",
+            f"{a['fwd_s'] * 1e3:.2f}",
+            f"{a['fwd_predicted_s'] * 1e3:.2f}",
+            f"{a['fwd_error']:+.0%}",
+            f"{a['bwd_s'] * 1e3:.2f}",
+            f"{a['bwd_predicted_s'] * 1e3:.2f}",
+            f"{a['bwd_error']:+.0%}",
+        )
+    console.print(t)
+    t = Table(title="One Llama-3-8B block, forward and backward (FlashAttention-2): measured vs price_layer")
+    for c in ("batch x seq", "PyTorch", "measured ms", "predicted ms", "error"):
+        t.add_column(c, justify="right")
+    for b in res["blocks"]:
+        mode = "torch.compile" if b["compiled"] else "eager"
+        t.add_row(
+            f"{b['batch']} x {b['seq']}",
+            mode,
+            f"{b['s'] * 1e3:.1f}",
+            f"{b['predicted_s'] * 1e3:.1f}",
+            f"{b['error']:+.0%}",
+        )
+    console.print(t)
+    big = [abs(g["error"]) for g in res["products"] if g["m"] * g["n"] * g["k"] >= 2**33]
+    small = [abs(g["error"]) for g in res["products"] if g["m"] * g["n"] * g["k"] < 2**33]
+    console.print(
+        f"products: median |error| {statistics.median(big):.0%} over {len(big)} large, "
+        f"{statistics.median(small):.0%} over {len(small)} small or skinny; grouped: median |error| "
+        f"{statistics.median(abs(g['error']) for g in res['grouped']):.0%}"
+    )
+    return res
+
+
+def main() -> int:
+    console = Console(width=130)
+    files = sorted(RESULTS.glob("kernels-*-measured.json"))
+    if not files:
+        console.print("no benchmarks/results/kernels-*-measured.json: run gpu_kernels_measure.py on a GPU first")
+        return 1
+    for path in files:
+        res = report(path, console)
+        out = path.with_name(path.name.replace("-measured", ""))
+        out.write_text(json.dumps(res, indent=1) + "\n")
+        console.print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""One accelerator: its peaks, memory, and the rates its kernels reach (parsed from a preset's ``device``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from hyperjax.errors import PresetError
+
+
+def require_positive(key: str, value: Any) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+        raise PresetError(f"{key}={value!r} must be a positive number")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, order=True)
+class AttentionKernel:
+    """A fused attention kernel's measured rates (causal, BF16): the forward's and the backward's fractions
+    of the device's peak at long sequences, and the sequence length at which each reaches half of that
+    (each block of queries pays a fixed prologue and epilogue: the rate at ``seq`` keys is the long-sequence
+    rate times ``seq / (seq + seq_half)``). The backward's FLOPs are 2.5 times the forward's.
+    """
+
+    forward: float
+    backward: float
+    seq_half: float = 0.0
+    name: str = dataclasses.field(default="attention kernel", compare=False)
+
+    def __post_init__(self) -> None:
+        for key in ("forward", "backward"):
+            if not 0 < getattr(self, key) <= 1:
+                raise PresetError(f"{self.name}.{key}={getattr(self, key)} must be a fraction of the peak in (0, 1]")
+        if not isinstance(self.seq_half, int | float) or self.seq_half < 0:
+            raise PresetError(f"{self.name}.seq_half={self.seq_half!r} must be >= 0 keys")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """One accelerator.
+
+    Attributes:
+      name: the device's product name.
+      peak_flops: dense peak FLOP/s per dtype name (``bfloat16``, ``float32``, ...).
+      hbm_bytes: device memory in bytes.
+      hbm_bandwidth: device memory bandwidth in bytes/s.
+      matmul_efficiency: achievable fraction of peak FLOP/s for large matrix multiplies.
+      memory_efficiency: achievable fraction of ``hbm_bandwidth`` for streaming (element-wise) work.
+      kernel_overhead: seconds each launched operator costs beyond its roofline time.
+      source: where the figures come from.
+      matmul_precision: for a compute dtype whose matrix multiplies run at another dtype's rate under
+        XLA's default precision, that dtype (``{float32: tf32}``: fp32 dots on NVIDIA tensor cores run as
+        TF32); a dtype not listed runs at its own ``peak_flops``.
+      grouped_gemm_rows: the rows a grouped product (a mixture of experts' experts, one kernel) gives each
+        group, rounded up to a multiple of this: its tile height (1: no rounding).
+      comm_compute_share: the share of the device's compute units an all-to-all holds while it runs beside
+        compute (DeepEP's dispatch and combine kernels run on SMs of their own); compute running beside
+        one slows by it (:func:`hyperjax.mpmd.lanes.replay_lanes`).
+      allocator_overhead: what the memory allocator holds beyond the live tensors, as a fraction of them
+        (fragmentation, a caching allocator's free blocks, workspaces): a peak is the tensors' bytes times
+        ``1 + allocator_overhead``.
+      reserved_bytes: device memory the runtime takes before any tensor (the driver's context, the
+        communication library's buffers, the GEMM library's workspace): what a run can use is
+        ``hbm_bytes - reserved_bytes``.
+      attention_kernels: the fused attention kernels measured on the device, by name (``flash2``,
+        ``cudnn``): their rates as fractions of the peak (:class:`AttentionKernel`). A device with none
+        runs a fused kernel at ``matmul_efficiency``.
+      fused_attention: the kernel a fused attention (``model.attention_kernel: flash``) runs when the
+        config names none (``model.attention_impl``); one of ``attention_kernels``.
+    """
+
+    name: str
+    peak_flops: Mapping[str, float]
+    hbm_bytes: float
+    hbm_bandwidth: float
+    matmul_efficiency: float
+    memory_efficiency: float
+    kernel_overhead: float
+    source: str
+    matmul_precision: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    grouped_gemm_rows: int = 1
+    comm_compute_share: float = 0.0
+    reserved_bytes: float = 0.0
+    allocator_overhead: float = 0.05
+    attention_kernels: Mapping[str, AttentionKernel] = dataclasses.field(default_factory=dict)
+    fused_attention: str | None = None
+
+    def __post_init__(self) -> None:
+        kernels = {}
+        for name, k in (self.attention_kernels or {}).items():
+            if not isinstance(k, AttentionKernel):
+                where = f"device.attention_kernels.{name}"
+                if not isinstance(k, Mapping) or set(k) - {"forward", "backward", "seq_half"}:
+                    raise PresetError(f"{where}={k!r} must be a mapping of forward, backward and seq_half alone")
+                k = AttentionKernel(name=where, **k)
+            kernels[name] = k
+        if kernels and self.fused_attention not in kernels:
+            raise PresetError(
+                f"device.fused_attention={self.fused_attention!r} must name one of device.attention_kernels "
+                f"{sorted(kernels)}: the kernel a fused attention runs when a config names none"
+            )
+        if not kernels and self.fused_attention is not None:
+            raise PresetError(
+                f"device.fused_attention={self.fused_attention!r} names a kernel, but device.attention_kernels is empty"
+            )
+        object.__setattr__(self, "attention_kernels", MappingProxyType(kernels))
+        if not 0 <= self.allocator_overhead < 1:
+            raise PresetError(f"device.allocator_overhead={self.allocator_overhead} must be in [0, 1)")
+        if not 0 <= self.reserved_bytes < self.hbm_bytes:
+            raise PresetError(f"device.reserved_bytes={self.reserved_bytes} must be in [0, hbm_bytes={self.hbm_bytes})")
+        if not 0 <= self.comm_compute_share < 1:
+            raise PresetError(f"device.comm_compute_share={self.comm_compute_share} must be in [0, 1)")
+        if not isinstance(self.grouped_gemm_rows, int) or self.grouped_gemm_rows < 1:
+            raise PresetError(f"device.grouped_gemm_rows={self.grouped_gemm_rows!r} must be a positive integer")
+        if not self.peak_flops:
+            raise PresetError(f"device {self.name!r}: peak_flops is empty; give at least one dtype's FLOP/s")
+        for dtype, flops in self.peak_flops.items():
+            require_positive(f"device.peak_flops.{dtype}", flops)
+        require_positive("device.hbm_bytes", self.hbm_bytes)
+        require_positive("device.hbm_bandwidth", self.hbm_bandwidth)
+        for key in ("matmul_efficiency", "memory_efficiency"):
+            if not 0 < getattr(self, key) <= 1:
+                raise PresetError(f"device.{key}={getattr(self, key)} must be in (0, 1]")
+        if self.kernel_overhead < 0:
+            raise PresetError(f"device.kernel_overhead={self.kernel_overhead} must be >= 0 seconds")
+        if not isinstance(self.matmul_precision, Mapping):
+            raise PresetError(
+                f"device.matmul_precision={self.matmul_precision!r} must be a mapping from a compute dtype to the "
+                "dtype its products run as, e.g. {float32: tf32}"
+            )
+        for dtype, runs_as in self.matmul_precision.items():
+            for key, value in ((f"device.matmul_precision.{dtype}", runs_as), ("device.matmul_precision", dtype)):
+                if value not in self.peak_flops:
+                    raise PresetError(
+                        f"{key}: {value!r} names a dtype with no peak_flops entry; it lists "
+                        f"{sorted(self.peak_flops)}. Add that dtype's FLOP/s or correct the name."
+                    )
+        object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
+        object.__setattr__(self, "matmul_precision", MappingProxyType(dict(self.matmul_precision)))
+
+    def __hash__(self) -> int:  # the mappings hash by their items, so a preset can key a cache
+        return hash(
+            (
+                self.name,
+                tuple(sorted(self.peak_flops.items())),
+                self.hbm_bytes,
+                self.hbm_bandwidth,
+                self.matmul_efficiency,
+                self.memory_efficiency,
+                self.kernel_overhead,
+                tuple(sorted(self.matmul_precision.items())),
+                self.grouped_gemm_rows,
+                self.comm_compute_share,
+                self.reserved_bytes,
+                self.allocator_overhead,
+                tuple(sorted(self.attention_kernels.items())),
+                self.fused_attention,
+            )
+        )
+
+    @property
+    def allocator_factor(self) -> float:
+        """A peak's bytes per byte of live tensors: ``1 + allocator_overhead``."""
+        return 1.0 + self.allocator_overhead
+
+    @property
+    def usable_bytes(self) -> float:
+        """Device memory a run's tensors can use: ``hbm_bytes`` less what the runtime reserves."""
+        return self.hbm_bytes - self.reserved_bytes
+
+    def attention_rates(self, kernel: str | None, seq: float) -> tuple[float, float]:
+        """The forward and backward fractions of the peak fused attention ``kernel`` (``None``: the
+        device's default) reaches over ``seq`` keys; ``matmul_efficiency`` both where none is measured."""
+        if not self.attention_kernels:
+            return self.matmul_efficiency, self.matmul_efficiency
+        k = self.attention_kernels[kernel or self.fused_attention]
+        ramp = seq / (seq + k.seq_half)
+        return k.forward * ramp, k.backward * ramp
