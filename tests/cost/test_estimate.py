@@ -35,8 +35,8 @@ def test_calibration_runs_within_bounds():
 
 
 def test_moe_calibration_runs_within_their_stated_error():
-    """The published mixture-of-experts runs: the docs state a mean error of 23.3 % and a worst row of
-    46.1 % (what the model leaves out is listed there); this holds the model to that."""
+    """The published mixture-of-experts runs: the docs state a mean error of 23.2 % and a worst row of
+    45.5 % (what the model leaves out is listed there); this holds the model to that."""
     errors = []
     for path in MOE_VALIDATION:
         cfg, doc = run(path)
@@ -158,7 +158,7 @@ def test_tensor_parallel_across_nodes_is_slower():
     inside = predict(["parallel.tensor=8", "parallel.data=2"])
     # 16-way tensor parallelism must cross InfiniBand
     across = predict(["parallel.tensor=16", "parallel.data=1", "model.heads=32"])
-    assert across.communication_s["tensor_parallel"] > 4 * inside.communication_s["tensor_parallel"]
+    assert across.communication_s["tensor_parallel"] > 2 * inside.communication_s["tensor_parallel"]
 
 
 def test_does_not_fit_names_the_term():

@@ -227,7 +227,7 @@ def test_matmul_precision_names_a_listed_dtype():
         ),
         (
             {"attention_kernels": {"fa": {"forward": 0.4, "backward": 0.3, "tile": 128}}, "fused_attention": "fa"},
-            r"device.attention_kernels.fa=.* must be a mapping of forward, backward and seq_half alone",
+            r"device.attention_kernels.fa=.* must be a mapping of forward, backward, seq_half and head_dim alone",
         ),
         (
             {"attention_kernels": {"fa": {"forward": 0.4, "backward": 0.3}}, "fused_attention": "cudnn"},
@@ -256,3 +256,48 @@ def test_attention_rates_follow_the_measured_kernel():
     assert d.attention_rates("flash2", 8192)[0] < d.attention_rates("cudnn", 8192)[0]
     a100 = load_hardware("dgx-a100-80g").device
     assert a100.attention_rates(None, 4096) == (a100.matmul_efficiency, a100.matmul_efficiency)
+
+
+def test_attention_rates_at_another_head_width_keep_each_scores_exponential():
+    """Per score the forward multiplies 4 x head_dim FLOPs and takes one exponential on the special-function
+    units: at half the measured width the products take half their time and the exponential all of its."""
+    d = load_hardware("dgx-h100").device
+    k = d.attention_kernels["cudnn"]
+    peak = d.peak_flops["bfloat16"]
+    assert d.attention_rates("cudnn", 1e9, k.head_dim) == d.attention_rates("cudnn", 1e9)
+    measured = 4 * k.head_dim / (peak * k.forward)  # seconds per score at the measured width (long sequences)
+    exp = 1 / d.special_function_flops
+    half = (measured - exp) / 2 + exp
+    ramp = 1e9 / (1e9 + k.seq_half)
+    assert d.attention_rates("cudnn", 1e9, k.head_dim / 2)[0] == pytest.approx(2 * k.head_dim / (peak * half) * ramp)
+    narrow, wide = (d.attention_rates("cudnn", 8192, w) for w in (64, 256))
+    assert narrow[0] < k.forward * ramp < wide[0] and narrow[1] < wide[1]
+
+
+def test_special_function_flops_must_leave_time_for_the_products():
+    raw = _raw()
+    raw["device"] |= {
+        "attention_kernels": {"fa": {"forward": 0.9, "backward": 0.5}},
+        "fused_attention": "fa",
+        "special_function_flops": 1e9,
+    }
+    with pytest.raises(PresetError, match=r"attention_kernels.fa: a rate of 0.9 at head_dim 128 leaves no time"):
+        hardware_from_dict(raw)
+
+
+def test_a_format_can_reach_its_own_share_of_its_peak():
+    """FP8 products run at the preset's format_efficiency of the FP8 peak; other formats at matmul_efficiency."""
+    from hyperjax.cost import gemm_time
+
+    hw = load_hardware("dgx-h100")
+    assert hw.device.efficiency("fp8") == hw.device.format_efficiency["fp8"] != hw.device.matmul_efficiency
+    assert hw.device.efficiency("bfloat16") == hw.device.matmul_efficiency
+    n = 16384
+    t = gemm_time(n, n, n, bytes_per_element=1, dtype="fp8", hardware=hw)
+    assert t == pytest.approx(
+        2 * n**3 / (hw.peak_flops("fp8") * hw.device.efficiency("fp8")) + hw.device.kernel_overhead
+    )
+    raw = _raw()
+    raw["device"]["format_efficiency"] = {"fp4": 0.5}
+    with pytest.raises(PresetError, match=r"device.format_efficiency.fp4: 'fp4' has no peak_flops entry"):
+        hardware_from_dict(raw)

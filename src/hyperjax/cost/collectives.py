@@ -1,7 +1,8 @@
 """Collective communication time over the interconnect tiers a mesh axis spans (alpha-beta model).
 
-A group spanning several tiers runs hierarchically: one phase per tier, innermost first for an
-all-gather's fill and outermost first for its shards (NCCL and XLA both build such rings and trees). Each
+A group spanning several tiers runs hierarchically: one phase per tier, in the order that moves least over
+the slow tiers (outermost first for an all-gather: a rank fetches across the slow tier only the shards its
+node lacks, through its own link; NCCL's rings, one channel per NIC, and XLA's do as much). Each
 phase moves the data that must cross that tier at the tier's achievable bandwidth (``bandwidth x
 efficiency``) and pays the tier's latency once per ring step. An all-reduce inside one switched tier may
 instead run in one shot (two latencies, every peer's buffer received), whichever is faster: small buffers.
@@ -61,11 +62,22 @@ def collective_time(kind: str, nbytes: float, span: AxisSpan, hardware: Hardware
             slowest = max(slowest, crossing / tier.effective_bandwidth)
             reached *= ranks
         return latency + slowest
-    # all-gather / reduce-scatter: the phase on tier i moves the data of the groups outside it
-    time, outer = 0.0, math.prod(r for _, r in levels)
+    # all-gather / reduce-scatter: one phase per tier, the data each phase moves set by the phases before it
+    return min(_phases(levels, nbytes, span), _phases(levels[::-1], nbytes, span))
+
+
+def _phases(levels: list, nbytes: float, span: AxisSpan) -> float:
+    """An all-gather run tier by tier in ``levels``' order (a reduce-scatter is its reverse, at the same cost).
+
+    A phase gathers, over its tier, the shards the tiers before it have gathered: ``nbytes`` over the product
+    of the ranks of the tiers still to come. Run outermost first, the slow tier moves only the shards a node's
+    group lacks, each rank through its own link (NCCL's rings run one channel per NIC, so a node's ranks cross
+    to the next side by side), and the fast tier then moves the whole buffer; run innermost first, the slow
+    tier moves the whole buffer. Whichever order is faster is used."""
+    time, later = 0.0, math.prod(r for _, r in levels)
     for tier, ranks in levels:
-        outer //= ranks
-        chunk = nbytes / outer
+        later //= ranks
+        chunk = nbytes / later
         bandwidth, hops = tier.effective_bandwidth, ranks - 1
         if tier.torus_dims is not None and span.torus:
             bandwidth *= sum(1.0 if wraps else 0.5 for _, wraps in span.torus)

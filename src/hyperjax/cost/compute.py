@@ -25,7 +25,8 @@ def gemm_time(
     flops = 2.0 * m * n * k
     moved = (m * k + k * n + m * n) * bytes_per_element
     one = max(
-        flops / (hardware.matmul_flops(dtype) * d.matmul_efficiency), moved / (d.hbm_bandwidth * d.memory_efficiency)
+        flops / (hardware.matmul_flops(dtype) * d.efficiency(d.matmul_precision.get(dtype, dtype))),
+        moved / (d.hbm_bandwidth * d.memory_efficiency),
     )
     return count * one + d.kernel_overhead
 

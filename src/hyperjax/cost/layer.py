@@ -248,7 +248,7 @@ def _price_layer(
     core = gemm(s / cp, s, hd + rope, count=micro * a / tp) + gemm(s / cp, hd, s, count=micro * a / tp)
     core_bwd = 2.0 * core
     if flash:  # the fused kernel at its own measured rates (the device's, by sequence length), not a GEMM's
-        forward, backward = hardware.device.attention_rates(m.attention_impl, s / cp)
+        forward, backward = hardware.device.attention_rates(m.attention_impl, s / cp, hd + rope / 2)
         flops = micro * a / tp * 2.0 * (s / cp) * s * (2 * hd + rope) * 0.5
         peak = hardware.matmul_flops(dtype)
         core = flops / (peak * forward) + hardware.device.kernel_overhead

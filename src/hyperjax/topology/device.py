@@ -20,12 +20,15 @@ class AttentionKernel:
     """A fused attention kernel's measured rates (causal, BF16): the forward's and the backward's fractions
     of the device's peak at long sequences, and the sequence length at which each reaches half of that
     (each block of queries pays a fixed prologue and epilogue: the rate at ``seq`` keys is the long-sequence
-    rate times ``seq / (seq + seq_half)``). The backward's FLOPs are 2.5 times the forward's.
+    rate times ``seq / (seq + seq_half)``). The backward's FLOPs are 2.5 times the forward's. ``head_dim``: the
+    head width the rates were measured at (another width changes the products' share of each score's work,
+    not the exponential's: :meth:`DeviceSpec.attention_rates`).
     """
 
     forward: float
     backward: float
     seq_half: float = 0.0
+    head_dim: int = 128
     name: str = dataclasses.field(default="attention kernel", compare=False)
 
     def __post_init__(self) -> None:
@@ -34,6 +37,7 @@ class AttentionKernel:
                 raise PresetError(f"{self.name}.{key}={getattr(self, key)} must be a fraction of the peak in (0, 1]")
         if not isinstance(self.seq_half, int | float) or self.seq_half < 0:
             raise PresetError(f"{self.name}.seq_half={self.seq_half!r} must be >= 0 keys")
+        require_positive(f"{self.name}.head_dim", self.head_dim)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,6 +50,8 @@ class DeviceSpec:
       hbm_bytes: device memory in bytes.
       hbm_bandwidth: device memory bandwidth in bytes/s.
       matmul_efficiency: achievable fraction of peak FLOP/s for large matrix multiplies.
+      format_efficiency: a format's own achievable fraction of its peak, where its products reach a
+        different one than ``matmul_efficiency`` (``{fp8: 0.62}``); see :meth:`efficiency`.
       memory_efficiency: achievable fraction of ``hbm_bandwidth`` for streaming (element-wise) work.
       kernel_overhead: seconds each launched operator costs beyond its roofline time.
       source: where the figures come from.
@@ -66,6 +72,9 @@ class DeviceSpec:
       attention_kernels: the fused attention kernels measured on the device, by name (``flash2``,
         ``cudnn``): their rates as fractions of the peak (:class:`AttentionKernel`). A device with none
         runs a fused kernel at ``matmul_efficiency``.
+      special_function_flops: the rate of the special-function units (the exponentials of a softmax), per
+        second; with it a fused kernel's rate at another head width than it was measured at keeps each
+        score's exponential and scales only its products (``None``: the measured rate at every width).
       fused_attention: the kernel a fused attention (``model.attention_kernel: flash``) runs when the
         config names none (``model.attention_impl``); one of ``attention_kernels``.
     """
@@ -85,14 +94,29 @@ class DeviceSpec:
     allocator_overhead: float = 0.05
     attention_kernels: Mapping[str, AttentionKernel] = dataclasses.field(default_factory=dict)
     fused_attention: str | None = None
+    special_function_flops: float | None = None
+    format_efficiency: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.format_efficiency, Mapping):
+            raise PresetError(f"device.format_efficiency={self.format_efficiency!r} must map a format to a fraction")
+        for fmt, value in self.format_efficiency.items():
+            if fmt not in self.peak_flops:
+                raise PresetError(
+                    f"device.format_efficiency.{fmt}: {fmt!r} has no peak_flops entry; it lists "
+                    f"{sorted(self.peak_flops)}"
+                )
+            if not isinstance(value, int | float) or not 0 < value <= 1:
+                raise PresetError(f"device.format_efficiency.{fmt}={value!r} must be in (0, 1]")
+        object.__setattr__(self, "format_efficiency", MappingProxyType(dict(self.format_efficiency)))
         kernels = {}
         for name, k in (self.attention_kernels or {}).items():
             if not isinstance(k, AttentionKernel):
                 where = f"device.attention_kernels.{name}"
-                if not isinstance(k, Mapping) or set(k) - {"forward", "backward", "seq_half"}:
-                    raise PresetError(f"{where}={k!r} must be a mapping of forward, backward and seq_half alone")
+                if not isinstance(k, Mapping) or set(k) - {"forward", "backward", "seq_half", "head_dim"}:
+                    raise PresetError(
+                        f"{where}={k!r} must be a mapping of forward, backward, seq_half and head_dim alone"
+                    )
                 k = AttentionKernel(name=where, **k)
             kernels[name] = k
         if kernels and self.fused_attention not in kernels:
@@ -105,6 +129,16 @@ class DeviceSpec:
                 f"device.fused_attention={self.fused_attention!r} names a kernel, but device.attention_kernels is empty"
             )
         object.__setattr__(self, "attention_kernels", MappingProxyType(kernels))
+        if self.special_function_flops is not None:
+            require_positive("device.special_function_flops", self.special_function_flops)
+            for name, k in kernels.items():
+                for flops, rate in ((4 * k.head_dim, k.forward), (10 * k.head_dim, k.backward)):
+                    if flops / rate <= self._exp_units():
+                        raise PresetError(
+                            f"device.attention_kernels.{name}: a rate of {rate} at head_dim {k.head_dim} leaves no "
+                            f"time for the exponentials at device.special_function_flops="
+                            f"{self.special_function_flops:g}; one of the two is wrong"
+                        )
         if not 0 <= self.allocator_overhead < 1:
             raise PresetError(f"device.allocator_overhead={self.allocator_overhead} must be in [0, 1)")
         if not 0 <= self.reserved_bytes < self.hbm_bytes:
@@ -156,6 +190,8 @@ class DeviceSpec:
                 self.allocator_overhead,
                 tuple(sorted(self.attention_kernels.items())),
                 self.fused_attention,
+                self.special_function_flops,
+                tuple(sorted(self.format_efficiency.items())),
             )
         )
 
@@ -169,11 +205,30 @@ class DeviceSpec:
         """Device memory a run's tensors can use: ``hbm_bytes`` less what the runtime reserves."""
         return self.hbm_bytes - self.reserved_bytes
 
-    def attention_rates(self, kernel: str | None, seq: float) -> tuple[float, float]:
-        """The forward and backward fractions of the peak fused attention ``kernel`` (``None``: the
-        device's default) reaches over ``seq`` keys; ``matmul_efficiency`` both where none is measured."""
+    def efficiency(self, fmt: str) -> float:
+        """The achievable fraction of ``fmt``'s peak for large products: its own where the preset gives one."""
+        return self.format_efficiency.get(fmt, self.matmul_efficiency)
+
+    def _exp_units(self) -> float:
+        """One exponential's time in units of one product FLOP's at the 16-bit peak."""
+        peak = self.peak_flops.get("bfloat16", max(self.peak_flops.values()))
+        return peak / self.special_function_flops
+
+    def attention_rates(self, kernel: str | None, seq: float, head_dim: float | None = None) -> tuple[float, float]:
+        """The forward and backward fractions of the peak fused attention ``kernel`` (``None``: the device's
+        default) reaches over ``seq`` keys, with heads ``head_dim`` wide (``None``: as measured);
+        ``matmul_efficiency`` both where none is measured.
+
+        Per score, the forward multiplies ``4 head_dim`` FLOPs and the backward ``10 head_dim``; each takes
+        one exponential on the special-function units, whatever the width. So at another width the measured
+        time per score keeps its exponential and scales the rest by the widths' ratio."""
         if not self.attention_kernels:
             return self.matmul_efficiency, self.matmul_efficiency
         k = self.attention_kernels[kernel or self.fused_attention]
         ramp = seq / (seq + k.seq_half)
-        return k.forward * ramp, k.backward * ramp
+        if head_dim is None or self.special_function_flops is None or head_dim == k.head_dim:
+            return k.forward * ramp, k.backward * ramp
+        x, scale = self._exp_units(), head_dim / k.head_dim
+        per_score = ((4 * k.head_dim, k.forward), (10 * k.head_dim, k.backward))  # product FLOPs, measured rate
+        fwd, bwd = (flops * scale / ((flops / rate - x) * scale + x) for flops, rate in per_score)
+        return fwd * ramp, bwd * ramp
