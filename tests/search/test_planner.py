@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hyperjax import estimate, load_config, load_hardware, plan, resolve
+from hyperjax import ConfigError, estimate, load_config, load_hardware, plan, resolve
 from hyperjax.cli.main import main
 from hyperjax.config import Config, build
 from hyperjax.search import candidate, strategies
@@ -188,3 +188,13 @@ def test_the_search_keeps_the_precision_the_config_states():
     found = plan(cfg, 8, keep=3)
     assert found.best and all(c.run.config.train.fp8 == cfg.train.fp8 for c in found.best)
     assert all(c.estimate.fp8 is not None and c.estimate.fp8["recipe"] == "blockwise" for c in found.best)
+
+
+def test_plan_refuses_a_fused_kernel_the_preset_does_not_measure():
+    """The planner checks model.attention_impl before pricing anything, as resolve does."""
+    cfg = load_config(
+        ROOT / "configs/quickstart.yaml",
+        ["hardware=dgx-h100", "model.attention_kernel=flash", "model.attention_impl=flash3"],
+    )
+    with pytest.raises(ConfigError, match=r"model.attention_impl='flash3' is not a fused attention kernel"):
+        plan(cfg, 8)

@@ -227,7 +227,7 @@ def test_matmul_precision_names_a_listed_dtype():
         ),
         (
             {"attention_kernels": {"fa": {"forward": 0.4, "backward": 0.3, "tile": 128}}, "fused_attention": "fa"},
-            r"device.attention_kernels.fa=.* must be a mapping of forward, backward, seq_half and head_dim alone",
+            r"device.attention_kernels.fa=.* must be a mapping with forward and backward",
         ),
         (
             {"attention_kernels": {"fa": {"forward": 0.4, "backward": 0.3}}, "fused_attention": "cudnn"},
@@ -260,28 +260,48 @@ def test_attention_rates_follow_the_measured_kernel():
 
 def test_attention_rates_at_another_head_width_keep_each_scores_exponential():
     """Per score the forward multiplies 4 x head_dim FLOPs and takes one exponential on the special-function
-    units: at half the measured width the products take half their time and the exponential all of its."""
+    units: a kernel that runs them one after the other (FlashAttention-2) at half the measured width takes half
+    its products' time and all of the exponential's; one that overlaps them (cuDNN's) takes half its time
+    while the products still outlast the exponentials."""
     d = load_hardware("dgx-h100").device
-    k = d.attention_kernels["cudnn"]
-    peak = d.peak_flops["bfloat16"]
-    assert d.attention_rates("cudnn", 1e9, k.head_dim) == d.attention_rates("cudnn", 1e9)
-    measured = 4 * k.head_dim / (peak * k.forward)  # seconds per score at the measured width (long sequences)
-    exp = 1 / d.special_function_flops
-    half = (measured - exp) / 2 + exp
-    ramp = 1e9 / (1e9 + k.seq_half)
-    assert d.attention_rates("cudnn", 1e9, k.head_dim / 2)[0] == pytest.approx(2 * k.head_dim / (peak * half) * ramp)
-    narrow, wide = (d.attention_rates("cudnn", 8192, w) for w in (64, 256))
-    assert narrow[0] < k.forward * ramp < wide[0] and narrow[1] < wide[1]
+    peak, exp = d.peak_flops["bfloat16"], 1 / d.special_function_flops
+    for name in ("flash2", "cudnn"):
+        k = d.attention_kernels[name]
+        assert d.attention_rates(name, 1e9, k.head_dim) == d.attention_rates(name, 1e9)
+        measured = 4 * k.head_dim / (peak * k.forward)  # seconds per score at the measured width
+        half = max(measured / 2, exp) if k.overlapped else (measured - exp) / 2 + exp
+        ramp = 1e9 / (1e9 + k.seq_half)
+        assert d.attention_rates(name, 1e9, k.head_dim / 2)[0] == pytest.approx(2 * k.head_dim / (peak * half) * ramp)
+    assert not d.attention_kernels["flash2"].overlapped and d.attention_kernels["cudnn"].overlapped
+    narrow, wide = (d.attention_rates("flash2", 8192, w) for w in (64, 256))
+    assert narrow[0] < d.attention_rates("flash2", 8192)[0] < wide[0] and narrow[1] < wide[1]
 
 
-def test_special_function_flops_must_leave_time_for_the_products():
+def test_an_unknown_kernel_is_a_preset_error():
+    with pytest.raises(
+        PresetError, match=r"kernel 'flash9' is not one of device .*attention_kernels \['cudnn', 'flash2'\]"
+    ):
+        load_hardware("dgx-h100").device.attention_rates("flash9", 4096)
+
+
+def test_a_preset_round_trips_through_to_dict():
+    hw = load_hardware("dgx-h100")
+    assert hardware_from_dict(hw.to_dict()) == hw
+
+
+@pytest.mark.parametrize(
+    ("kernel", "pattern"),
+    [
+        ({"forward": 0.9, "backward": 0.5}, r"a rate of 0.9 at head_dim 128 is faster than its exponentials allow"),
+        ({"forward": 0.3, "backward": 0.3, "overlapped": True}, r"a rate of 0.3 .* \(at most 0.\d+ beside the"),
+        ({"forward": True, "backward": 0.3}, r"device.attention_kernels.fa.forward=True must be a fraction"),
+        ({"forward": 0.3}, r"device.attention_kernels.fa=.* must be a mapping with forward and backward"),
+    ],
+)
+def test_kernel_rates_must_be_numbers_the_exponentials_allow(kernel, pattern):
     raw = _raw()
-    raw["device"] |= {
-        "attention_kernels": {"fa": {"forward": 0.9, "backward": 0.5}},
-        "fused_attention": "fa",
-        "special_function_flops": 1e9,
-    }
-    with pytest.raises(PresetError, match=r"attention_kernels.fa: a rate of 0.9 at head_dim 128 leaves no time"):
+    raw["device"] |= {"attention_kernels": {"fa": kernel}, "fused_attention": "fa", "special_function_flops": 1e11}
+    with pytest.raises(PresetError, match=pattern):
         hardware_from_dict(raw)
 
 

@@ -1,7 +1,15 @@
 """Resolution: a :class:`hyperjax.Config` turned, once, into the :class:`hyperjax.Run` it describes."""
 
 from hyperjax.resolver.elastic import elastic_overrides
-from hyperjax.resolver.resolve import DEFAULT_DEVICES, device_count, resolve
+from hyperjax.resolver.resolve import DEFAULT_DEVICES, check_attention_impl, device_count, resolve
 from hyperjax.resolver.stages import MODULES, balance_layers
 
-__all__ = ["DEFAULT_DEVICES", "MODULES", "balance_layers", "device_count", "elastic_overrides", "resolve"]
+__all__ = [
+    "DEFAULT_DEVICES",
+    "MODULES",
+    "balance_layers",
+    "check_attention_impl",
+    "device_count",
+    "elastic_overrides",
+    "resolve",
+]

@@ -69,18 +69,7 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
             f"has no FP8 products: it multiplies {', '.join(hw.device.peak_flops)}; set train.fp8: null, or choose "
             "a preset whose device lists fp8 in peak_flops (dgx-h100)"
         )
-    impl, kernels = config.model.attention_impl, hw.device.attention_kernels
-    if impl is not None and impl not in kernels:
-        fix = (
-            f"choose one of those, or remove model.attention_impl (the preset's default, {hw.device.fused_attention})"
-            if kernels
-            else "remove model.attention_impl (a fused kernel is priced at the device's matmul_efficiency there), or "
-            "choose a preset that measures its kernels (dgx-h100)"
-        )
-        raise ConfigError(
-            f"model.attention_impl={impl!r} is not a fused attention kernel of preset {hw.name}'s device "
-            f"{hw.device.name}: it lists {sorted(kernels) or 'none'} in device.attention_kernels; {fix}"
-        )
+    check_attention_impl(config, hw)
     n = device_count(config, devices)
     check_capacity(hw, n)
     if config.mpmd.submeshes:
@@ -325,3 +314,24 @@ def _check_rows(cfg: Config, microbatches: int) -> None:
             f"train.global_batch={t.global_batch} does not split into {microbatches} micro-batches "
             f"(train.microbatches, or its default); use a multiple of {microbatches} or set train.microbatches"
         )
+
+
+def check_attention_impl(config: Config, hw: Hardware) -> None:
+    """``model.attention_impl`` names a fused attention kernel the preset's device measures.
+
+    Raises:
+      ConfigError: naming the key, the preset, the kernels it lists and the fix.
+    """
+    impl, kernels = config.model.attention_impl, hw.device.attention_kernels
+    if impl is None or impl in kernels:
+        return
+    fix = (
+        f"choose one of those, or remove model.attention_impl (the preset's default, {hw.device.fused_attention})"
+        if kernels
+        else "remove model.attention_impl (a fused kernel is priced at the device's matmul_efficiency there), or "
+        "choose a preset that measures its kernels (dgx-h100)"
+    )
+    raise ConfigError(
+        f"model.attention_impl={impl!r} is not a fused attention kernel of preset {hw.name}'s device "
+        f"{hw.device.name}: it lists {sorted(kernels) or 'none'} in device.attention_kernels; {fix}"
+    )

@@ -33,7 +33,7 @@ from hyperjax.config import Config, Run
 from hyperjax.cost import Estimate, StageCore, estimate
 from hyperjax.errors import ConfigError, HyperjaxError
 from hyperjax.offload import budget_bytes, offload_pass, with_offload
-from hyperjax.resolver import resolve
+from hyperjax.resolver import check_attention_impl, resolve
 from hyperjax.search.bounds import lower_bound
 from hyperjax.search.strategies import RECOMPUTE, candidate, strategies, submesh_strategies
 from hyperjax.topology import Hardware, load_hardware
@@ -153,6 +153,7 @@ def plan(
     """
     start = time.perf_counter()
     hw = load_hardware(cfg.hardware) if hardware is None else hardware
+    check_attention_impl(cfg, hw)
     budget_gib = budget_bytes(cfg, hw) / 2**30
     combinations = list(strategies(cfg, devices))
     if cfg.mpmd.submeshes:

@@ -17,27 +17,47 @@ def require_positive(key: str, value: Any) -> None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, order=True)
 class AttentionKernel:
-    """A fused attention kernel's measured rates (causal, BF16): the forward's and the backward's fractions
-    of the device's peak at long sequences, and the sequence length at which each reaches half of that
-    (each block of queries pays a fixed prologue and epilogue: the rate at ``seq`` keys is the long-sequence
-    rate times ``seq / (seq + seq_half)``). The backward's FLOPs are 2.5 times the forward's. ``head_dim``: the
-    head width the rates were measured at (another width changes the products' share of each score's work,
-    not the exponential's: :meth:`DeviceSpec.attention_rates`).
+    """A fused attention kernel's measured rates (causal): the forward's and the backward's fractions of the
+    peak the compute dtype's products run at, at long sequences, and the keys at which each reaches half of
+    that (each block of queries pays a fixed prologue and epilogue: the rate over ``seq`` keys is the
+    long-sequence rate times ``seq / (seq + seq_half)``). The backward multiplies 2.5 times the forward's
+    FLOPs. ``head_dim``: the head width the rates were measured at. ``overlapped``: the kernel runs each
+    score's exponential beside its products (Hopper's warp-specialised kernels), so they cost nothing while
+    the products take longer; otherwise one after the other (:meth:`DeviceSpec.attention_rates`).
     """
 
     forward: float
     backward: float
     seq_half: float = 0.0
     head_dim: int = 128
-    name: str = dataclasses.field(default="attention kernel", compare=False)
+    overlapped: bool = False
+    name: str = dataclasses.field(default="attention kernel", compare=False, metadata={"plain": False})
 
     def __post_init__(self) -> None:
         for key in ("forward", "backward"):
-            if not 0 < getattr(self, key) <= 1:
-                raise PresetError(f"{self.name}.{key}={getattr(self, key)} must be a fraction of the peak in (0, 1]")
-        if not isinstance(self.seq_half, int | float) or self.seq_half < 0:
+            value = getattr(self, key)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 1:
+                raise PresetError(f"{self.name}.{key}={value!r} must be a fraction of the peak in (0, 1]")
+        if not isinstance(self.seq_half, int | float) or isinstance(self.seq_half, bool) or self.seq_half < 0:
             raise PresetError(f"{self.name}.seq_half={self.seq_half!r} must be >= 0 keys")
         require_positive(f"{self.name}.head_dim", self.head_dim)
+        if not isinstance(self.overlapped, bool):
+            raise PresetError(f"{self.name}.overlapped={self.overlapped!r} must be true or false")
+
+
+KERNEL_KEYS = ("forward", "backward", "seq_half", "head_dim", "overlapped")
+
+
+def _kernel(name: str, raw: Any) -> AttentionKernel:
+    where = f"device.attention_kernels.{name}"
+    if isinstance(raw, AttentionKernel):
+        return raw
+    if not isinstance(raw, Mapping) or set(raw) - set(KERNEL_KEYS) or not {"forward", "backward"} <= set(raw):
+        raise PresetError(
+            f"{where}={raw!r} must be a mapping with forward and backward (fractions of the peak) and optionally "
+            f"{', '.join(KERNEL_KEYS[2:])}"
+        )
+    return AttentionKernel(name=where, **raw)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,19 +126,14 @@ class DeviceSpec:
                     f"device.format_efficiency.{fmt}: {fmt!r} has no peak_flops entry; it lists "
                     f"{sorted(self.peak_flops)}"
                 )
-            if not isinstance(value, int | float) or not 0 < value <= 1:
+            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 1:
                 raise PresetError(f"device.format_efficiency.{fmt}={value!r} must be in (0, 1]")
         object.__setattr__(self, "format_efficiency", MappingProxyType(dict(self.format_efficiency)))
-        kernels = {}
-        for name, k in (self.attention_kernels or {}).items():
-            if not isinstance(k, AttentionKernel):
-                where = f"device.attention_kernels.{name}"
-                if not isinstance(k, Mapping) or set(k) - {"forward", "backward", "seq_half", "head_dim"}:
-                    raise PresetError(
-                        f"{where}={k!r} must be a mapping of forward, backward, seq_half and head_dim alone"
-                    )
-                k = AttentionKernel(name=where, **k)
-            kernels[name] = k
+        if not isinstance(self.attention_kernels, Mapping):
+            raise PresetError(
+                f"device.attention_kernels={self.attention_kernels!r} must map a kernel's name to its rates"
+            )
+        kernels = {name: _kernel(name, k) for name, k in self.attention_kernels.items()}
         if kernels and self.fused_attention not in kernels:
             raise PresetError(
                 f"device.fused_attention={self.fused_attention!r} must name one of device.attention_kernels "
@@ -131,14 +146,11 @@ class DeviceSpec:
         object.__setattr__(self, "attention_kernels", MappingProxyType(kernels))
         if self.special_function_flops is not None:
             require_positive("device.special_function_flops", self.special_function_flops)
+            if not self.peak_flops:
+                raise PresetError(f"device {self.name!r}: peak_flops is empty; give at least one dtype's FLOP/s")
             for name, k in kernels.items():
                 for flops, rate in ((4 * k.head_dim, k.forward), (10 * k.head_dim, k.backward)):
-                    if flops / rate <= self._exp_units():
-                        raise PresetError(
-                            f"device.attention_kernels.{name}: a rate of {rate} at head_dim {k.head_dim} leaves no "
-                            f"time for the exponentials at device.special_function_flops="
-                            f"{self.special_function_flops:g}; one of the two is wrong"
-                        )
+                    self._check_exponentials(name, k, flops, rate)
         if not 0 <= self.allocator_overhead < 1:
             raise PresetError(f"device.allocator_overhead={self.allocator_overhead} must be in [0, 1)")
         if not 0 <= self.reserved_bytes < self.hbm_bytes:
@@ -214,21 +226,49 @@ class DeviceSpec:
         peak = self.peak_flops.get("bfloat16", max(self.peak_flops.values()))
         return peak / self.special_function_flops
 
+    def _check_exponentials(self, name: str, k: AttentionKernel, flops: float, rate: float) -> None:
+        """A measured rate must leave room for the exponentials: beside the products (overlapped), no faster
+        than they alone allow; after them, with the products at most at the peak."""
+        per_score, x = flops / rate, self._exp_units()  # in product-FLOP times at the peak
+        if (k.overlapped and per_score >= x) or (not k.overlapped and per_score - x >= flops):
+            return
+        limit = flops / x if k.overlapped else flops / (flops + x)
+        raise PresetError(
+            f"device.attention_kernels.{name}: a rate of {rate} at head_dim {k.head_dim} is faster than its "
+            f"exponentials allow at device.special_function_flops={self.special_function_flops:g} (at most "
+            f"{limit:.3f} {'beside' if k.overlapped else 'after'} the products); correct the rate or the flag "
+            "overlapped, or special_function_flops"
+        )
+
     def attention_rates(self, kernel: str | None, seq: float, head_dim: float | None = None) -> tuple[float, float]:
         """The forward and backward fractions of the peak fused attention ``kernel`` (``None``: the device's
         default) reaches over ``seq`` keys, with heads ``head_dim`` wide (``None``: as measured);
         ``matmul_efficiency`` both where none is measured.
 
         Per score, the forward multiplies ``4 head_dim`` FLOPs and the backward ``10 head_dim``; each takes
-        one exponential on the special-function units, whatever the width. So at another width the measured
-        time per score keeps its exponential and scales the rest by the widths' ratio."""
+        one exponential on the special-function units, whatever the width. A kernel that runs them after its
+        products keeps the exponential's time and scales the rest by the widths' ratio; one that overlaps
+        them scales the whole, unless the exponentials then take longer than the products.
+
+        Raises:
+          PresetError: ``kernel`` is not one of the device's kernels.
+        """
         if not self.attention_kernels:
             return self.matmul_efficiency, self.matmul_efficiency
-        k = self.attention_kernels[kernel or self.fused_attention]
+        name = kernel or self.fused_attention
+        if name not in self.attention_kernels:
+            raise PresetError(
+                f"fused attention kernel {name!r} is not one of device {self.name!r}'s attention_kernels "
+                f"{sorted(self.attention_kernels)}; name one of those in model.attention_impl"
+            )
+        k = self.attention_kernels[name]
         ramp = seq / (seq + k.seq_half)
         if head_dim is None or self.special_function_flops is None or head_dim == k.head_dim:
             return k.forward * ramp, k.backward * ramp
         x, scale = self._exp_units(), head_dim / k.head_dim
-        per_score = ((4 * k.head_dim, k.forward), (10 * k.head_dim, k.backward))  # product FLOPs, measured rate
-        fwd, bwd = (flops * scale / ((flops / rate - x) * scale + x) for flops, rate in per_score)
-        return fwd * ramp, bwd * ramp
+        rates = []
+        for flops, rate in ((4 * k.head_dim, k.forward), (10 * k.head_dim, k.backward)):
+            per_score = flops / rate  # the measured time per score, in product-FLOP times at the peak
+            time = max(per_score * scale, x) if k.overlapped else (per_score - x) * scale + x
+            rates.append(flops * scale / time)
+        return rates[0] * ramp, rates[1] * ramp

@@ -203,7 +203,8 @@ class Hardware:
 
 def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        fields = (f for f in dataclasses.fields(value) if f.metadata.get("plain", True))
+        return {f.name: _plain(getattr(value, f.name)) for f in fields}
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, tuple | list):
