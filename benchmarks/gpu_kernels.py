@@ -16,7 +16,6 @@ measurement (so that table shows how closely the preset's two-number form follow
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 import sys
@@ -85,19 +84,18 @@ def attention(measured: dict, hw) -> list[dict]:
     return out
 
 
-def blocks(measured: dict, preset: str) -> list[dict]:
+def blocks(measured: dict, hw) -> list[dict]:
+    axes = {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
+    spans = axis_spans(hw, axes, groups={"expert+tensor": ("expert", "tensor")})
     out = []
     for b in [*measured.get("block_eager", []), *measured.get("block_compiled", [])]:
         if not isinstance(b, dict) or "s" not in b:
             continue
         cfg = hyperjax.load_config(
-            None, [f"hardware={preset}", *LLAMA_BLOCK, f"model.seq_len={b['seq']}", f"train.global_batch={b['batch']}"]
+            None, [f"hardware={hw.name}", *LLAMA_BLOCK, f"model.seq_len={b['seq']}", f"train.global_batch={b['batch']}"]
         )
-        hw = hyperjax.load_hardware(preset)
-        axes = {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
-        spans = axis_spans(hw, axes, groups={"expert+tensor": ("expert", "tensor")})
         c = price_layer(
-            dataclasses.replace(cfg.model),
+            cfg.model,
             micro=b["batch"],
             axes=axes,
             spans=spans,
@@ -111,6 +109,25 @@ def blocks(measured: dict, preset: str) -> list[dict]:
     return out
 
 
+def timing(g: dict) -> tuple[str, ...]:
+    """A product's measured microseconds and TFLOP/s, its predicted microseconds and the error."""
+    return f"{g['s'] * 1e6:.1f}", f"{g['tflops']:.0f}", f"{g['predicted_s'] * 1e6:.1f}", f"{g['error']:+.0%}"
+
+
+def ms(a: dict, key: str) -> tuple[str, ...]:
+    """An attention pass's (``fwd`` or ``bwd``) measured and predicted milliseconds and the error."""
+    return f"{a[f'{key}_s'] * 1e3:.2f}", f"{a[f'{key}_predicted_s'] * 1e3:.2f}", f"{a[f'{key}_error']:+.0%}"
+
+
+def show(console: Console, title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c, justify="right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
 def report(path: Path, console: Console) -> dict:
     measured = json.loads(path.read_text())
     preset = PRESETS[measured["device"]]
@@ -122,62 +139,42 @@ def report(path: Path, console: Console) -> dict:
         "products": products(measured, hw),
         "grouped": grouped(measured, hw),
         "attention": attention(measured, hw),
-        "blocks": blocks(measured, preset),
+        "blocks": blocks(measured, hw),
         "stream": measured.get("stream"),
     }
-    t = Table(title=f"BF16 products on one {measured['device']}: measured vs {preset} (roofline + kernel overhead)")
-    for c in ("M x K x N", "measured us", "TFLOP/s", "predicted us", "error"):
-        t.add_column(c, justify="right")
-    for g in res["products"]:
-        t.add_row(
-            f"{g['m']} x {g['k']} x {g['n']}",
-            f"{g['s'] * 1e6:.1f}",
-            f"{g['tflops']:.0f}",
-            f"{g['predicted_s'] * 1e6:.1f}",
-            f"{g['error']:+.0%}",
-        )
-    console.print(t)
-    t = Table(title="Grouped products (torch._grouped_mm, equal rows per group): measured vs grouped_gemm_time")
-    for c in ("groups x rows", "K -> N", "measured us", "TFLOP/s", "predicted us", "error"):
-        t.add_column(c, justify="right")
-    for g in res["grouped"]:
-        t.add_row(
-            f"{g['groups']} x {g['rows']}",
-            f"{g['k']} -> {g['n']}",
-            f"{g['s'] * 1e6:.1f}",
-            f"{g['tflops']:.0f}",
-            f"{g['predicted_s'] * 1e6:.1f}",
-            f"{g['error']:+.0%}",
-        )
-    console.print(t)
-    t = Table(title="Fused attention (causal, head_dim 128, 32 heads): measured vs the preset's attention_kernels")
-    for c in ("kernel", "batch x seq", "fwd ms", "pred.", "error", "bwd ms", "pred.", "error"):
-        t.add_column(c, justify="right")
-    for a in res["attention"]:
-        t.add_row(
-            a["backend"],
-            f"{a['batch']} x {a['seq']}",
-            f"{a['fwd_s'] * 1e3:.2f}",
-            f"{a['fwd_predicted_s'] * 1e3:.2f}",
-            f"{a['fwd_error']:+.0%}",
-            f"{a['bwd_s'] * 1e3:.2f}",
-            f"{a['bwd_predicted_s'] * 1e3:.2f}",
-            f"{a['bwd_error']:+.0%}",
-        )
-    console.print(t)
-    t = Table(title="One Llama-3-8B block, forward and backward (FlashAttention-2): measured vs price_layer")
-    for c in ("batch x seq", "PyTorch", "measured ms", "predicted ms", "error"):
-        t.add_column(c, justify="right")
-    for b in res["blocks"]:
-        mode = "torch.compile" if b["compiled"] else "eager"
-        t.add_row(
-            f"{b['batch']} x {b['seq']}",
-            mode,
-            f"{b['s'] * 1e3:.1f}",
-            f"{b['predicted_s'] * 1e3:.1f}",
-            f"{b['error']:+.0%}",
-        )
-    console.print(t)
+    show(
+        console,
+        f"BF16 products on one {measured['device']}: measured vs {preset} (roofline + kernel overhead)",
+        ("M x K x N", "measured us", "TFLOP/s", "predicted us", "error"),
+        [(f"{g['m']} x {g['k']} x {g['n']}", *timing(g)) for g in res["products"]],
+    )
+    show(
+        console,
+        "Grouped products (torch._grouped_mm, equal rows per group): measured vs grouped_gemm_time",
+        ("groups x rows", "K -> N", "measured us", "TFLOP/s", "predicted us", "error"),
+        [(f"{g['groups']} x {g['rows']}", f"{g['k']} -> {g['n']}", *timing(g)) for g in res["grouped"]],
+    )
+    show(
+        console,
+        "Fused attention (causal, head_dim 128, 32 heads): measured vs the preset's attention_kernels",
+        ("kernel", "batch x seq", "fwd ms", "pred.", "error", "bwd ms", "pred.", "error"),
+        [(a["backend"], f"{a['batch']} x {a['seq']}", *ms(a, "fwd"), *ms(a, "bwd")) for a in res["attention"]],
+    )
+    show(
+        console,
+        "One Llama-3-8B block, forward and backward (FlashAttention-2): measured vs price_layer",
+        ("batch x seq", "PyTorch", "measured ms", "predicted ms", "error"),
+        [
+            (
+                f"{b['batch']} x {b['seq']}",
+                "torch.compile" if b["compiled"] else "eager",
+                f"{b['s'] * 1e3:.1f}",
+                f"{b['predicted_s'] * 1e3:.1f}",
+                f"{b['error']:+.0%}",
+            )
+            for b in res["blocks"]
+        ],
+    )
     big = [abs(g["error"]) for g in res["products"] if g["m"] * g["n"] * g["k"] >= 2**33]
     small = [abs(g["error"]) for g in res["products"] if g["m"] * g["n"] * g["k"] < 2**33]
     console.print(

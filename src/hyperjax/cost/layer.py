@@ -243,17 +243,16 @@ def _price_layer(
         weight_cast = stream_time(weights8 * casts.weight, ops=amaxes, hardware=hardware)
     rope = m.rope_head_dim if m.attention == "mla" else 0
     flash = m.attention_kernel == "flash"
-    # scores over the query-key width and attention-weighted values, one batched product each; a fused
-    # kernel skips the blocks the causal mask hides (half the square for long sequences)
-    core = gemm(s / cp, s, hd + rope, count=micro * a / tp) + gemm(s / cp, hd, s, count=micro * a / tp)
-    core_bwd = 2.0 * core
-    if flash:  # the fused kernel at its own measured rates (the device's, over the keys), not a GEMM's
+    if flash:  # one fused kernel at its own measured rates (the device's, over the keys), not a GEMM's
         forward, backward = hardware.device.attention_rates(m.attention_impl, s, hd + rope / 2)
         scores = micro * a / tp * (s / cp) * s * 0.5  # a causal kernel skips the masked half
         peak = hardware.matmul_flops(dtype)
         # per score: forward QK (hd + rope wide) and PV (hd); backward recomputes QK, then dV, dP, dQ and dK
         core = scores * (4 * hd + 2 * rope) / (peak * forward) + hardware.device.kernel_overhead
         core_bwd = scores * (10 * hd + 6 * rope) / (peak * backward) + hardware.device.kernel_overhead
+    else:  # scores over the query-key width and attention-weighted values, one batched product each
+        core = gemm(s / cp, s, hd + rope, count=micro * a / tp) + gemm(s / cp, hd, s, count=micro * a / tp)
+        core_bwd = 2.0 * core
     scale = e / 2  # the byte counts are for 16-bit activations
     per_token = micro * (s / cp) * scale
     rep = tp if sequence_parallel else 1

@@ -44,6 +44,10 @@ class AttentionKernel:
         if not isinstance(self.overlapped, bool):
             raise PresetError(f"{self.name}.overlapped={self.overlapped!r} must be true or false")
 
+    def per_score(self) -> tuple[tuple[int, float], tuple[int, float]]:
+        """``(product FLOPs per score, measured rate)`` of the forward and of the backward."""
+        return (4 * self.head_dim, self.forward), (10 * self.head_dim, self.backward)
+
 
 KERNEL_KEYS = ("forward", "backward", "seq_half", "head_dim", "overlapped")
 
@@ -118,39 +122,6 @@ class DeviceSpec:
     format_efficiency: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.format_efficiency, Mapping):
-            raise PresetError(f"device.format_efficiency={self.format_efficiency!r} must map a format to a fraction")
-        for fmt, value in self.format_efficiency.items():
-            if fmt not in self.peak_flops:
-                raise PresetError(
-                    f"device.format_efficiency.{fmt}: {fmt!r} has no peak_flops entry; it lists "
-                    f"{sorted(self.peak_flops)}"
-                )
-            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 1:
-                raise PresetError(f"device.format_efficiency.{fmt}={value!r} must be in (0, 1]")
-        object.__setattr__(self, "format_efficiency", MappingProxyType(dict(self.format_efficiency)))
-        if not isinstance(self.attention_kernels, Mapping):
-            raise PresetError(
-                f"device.attention_kernels={self.attention_kernels!r} must map a kernel's name to its rates"
-            )
-        kernels = {name: _kernel(name, k) for name, k in self.attention_kernels.items()}
-        if kernels and self.fused_attention not in kernels:
-            raise PresetError(
-                f"device.fused_attention={self.fused_attention!r} must name one of device.attention_kernels "
-                f"{sorted(kernels)}: the kernel a fused attention runs when a config names none"
-            )
-        if not kernels and self.fused_attention is not None:
-            raise PresetError(
-                f"device.fused_attention={self.fused_attention!r} names a kernel, but device.attention_kernels is empty"
-            )
-        object.__setattr__(self, "attention_kernels", MappingProxyType(kernels))
-        if self.special_function_flops is not None:
-            require_positive("device.special_function_flops", self.special_function_flops)
-            if not self.peak_flops:
-                raise PresetError(f"device {self.name!r}: peak_flops is empty; give at least one dtype's FLOP/s")
-            for name, k in kernels.items():
-                for flops, rate in ((4 * k.head_dim, k.forward), (10 * k.head_dim, k.backward)):
-                    self._check_exponentials(name, k, flops, rate)
         if not 0 <= self.allocator_overhead < 1:
             raise PresetError(f"device.allocator_overhead={self.allocator_overhead} must be in [0, 1)")
         if not 0 <= self.reserved_bytes < self.hbm_bytes:
@@ -182,6 +153,37 @@ class DeviceSpec:
                         f"{key}: {value!r} names a dtype with no peak_flops entry; it lists "
                         f"{sorted(self.peak_flops)}. Add that dtype's FLOP/s or correct the name."
                     )
+        if not isinstance(self.format_efficiency, Mapping):
+            raise PresetError(f"device.format_efficiency={self.format_efficiency!r} must map a format to a fraction")
+        for fmt, value in self.format_efficiency.items():
+            if fmt not in self.peak_flops:
+                raise PresetError(
+                    f"device.format_efficiency.{fmt}: {fmt!r} has no peak_flops entry; it lists "
+                    f"{sorted(self.peak_flops)}"
+                )
+            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 1:
+                raise PresetError(f"device.format_efficiency.{fmt}={value!r} must be in (0, 1]")
+        object.__setattr__(self, "format_efficiency", MappingProxyType(dict(self.format_efficiency)))
+        if not isinstance(self.attention_kernels, Mapping):
+            raise PresetError(
+                f"device.attention_kernels={self.attention_kernels!r} must map a kernel's name to its rates"
+            )
+        kernels = {name: _kernel(name, k) for name, k in self.attention_kernels.items()}
+        if kernels and self.fused_attention not in kernels:
+            raise PresetError(
+                f"device.fused_attention={self.fused_attention!r} must name one of device.attention_kernels "
+                f"{sorted(kernels)}: the kernel a fused attention runs when a config names none"
+            )
+        if not kernels and self.fused_attention is not None:
+            raise PresetError(
+                f"device.fused_attention={self.fused_attention!r} names a kernel, but device.attention_kernels is empty"
+            )
+        object.__setattr__(self, "attention_kernels", MappingProxyType(kernels))
+        if self.special_function_flops is not None:
+            require_positive("device.special_function_flops", self.special_function_flops)
+            for name, k in kernels.items():
+                for flops, rate in k.per_score():
+                    self._check_exponentials(name, k, flops, rate)
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
         object.__setattr__(self, "matmul_precision", MappingProxyType(dict(self.matmul_precision)))
 
@@ -267,7 +269,7 @@ class DeviceSpec:
             return k.forward * ramp, k.backward * ramp
         x, scale = self._exp_units(), head_dim / k.head_dim
         rates = []
-        for flops, rate in ((4 * k.head_dim, k.forward), (10 * k.head_dim, k.backward)):
+        for flops, rate in k.per_score():
             per_score = flops / rate  # the measured time per score, in product-FLOP times at the peak
             time = max(per_score * scale, x) if k.overlapped else (per_score - x) * scale + x
             rates.append(flops * scale / time)
