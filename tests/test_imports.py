@@ -18,6 +18,7 @@ FLOORS = [
     {"cost"},
     {"resolver", "offload"},
     {"search", "train"},
+    {"hf"},
     {"cli"},
     {"__main__"},
 ]

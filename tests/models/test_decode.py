@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 from hyperjax import build_model, load_config
-from hyperjax.errors import ConfigError
 from hyperjax.models.decode import generate
+from tests.parts import DEEPSEEK_PARTS
 from tests.tiers import sweep
 
 CONFIGS = Path(__file__).parents[2] / "configs"
@@ -22,8 +22,9 @@ CONFIGS = Path(__file__).parents[2] / "configs"
         ("quickstart", []),  # GPT: learned positions, tied head
         ("quickstart", ["model.family=llama", "model.kv_heads=2"]),  # RoPE, grouped KV heads
         ("moe-tiny", ["model.layers=2"]),  # a mixture of experts
+        ("moe-tiny", ["model.layers=2", *DEEPSEEK_PARTS]),  # a cache of the latent and one rotary key
     ],
-    ids=["gpt", "llama-gqa", "moe"],
+    ids=["gpt", "llama-gqa", "moe", "mla-grouped"],
 )
 def test_cached_greedy_decoding_matches_the_training_model(name, sets):
     cfg = load_config(CONFIGS / f"{name}.yaml", sets)
@@ -49,14 +50,6 @@ def test_sampling_is_seeded_and_top_k_keeps_to_the_likeliest():
     b = generate(model, prompt, 6, temperature=1.0, top_k=3, seed=1).tokens
     np.testing.assert_array_equal(a, b)
     assert int(a[0, 0]) in set(np.argsort(np.asarray(first[0]))[-3:].tolist())
-
-
-def test_latent_attention_is_refused_by_name():
-    cfg = load_config(
-        CONFIGS / "moe-tiny.yaml", ["model.attention=mla", "model.kv_lora_rank=32", "model.rope_head_dim=8"]
-    )
-    with pytest.raises(ConfigError, match=r"model\.attention"):
-        generate(build_model(cfg.model, seed=0), jnp.zeros((1, 4), jnp.int32), 2)
 
 
 LAYOUTS = [

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hyperjax import load_config, resolve, train
+from tests.parts import DEEPSEEK_PARTS
 
 MOE_TINY = Path(__file__).parents[2] / "configs" / "moe-tiny.yaml"
 STEPS = 3
@@ -161,3 +162,11 @@ def test_capacity_drops_the_same_copies_on_every_layout(capacity_reference, sets
     losses, got = run_moe([*CAPACITY, *sets])
     np.testing.assert_allclose(losses, reference, rtol=1e-4, atol=0)
     np.testing.assert_allclose([r["dropped_fraction"] for r in got], dropped, rtol=0, atol=1e-7)
+
+
+def test_grouped_routing_and_latent_attention_train_as_on_one_device():
+    """DeepSeek-V3's parts (latent attention, interleaved rotary pairs, a sigmoid router choosing among its
+    best groups, routed scaling, the loss-free bias) under expert x tensor parallelism."""
+    one, _ = run_moe(DEEPSEEK_PARTS, devices=1)
+    eight, _ = run_moe([*DEEPSEEK_PARTS, "parallel.expert=4", "parallel.tensor=2"])
+    np.testing.assert_allclose(eight, one, rtol=1e-4)

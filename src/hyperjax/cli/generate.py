@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from pathlib import Path
+from typing import Any
 
 from hyperjax.cli.display import console
 from hyperjax.cli.options import add_command, add_config_arguments
@@ -37,12 +39,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "    --prompt 'In the beginning' --max-new-tokens 64",
             "hyperjax generate configs/quickstart.yaml --checkpoint-dir ck --prompt A \\",
             "    --prompt B --max-new-tokens 16 --temperature 0.8 --top-k 10 --json",
+            "hyperjax generate q3/config.yaml --checkpoint-dir q3/checkpoint \\",
+            "    --prompt-ids 1,2,3 --max-new-tokens 16 --json   # imported by import-hf",
         ],
     )
     add_config_arguments(p, config_help="the YAML config the model was trained with", hardware=False)
     p.add_argument("--checkpoint-dir", metavar="DIR", required=True, help="the folder train wrote checkpoints to")
+    p.add_argument("--prompt", action="append", metavar="TEXT", help="text to continue (repeat: one batch)")
     p.add_argument(
-        "--prompt", action="append", required=True, metavar="TEXT", help="text to continue (repeat: one batch)"
+        "--prompt-ids",
+        action="append",
+        metavar="IDS",
+        help="token ids to continue, comma-separated, e.g. 1,2,3 (repeat: one batch; any model)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="FILE",
+        help="a Hugging Face tokenizer.json for --prompt and the output (default: tokenizer.json beside CONFIG, "
+        "else UTF-8 bytes)",
     )
     p.add_argument("--max-new-tokens", type=int, required=True, metavar="N", help="tokens to generate per prompt")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default): greedy; else sample at T")
@@ -62,10 +76,17 @@ def run(args: argparse.Namespace) -> int:
     run = resolve(load_config(args.config, sets))
     if args.top_k is not None and args.top_k > run.config.model.vocab:
         raise ConfigError(f"--top-k {args.top_k} is more than model.vocab={run.config.model.vocab}")
-    from hyperjax.train.generate import check_generable, encode
+    from hyperjax.train.generate import check_generable, encode, prompt_rows
 
     check_generable(run)
-    encode(args.prompt, run, args.max_new_tokens)  # every prompt checked before a device starts
+    codec = _codec(args)
+    ids = _ids(args.prompt_ids) if args.prompt_ids else None
+    if (ids is None) == (args.prompt is None):
+        raise ConfigError("give the prompts as --prompt TEXT or as --prompt-ids 1,2,3, one of the two")
+    if ids is not None:
+        prompt_rows(ids, run, args.max_new_tokens)  # every prompt checked before a device starts
+    else:
+        encode(args.prompt, run, args.max_new_tokens, codec)
     from hyperjax.emulate import start_devices
     from hyperjax.train.generate import generate_text
 
@@ -76,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         args.checkpoint_dir,
         args.prompt,
         args.max_new_tokens,
+        codec=codec if (ids is None or args.tokenizer or _beside(args.config)) else None,
+        ids=ids,
         temperature=args.temperature,
         top_k=args.top_k,
         seed=args.seed,
@@ -84,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out.to_dict(), indent=2))
         return 0
     text = console()
-    for t in out.text:
+    for t in out.text if out.text is not None else [",".join(map(str, row)) for row in out.tokens]:
         text.print(t, markup=False, highlight=False)
         text.print("-" * 40, style="dim")
     rate = f"{out.decode_tokens_per_s:,.0f} tokens/s" if out.decode_tokens_per_s else "no decode steps"
@@ -95,3 +118,31 @@ def run(args: argparse.Namespace) -> int:
         soft_wrap=True,
     )
     return 0
+
+
+def _beside(config: str) -> Path | None:
+    """``tokenizer.json`` in the config's folder (where import-hf copies it), if there is one."""
+    path = Path(config)
+    found = (path if path.is_dir() else path.parent) / "tokenizer.json"
+    return found if found.is_file() else None
+
+
+def _codec(args: argparse.Namespace) -> Any:
+    """How text becomes tokens: ``--tokenizer``, else a ``tokenizer.json`` beside the config, else bytes."""
+    from hyperjax.train.generate import Bytes, Tokenizer
+
+    path = args.tokenizer or _beside(args.config)
+    if args.tokenizer and not Path(args.tokenizer).is_file():
+        raise ConfigError(f"--tokenizer {args.tokenizer!r} does not exist; give the path of a tokenizer.json")
+    return Tokenizer(path) if path else Bytes()
+
+
+def _ids(items: list[str]) -> list[list[int]]:
+    """``--prompt-ids`` values as token rows."""
+    rows = []
+    for item in items:
+        try:
+            rows.append([int(x) for x in item.replace(" ", "").split(",") if x != ""])
+        except ValueError:
+            raise ConfigError(f"--prompt-ids {item!r} must be comma-separated integers, e.g. 1,2,3") from None
+    return rows

@@ -10,8 +10,18 @@ from importlib.metadata import version
 
 from hyperjax.errors import HyperjaxError
 
-COMMANDS = ("topology", "selftest", "train", "generate", "predict", "plan")
-"""The sub-commands, each a module of :mod:`hyperjax.cli` with ``add_parser`` and the ``run`` it sets."""
+COMMANDS = {
+    "topology": "topology",
+    "selftest": "selftest",
+    "train": "train",
+    "generate": "generate",
+    "predict": "predict",
+    "plan": "plan",
+    "import-hf": "hf:add_import_parser",
+    "export-hf": "hf:add_export_parser",
+}
+"""The sub-commands: the module of :mod:`hyperjax.cli` that adds each (its ``add_parser``, or the function
+after the colon) and sets the ``run`` it calls."""
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -25,7 +35,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hyperjax {version('hyperjax')}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS if only is None else (only,):
-        importlib.import_module(f"hyperjax.cli.{name}").add_parser(sub)
+        module, _, adder = COMMANDS[name].partition(":")
+        getattr(importlib.import_module(f"hyperjax.cli.{module}"), adder or "add_parser")(sub)
     return parser
 
 

@@ -5,7 +5,7 @@ is read. :func:`hyperjax.resolve` turns a ``Config`` into a ``Run``.
 """
 
 from hyperjax.config.load import apply_override, build, load_config
-from hyperjax.config.model import FAMILY_PARTS, ModelConfig, MoEConfig, VisionConfig
+from hyperjax.config.model import FAMILY_PARTS, ModelConfig, MoEConfig, RopeScaling, VisionConfig
 from hyperjax.config.run import Run, Stage
 from hyperjax.config.sections import (
     Config,
@@ -41,6 +41,7 @@ from hyperjax.config.types import (
     Overlap,
     Positions,
     Recompute,
+    RopeType,
     Router,
     ScheduleName,
     TaskKind,
@@ -81,6 +82,8 @@ __all__ = [
     "ParallelConfig",
     "Positions",
     "Recompute",
+    "RopeScaling",
+    "RopeType",
     "Router",
     "Run",
     "ScheduleName",

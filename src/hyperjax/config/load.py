@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from hyperjax.config import hf
 from hyperjax.config.checks import literal_options
 from hyperjax.config.sections import Config
 from hyperjax.errors import ConfigError
@@ -26,14 +27,17 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     """Read a YAML config and apply ``key=value`` overrides.
 
     Args:
-      path: the YAML file (``None``: all defaults).
+      path: the YAML file (``None``: all defaults), or a Hugging Face ``config.json`` (or its folder), whose
+        model it describes (:mod:`hyperjax.config.hf`) with every other section at its defaults.
       overrides: ``--set`` items such as ``"parallel.tensor=4"``.
 
     Raises:
       ConfigError: a missing, empty or malformed file, an unknown key, a wrong type, or an invalid value.
     """
     raw: dict[str, Any] = {}
-    if path is not None:
+    if path is not None and hf.is_hf_config(path):  # a Hugging Face config.json: its model, the rest defaults
+        raw = hf.run_section(hf.read_hf_config(path), str(path))
+    elif path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(

@@ -9,6 +9,7 @@ embeddings), ``llama`` is Llama's (RMSNorm, SwiGLU, rotary positions, no biases,
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,13 +24,28 @@ from hyperjax.config.types import (
     MLPKind,
     Norm,
     Positions,
+    RopeType,
     Router,
 )
 from hyperjax.errors import ConfigError
 
 FAMILY_PARTS: Mapping[str, Mapping[str, Any]] = {
-    "gpt": {"norm": "layernorm", "mlp": "gelu", "positions": "learned", "tie_embeddings": True, "bias": True},
-    "llama": {"norm": "rmsnorm", "mlp": "swiglu", "positions": "rope", "tie_embeddings": False, "bias": False},
+    "gpt": {
+        "norm": "layernorm",
+        "mlp": "gelu",
+        "positions": "learned",
+        "tie_embeddings": True,
+        "bias": True,
+        "norm_eps": 1e-5,
+    },
+    "llama": {
+        "norm": "rmsnorm",
+        "mlp": "swiglu",
+        "positions": "rope",
+        "tie_embeddings": False,
+        "bias": False,
+        "norm_eps": 1e-6,
+    },
 }
 """What each family preset fills in (a part given in the config wins)."""
 
@@ -81,6 +97,60 @@ class VisionConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """How rotary frequencies are stretched for long contexts (``model.rope_scaling:``), as Hugging Face's
+    ``rope_scaling`` names them: ``linear`` divides every frequency by ``factor``; ``llama3`` (Llama 3.1)
+    divides the low frequencies (wavelengths past ``original_max_position / low_freq_factor``) by
+    ``factor``, keeps the high ones (wavelengths under ``original_max_position / high_freq_factor``) and
+    blends between them; ``yarn`` (YaRN, DeepSeek-V3) blends divided and kept frequencies over a ramp
+    between ``beta_slow`` and ``beta_fast`` rotations of the original context and scales the rotated
+    vectors by its attention factor (and, under latent attention with ``mscale_all_dim``, the scores by
+    that factor squared, as DeepSeek-V3 does)."""
+
+    type: RopeType = "llama3"  # linear | llama3 | yarn
+    factor: float = 8.0  # how much longer the context is than the one trained on
+    low_freq_factor: float = 1.0  # llama3: where the stretched band starts
+    high_freq_factor: float = 4.0  # llama3: where the kept band starts
+    original_max_position: int = 8192  # llama3, yarn: the context length the frequencies were trained for
+    beta_fast: float = 32.0  # yarn: rotations over the original context above which frequencies are kept
+    beta_slow: float = 1.0  # yarn: rotations below which they are divided by factor
+    mscale: float | None = None  # yarn: the attention factor's log-scale weight (null: 1)
+    mscale_all_dim: float | None = None  # yarn: the same, over every dimension (DeepSeek-V3: 1.0)
+
+    def __post_init__(self) -> None:
+        vocabularies(self, "model.rope_scaling")
+        positive(self, "model.rope_scaling", ("original_max_position",))
+        for key in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"model.rope_scaling.{key}={getattr(self, key)} must be > 0")
+        if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ConfigError(
+                f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must exceed low_freq_factor="
+                f"{self.low_freq_factor} (the blended band lies between them)"
+            )
+
+    @staticmethod
+    def _log_scale(factor: float, weight: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    @property
+    def attention_factor(self) -> float:
+        """What YaRN multiplies the rotated queries and keys by (1 for the other types)."""
+        if self.type != "yarn":
+            return 1.0
+        if self.mscale and self.mscale_all_dim:
+            return self._log_scale(self.factor, self.mscale) / self._log_scale(self.factor, self.mscale_all_dim)
+        return self._log_scale(self.factor, 1.0)
+
+    @property
+    def latent_score_scale(self) -> float:
+        """What latent attention multiplies its scores by (DeepSeek-V3's ``mscale_all_dim`` squared)."""
+        if self.type == "linear" or not self.mscale_all_dim:
+            return 1.0
+        return self._log_scale(self.factor, self.mscale_all_dim) ** 2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class MoEConfig:
     """Mixture-of-experts MLPs (``model.moe:``): each token goes to ``top_k`` of ``experts`` routed experts,
     plus ``shared_experts`` every token uses, in the layers ``first_dense`` and ``every`` pick."""
@@ -98,6 +168,9 @@ class MoEConfig:
     load_imbalance: float | None = None  # cost model: busiest device's routed tokens / the mean; null: from balance
     first_dense: int = 0  # leading dense layers (DeepSeek-V3: 3)
     every: int = 1  # an MoE layer every n-th layer after those (GShard/Switch style: 2)
+    groups: int = 1  # experts in this many equal groups; a token picks among its group_top_k best groups
+    group_top_k: int | None = None  # groups a token may use (a group ranks by its two best scores); null: all
+    routed_scaling: float = 1.0  # the routed experts' weights are multiplied by this (DeepSeek-V3: 2.5)
 
     def __post_init__(self) -> None:
         vocabularies(self, "model.moe")
@@ -119,10 +192,31 @@ class MoEConfig:
         for key in ("aux_loss_weight", "bias_update_rate"):
             if not getattr(self, key) >= 0:
                 raise ConfigError(f"model.moe.{key}={getattr(self, key)} must be >= 0")
+        self._check_groups()
         if self.load_imbalance is not None and not self.load_imbalance >= 1:
             raise ConfigError(
                 f"model.moe.load_imbalance={self.load_imbalance} must be >= 1 (the busiest device's routed tokens "
                 "over the mean), or null for the balance method's default"
+            )
+
+    def _check_groups(self) -> None:
+        positive(self, "model.moe", ("groups",))
+        positive(self, "model.moe", ("group_top_k",), optional=True)
+        if not self.routed_scaling > 0:
+            raise ConfigError(f"model.moe.routed_scaling={self.routed_scaling} must be > 0")
+        if self.groups == 1:
+            return
+        per = self.experts // self.groups
+        if self.experts % self.groups or per < 2:
+            raise ConfigError(
+                f"model.moe.groups={self.groups} must split model.moe.experts={self.experts} into equal groups of "
+                "two or more (a group ranks by its two best scores)"
+            )
+        kept = self.groups if self.group_top_k is None else self.group_top_k
+        if kept > self.groups or self.top_k > kept * per:
+            raise ConfigError(
+                f"model.moe.group_top_k={self.group_top_k} must be at most model.moe.groups={self.groups} and keep "
+                f"at least model.moe.top_k={self.top_k} experts ({per} per group)"
             )
 
 
@@ -149,6 +243,11 @@ class ModelConfig:
     rope_theta: float = 10000.0  # rotary base frequency (positions: rope)
     tie_embeddings: bool | None = None  # the output projection is the embedding table; null: the family's
     bias: bool | None = None  # biases on every projection and LayerNorm shifts; null: the family's
+    qkv_bias: bool | None = None  # biases on the query, key and value projections; null: as bias (Qwen2: true)
+    qk_norm: bool = False  # queries and keys each normalised per head (model.norm over head_dim) before rotary (Qwen3)
+    norm_eps: float | None = None  # the norms' epsilon; null: the family's (gpt 1e-5, llama 1e-6)
+    rope_scaling: RopeScaling | None = None  # rotary frequencies stretched for long contexts (Llama 3.1)
+    rope_interleave: bool = False  # rotary pairs are neighbours (2i, 2i+1) as in DeepSeek, not halves (i, i+d/2)
     block: BlockLayout = "sequential"  # sequential (pre-norm attention then MLP) or parallel (GPT-J / PaLM)
     attention: AttentionKind = "mha"  # mha (multi-head / grouped-query) or mla (DeepSeek's latent attention)
     attention_kernel: AttentionKernel = "materialized"  # materialized (scores kept) or flash (one fused kernel)
@@ -172,6 +271,17 @@ class ModelConfig:
         for key, value in FAMILY_PARTS[self.family].items():
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)  # the preset fills what the config leaves open
+        if self.qkv_bias is None:
+            object.__setattr__(self, "qkv_bias", self.bias)
+        if not self.norm_eps > 0:
+            raise ConfigError(
+                f"model.norm_eps={self.norm_eps} must be > 0 (RMSNorm and LayerNorm add it to the variance)"
+            )
+        if self.rope_scaling is not None and self.positions != "rope":
+            raise ConfigError(
+                f"model.rope_scaling stretches rotary positions, but model.positions={self.positions!r}; "
+                "set model.positions: rope or remove model.rope_scaling"
+            )
         if self.head_dim is None:
             if self.d_model % self.heads:
                 raise ConfigError(
@@ -227,8 +337,11 @@ class ModelConfig:
                 f"model.attention=mla rotates model.rope_head_dim={self.rope_head_dim} dimensions per head: it must be "
                 f"even and model.positions must be rope (got {self.positions!r})"
             )
-        if self.bias:
-            raise ConfigError("model.attention=mla has no biases (as in DeepSeek-V2/V3); set model.bias: false")
+        if self.bias or self.qkv_bias or self.qk_norm:
+            raise ConfigError(
+                "model.attention=mla has no biases and no per-head query/key norms (as in DeepSeek-V2/V3); set "
+                "model.bias, model.qkv_bias and model.qk_norm to false"
+            )
         if self.kv_heads != self.heads:
             raise ConfigError(
                 f"model.attention=mla gives every query head its own keys and values from the latent; "

@@ -84,6 +84,9 @@ MLPKind = Literal["gelu", "relu", "swiglu", "geglu"]
 """``swiglu`` and ``geglu`` are gated: three matrices (input, gate, output) instead of two."""
 
 Positions = Literal["learned", "rope"]
+
+RopeType = Literal["linear", "llama3", "yarn"]
+"""How ``model.rope_scaling`` stretches rotary frequencies."""
 AttentionKind = Literal["mha", "mla"]
 """``mha``: multi-head (or grouped-query) attention; ``mla``: DeepSeek's multi-head latent attention."""
 

@@ -120,13 +120,16 @@ def attention_tensors(m: ModelConfig, p: str) -> list[Tensor]:
         Tensor(f"{p}attn/v_proj", (h, kv, hd), ("embed", "kv_heads", "head_dim")),
         Tensor(f"{p}attn/o_proj", (a, hd, h), ("heads", "head_dim", "embed")),
     ]
-    if m.bias:
+    if m.qkv_bias:
         out += [
             Tensor(f"{p}attn/q_bias", (a, hd), ("heads", "head_dim")),
             Tensor(f"{p}attn/k_bias", (kv, hd), ("kv_heads", "head_dim")),
             Tensor(f"{p}attn/v_bias", (kv, hd), ("kv_heads", "head_dim")),
-            Tensor(f"{p}attn/o_bias", (h,), ("embed",)),
         ]
+    if m.bias:
+        out.append(Tensor(f"{p}attn/o_bias", (h,), ("embed",)))
+    if m.qk_norm:
+        out += norm_tensors(m, hd, f"{p}attn/q_norm", None) + norm_tensors(m, hd, f"{p}attn/k_norm", None)
     return out
 
 

@@ -305,10 +305,11 @@ def _all_to_all(run: Run, chunks: tuple[ChunkCost, ...], m: int, paired: Mapping
     total = m * sum(t.exchange.total_s for t in chunks)
     exposed = m * sum(t.exchange.exposed_s for t in chunks)
     exposed -= sum(paired.get(t.chunk, 0) * (t.exchange.exposed_s - t.exchange.pair_exposed_s) for t in chunks)
+    hidden = total - exposed  # parts summed in another order than the whole: below 1e-9 of it is rounding
     return {
         "total_s": total,
         "exposed_s": exposed,
-        "hidden_fraction": min(1.0, max(0.0, 1 - exposed / total)) if total > 0 else 0.0,
+        "hidden_fraction": min(1.0, hidden / total) if total > 0 and hidden > 1e-9 * total else 0.0,
     }
 
 

@@ -12,7 +12,8 @@ holds any of its experts, and across a slower tier once to each block of that ti
 holds any, then forwarded inside the block. So the bytes crossing a tier are the token's hidden state
 times the expected number of distinct blocks behind that tier its ``top_k`` experts fall in (experts
 chosen uniformly: a block holding ``b`` of ``E`` experts is reached with probability
-``1 - C(E - b, k) / C(E, k)``). The tiers carry their shares side by side; the slowest decides
+``1 - C(E - b, k) / C(E, k)``; grouped routing bounds the blocks a token reaches, :func:`reach_probability`).
+The tiers carry their shares side by side; the slowest decides
 (:func:`exchange_time`). The combine moves the same bytes back, and the backward pass repeats both.
 
 The imbalance is ``model.moe.load_imbalance`` when the config gives one (1 for force-balanced
@@ -31,7 +32,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from hyperjax.config import ModelConfig
+from hyperjax.config import ModelConfig, MoEConfig
 from hyperjax.topology import AxisSpan, Hardware
 
 MAX_VIOLATION: Mapping[str, float] = {"aux_loss": 0.52, "bias": 0.04}
@@ -87,13 +88,31 @@ def routing(m: ModelConfig, *, tokens: float, axes: Mapping[str, int], expert_te
     )
 
 
-def reach_probability(experts: int, top_k: int, held: float) -> float:
-    """The chance that a token's ``top_k`` of ``experts`` experts (chosen uniformly) include one of the
-    ``held`` experts of a block: ``1 - C(experts - held, top_k) / C(experts, top_k)``."""
+def reach_probability(moe: MoEConfig, held: float) -> float:
+    """The chance that a token's ``top_k`` experts include one of the ``held`` experts of a block.
+
+    Experts chosen uniformly: ``1 - C(E - held, k) / C(E, k)``. With grouped routing (``moe.groups``, a token
+    limited to its ``group_top_k`` best of ``G`` groups: DeepSeek-V3's node-limited routing), the groups
+    are chosen uniformly, every chosen group gets one of the token's experts (stated assumption: a group
+    ranks by its best scores, so it is chosen for them), and the experts uniformly among the chosen groups'.
+    A block of whole groups is reached when one of its groups is chosen; a block inside a group when its
+    group is chosen and one of its experts is.
+    """
+    if moe.groups == 1:
+        return 1.0 - _miss(moe.experts, moe.top_k, held)
+    groups, kept = moe.groups, moe.group_top_k or moe.groups
+    per = moe.experts / groups
+    if held >= per:
+        return 1.0 - _miss(groups, kept, held / per)
+    return kept / groups * (1.0 - _miss(kept * per, moe.top_k, held))
+
+
+def _miss(n: float, k: int, held: float) -> float:
+    """The chance that ``k`` of ``n`` items chosen uniformly miss ``held`` given ones."""
     miss = 1.0
-    for j in range(top_k):
-        miss *= max(0.0, (experts - held - j) / (experts - j))
-    return 1.0 - miss
+    for j in range(k):
+        miss *= max(0.0, (n - held - j) / (n - j))
+    return miss
 
 
 def exchange_time(
@@ -114,7 +133,7 @@ def exchange_time(
     for name, ranks in span.levels:
         tier = tiers[name]
         held = x.experts * reached / group  # experts in one block of ``reached`` devices
-        crossing = tokens * (ranks - 1) * reach_probability(x.experts, x.top_k, held) * width
+        crossing = tokens * (ranks - 1) * reach_probability(x, held) * width
         latency += (ranks - 1) * tier.latency
         slowest = max(slowest, crossing / tier.effective_bandwidth)
         reached *= ranks

@@ -1,10 +1,12 @@
 """Generation with a KV cache: prefill the prompt, then decode one token per step.
 
 The cache holds every layer's keys and values, ``(batch, max_len, kv_heads, head_dim)`` each, laid out like
-the activations (batch over the data axes, KV heads over the tensor axis). A step embeds its tokens at
-their positions, writes their keys and values into the cache at ``pos`` and attends over the cache up to
-each query's own position; the rest of the block is the training model's own code. Prefill is the same
-step over the whole prompt, so the first decode step's logits are the training model's for that prefix.
+the activations (batch over the data axes, KV heads over the tensor axis); under latent attention, the
+latent and the one rotary key, from which every head's keys and values are made at each step. A step
+embeds its tokens at their positions, writes their keys and values into the cache at ``pos`` and attends
+over the cache up to each query's own position; the rest of the block is the training model's own code.
+Prefill is the same step over the whole prompt, so the first decode step's logits are the training model's
+for that prefix.
 """
 
 from __future__ import annotations
@@ -18,63 +20,60 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hyperjax.errors import ConfigError
-from hyperjax.models.layers import Attention, Constrain, no_constraint, rope, use
-from hyperjax.models.taps import product
+from hyperjax.models.layers import Attention, Constrain, no_constraint, use
+from hyperjax.models.mla import LatentAttention
 from hyperjax.models.transformer import Block, Transformer, logits, lookup
 
 
 class LayerCache(NamedTuple):
-    """One layer's cached keys and values, ``(batch, max_len, kv_heads, head_dim)``."""
+    """One layer's cache: keys and values ``(batch, max_len, kv_heads, head_dim)``; under latent attention
+    the latent ``(batch, max_len, 1, kv_lora_rank)`` and the rotary key ``(batch, max_len, 1, rope_head_dim)``."""
 
     k: jax.Array
     v: jax.Array
 
 
 def init_cache(model: Transformer, batch: int, max_len: int) -> list[LayerCache]:
-    """An empty cache for ``batch`` sequences of up to ``max_len`` tokens.
-
-    Raises:
-      ConfigError: a model whose attention the cache does not cover (latent attention).
-    """
+    """An empty cache for ``batch`` sequences of up to ``max_len`` tokens."""
     cfg = model.cfg
-    if cfg.attention != "mha":
-        raise ConfigError(f"generation covers model.attention: mha; this model has {cfg.attention!r}")
-    shape = (batch, max_len, cfg.kv_heads, cfg.head_dim)
     dt = jnp.dtype(model.dtype)
-    return [LayerCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(cfg.layers)]
+    if cfg.attention == "mla":
+        k, v = (batch, max_len, 1, cfg.kv_lora_rank), (batch, max_len, 1, cfg.rope_head_dim)
+    else:
+        k = v = (batch, max_len, cfg.kv_heads, cfg.head_dim)
+    return [LayerCache(jnp.zeros(k, dt), jnp.zeros(v, dt)) for _ in range(cfg.layers)]
 
 
-def _attend(attn: Attention, x: jax.Array, constrain: Constrain, cache: LayerCache, pos: jax.Array):
-    """``attn`` on ``x`` (tokens at positions ``pos ..``), its keys and values written into ``cache``."""
-    dt = x.dtype
-    q = product("bsd,dhk->bshk", x, use(attn.q_proj, constrain).astype(dt))
-    k = product("bsd,dhk->bshk", x, use(attn.k_proj, constrain).astype(dt))
-    v = product("bsd,dhk->bshk", x, use(attn.v_proj, constrain).astype(dt))
-    if attn.bias:
-        q = q + use(attn.q_bias, constrain).astype(dt)
-        k = k + use(attn.k_bias, constrain).astype(dt)
-        v = v + use(attn.v_bias, constrain).astype(dt)
+def _attend(attn: Attention | LatentAttention, x: jax.Array, constrain: Constrain, cache: LayerCache, pos: jax.Array):
+    """``attn`` on ``x`` (tokens at positions ``pos ..``), what it caches written into ``cache``."""
     t = x.shape[1]
     positions = pos + jnp.arange(t)
-    if attn.rope_theta is not None:
-        q, k = rope(q, positions, attn.rope_theta), rope(k, positions, attn.rope_theta)
-    layout = ("batch", None, "act_kv_heads", None)
-    ks = constrain(jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, pos, 0, 0)), layout)
-    vs = constrain(jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, pos, 0, 0)), layout)
+    write = lambda c, new, layout: constrain(
+        jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (0, pos, 0, 0)), layout
+    )
+    if isinstance(attn, LatentAttention):  # the latent and the rotary key are cached, keys and values made
+        q, latent, k_rope = attn.compress(x, constrain, positions)
+        shared = ("batch", None, None, None)
+        cache = LayerCache(write(cache.k, latent[:, :, None], shared), write(cache.v, k_rope, shared))
+        ks, vs = attn.expand(cache.k[:, :, 0], cache.v, constrain)
+        ks = constrain(ks, ("batch", None, "act_heads", None))
+        vs = constrain(vs, ("batch", None, "act_heads", None))
+    else:
+        q, k, v = attn.project(x, constrain, positions)
+        layout = ("batch", None, "act_kv_heads", None)
+        cache = LayerCache(write(cache.k, k, layout), write(cache.v, v, layout))
+        ks, vs = cache
     b, _, h, d = q.shape
     kv = ks.shape[2]
     q = q.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, ks).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
+    scale = attn.score_scale if isinstance(attn, LatentAttention) else 1 / jnp.sqrt(jnp.float32(d))
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, ks).astype(jnp.float32) * scale
     visible = jnp.arange(ks.shape[1])[None, :] <= positions[:, None]  # (query, key)
     scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(vs.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, vs).reshape(b, t, h, vs.shape[-1])
     out = constrain(out, ("batch", "seq", "act_heads", None))
-    y = product("bshk,hkd->bsd", out, use(attn.o_proj, constrain).astype(dt))
-    if attn.bias:
-        y = y + use(attn.o_bias, constrain).astype(dt)
-    return y, LayerCache(ks, vs)
+    return attn.output(out, constrain), cache
 
 
 def _block(block: Block, x: jax.Array, constrain: Constrain, cache: LayerCache, pos: jax.Array):

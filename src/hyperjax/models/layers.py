@@ -8,15 +8,17 @@ the compute dtype where they are used.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from hyperjax.config import GATED, AttentionKernel, Fp8Config, MLPKind, Norm
+from hyperjax.config import GATED, AttentionKernel, Fp8Config, MLPKind, ModelConfig, Norm, RopeScaling
 from hyperjax.models.taps import product
 
 Constrain = Callable[[jax.Array, tuple[str | None, ...]], jax.Array]
@@ -67,17 +69,19 @@ def use(p: nnx.Param, constrain: Constrain) -> jax.Array:
 class LayerNorm(nnx.Module):
     """LayerNorm with a scale and, with ``bias``, a shift (over a dimension of logical axis ``axis``)."""
 
-    def __init__(self, d: int, *, bias: bool = True, rngs: nnx.Rngs, axis: str | None = "embed") -> None:
+    def __init__(
+        self, d: int, *, bias: bool = True, rngs: nnx.Rngs, axis: str | None = "embed", eps: float = 1e-5
+    ) -> None:
         self.scale = param(rngs, (d,), (axis,), init="ones")
         if bias:
             self.bias = param(rngs, (d,), (axis,), init="zeros")
-        self.use_bias = bias
+        self.use_bias, self.eps = bias, eps
 
     def __call__(self, x: jax.Array, constrain: Constrain = no_constraint) -> jax.Array:
         x32 = x.astype(jnp.float32)
         mean = x32.mean(-1, keepdims=True)
         var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + 1e-5) * use(self.scale, constrain)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * use(self.scale, constrain)
         if self.use_bias:
             y = y + use(self.bias, constrain)
         return y.astype(x.dtype)
@@ -86,33 +90,91 @@ class LayerNorm(nnx.Module):
 class RMSNorm(nnx.Module):
     """RMSNorm with a scale (Llama)."""
 
-    def __init__(self, d: int, *, rngs: nnx.Rngs, axis: str | None = "embed") -> None:
+    def __init__(self, d: int, *, rngs: nnx.Rngs, axis: str | None = "embed", eps: float = 1e-6) -> None:
         self.scale = param(rngs, (d,), (axis,), init="ones")
+        self.eps = eps
 
     def __call__(self, x: jax.Array, constrain: Constrain = no_constraint) -> jax.Array:
         x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + 1e-6) * use(self.scale, constrain)
+        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps) * use(self.scale, constrain)
         return y.astype(x.dtype)
 
 
-def make_norm(kind: Norm, d: int, *, bias: bool, rngs: nnx.Rngs, axis: str | None = "embed") -> LayerNorm | RMSNorm:
-    """The norm a model's ``norm`` part names."""
-    return LayerNorm(d, bias=bias, rngs=rngs, axis=axis) if kind == "layernorm" else RMSNorm(d, rngs=rngs, axis=axis)
+def make_norm(
+    kind: Norm, d: int, *, bias: bool, rngs: nnx.Rngs, axis: str | None = "embed", eps: float | None = None
+) -> LayerNorm | RMSNorm:
+    """The norm a model's ``norm`` part names (``eps``: the model's ``norm_eps``; ``None``: the norm's own)."""
+    given = {} if eps is None else {"eps": eps}
+    if kind == "layernorm":
+        return LayerNorm(d, bias=bias, rngs=rngs, axis=axis, **given)
+    return RMSNorm(d, rngs=rngs, axis=axis, **given)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> jax.Array:
-    """Rotary position embedding over the last dimension of ``x`` (batch, seq, heads, head_dim)."""
+def rope_frequencies(dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    """The ``dim / 2`` rotary frequencies ``theta^(-2i/dim)``, stretched as ``scaling`` says (float32, as
+    Hugging Face computes them, so positions rotate the same to the bit)."""
+    freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    if scaling is None:
+        return freqs.astype(np.float32)
+    if scaling.type == "linear":
+        return (freqs / scaling.factor).astype(np.float32)
+    if scaling.type == "yarn":
+        return _yarn(freqs, dim, theta, scaling)
+    old = scaling.original_max_position
+    wavelength = 2 * math.pi / freqs
+    low, high = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+    smooth = (old / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * freqs / scaling.factor + smooth * freqs
+    out = np.where(wavelength > low, freqs / scaling.factor, freqs)
+    out = np.where((wavelength >= high) & (wavelength <= low), blended, out)
+    return out.astype(np.float32)
+
+
+def _yarn(freqs: np.ndarray, dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """YaRN's frequencies: kept above ``beta_fast`` rotations over the original context, divided by
+    ``factor`` below ``beta_slow``, blended linearly over the dimensions between (bounds rounded outwards)."""
+
+    def dim_at(rotations: float) -> float:
+        return dim * math.log(scaling.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dim_at(scaling.beta_fast)), 0)
+    high = min(math.ceil(dim_at(scaling.beta_slow)), dim - 1)
+    high = high + 0.001 if high == low else high
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    kept = 1 - ramp
+    return ((freqs / scaling.factor) * (1 - kept) + freqs * kept).astype(np.float32)
+
+
+def rope(
+    x: jax.Array,
+    positions: jax.Array,
+    theta: float = 10000.0,
+    scaling: RopeScaling | None = None,
+    *,
+    interleave: bool = False,
+) -> jax.Array:
+    """Rotary position embedding over the last dimension of ``x`` (batch, seq, heads, head_dim): dimension
+    ``i`` of the first half turns with dimension ``i + half`` (Llama's pairing), or with ``interleave``
+    dimension ``2i`` with ``2i + 1`` (DeepSeek's; returned as Hugging Face does, the pairs' first members
+    then their second members, which leaves every product of rotated queries and keys the same)."""
     half = x.shape[-1] // 2
-    freqs = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    if interleave:
+        x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+    freqs = jnp.asarray(rope_frequencies(x.shape[-1], theta, scaling))
     angles = positions[:, None].astype(jnp.float32) * freqs[None, :]  # (seq, half)
     sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    if scaling is not None and scaling.attention_factor != 1.0:  # YaRN scales the rotated vectors
+        sin, cos = sin * scaling.attention_factor, cos * scaling.attention_factor
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
 
 
-def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, kernel: AttentionKernel) -> jax.Array:
+def attention_core(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, kernel: AttentionKernel, scale: float | None = None
+) -> jax.Array:
     """``softmax(q k^T / sqrt(d)) v`` for queries ``(b, s, heads, d)`` over keys ``(b, s, kv_heads, d)`` and values
-    ``(b, s, kv_heads, dv)`` (each key/value head serves ``heads / kv_heads`` query heads).
+    ``(b, s, kv_heads, dv)`` (each key/value head serves ``heads / kv_heads`` query heads); ``scale``, when
+    given, multiplies the scores instead of ``1 / sqrt(d)``.
 
     ``materialized`` computes the scores and probabilities as arrays (the probabilities tagged ``attn_core``
     for rematerialisation policies); ``flash`` calls :func:`jax.nn.dot_product_attention`, which XLA runs
@@ -123,10 +185,11 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, ke
         dv = v.shape[-1]
         if dv != d:  # the fused kernel takes one head width: values padded to the queries' and keys'
             v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, d - dv)))
-        return jax.nn.dot_product_attention(q, k, v, scale=1.0 / d**0.5, is_causal=causal)[..., :dv]
+        return jax.nn.dot_product_attention(q, k, v, scale=scale or 1.0 / d**0.5, is_causal=causal)[..., :dv]
     kv = k.shape[2]
     q = q.reshape(b, s, kv, h // kv, d)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32)
+    scores = scores * scale if scale is not None else scores / jnp.sqrt(jnp.float32(d))
     if causal:
         mask = jnp.tril(jnp.ones((s, s), dtype=bool))
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
@@ -135,56 +198,75 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, ke
 
 
 class Attention(nnx.Module):
-    """Causal (or, for an encoder, bidirectional) multi-head or grouped-query attention of ``heads`` heads of
-    ``head_dim``; the projections are Megatron column/row splits, rotary positions when ``rope_theta`` is set."""
+    """Causal (or, for an encoder, bidirectional) multi-head or grouped-query attention of ``cfg.heads`` heads
+    of ``cfg.head_dim``: the projections are Megatron column/row splits, with biases as ``cfg.bias`` and
+    ``cfg.qkv_bias`` say, queries and keys normalised per head under ``cfg.qk_norm``, and rotary positions
+    under ``cfg.positions: rope``."""
 
     def __init__(
         self,
-        d_model: int,
-        heads: int,
-        kv_heads: int,
-        head_dim: int,
+        cfg: ModelConfig,
         *,
-        bias: bool,
-        rope_theta: float | None,
-        layers: int,
         rngs: nnx.Rngs,
         causal: bool = True,
-        kernel: AttentionKernel = "materialized",
         fp8: Fp8Config | None = None,
     ) -> None:
-        hd = head_dim
+        d_model, heads, kv_heads, hd = cfg.d_model, cfg.heads, cfg.kv_heads, cfg.head_dim
         self.fp8 = fp8  # its projections' FP8 recipe (None: train.dtype)
-        self.heads, self.kv_heads, self.rope_theta, self.causal = heads, kv_heads, rope_theta, causal
-        self.kernel = kernel
+        self.heads, self.kv_heads, self.causal = heads, kv_heads, causal
+        self.rope_theta = cfg.rope_theta if cfg.positions == "rope" else None
+        self.rope_scaling, self.rope_interleave = cfg.rope_scaling, cfg.rope_interleave
+        self.kernel = cfg.attention_kernel
         self.q_proj = param(rngs, (d_model, heads, hd), ("embed", "heads", "head_dim"))
         self.k_proj = param(rngs, (d_model, kv_heads, hd), ("embed", "kv_heads", "head_dim"))
         self.v_proj = param(rngs, (d_model, kv_heads, hd), ("embed", "kv_heads", "head_dim"))
         # GPT-2 scales the residual projections by 1/sqrt(2 * layers)
         self.o_proj = param(
-            rngs, (heads, hd, d_model), ("heads", "head_dim", "embed"), scale=0.02 / (2 * layers) ** 0.5
+            rngs, (heads, hd, d_model), ("heads", "head_dim", "embed"), scale=0.02 / (2 * cfg.layers) ** 0.5
         )
-        if bias:
+        if cfg.qkv_bias:
             self.q_bias = param(rngs, (heads, hd), ("heads", "head_dim"), init="zeros")
             self.k_bias = param(rngs, (kv_heads, hd), ("kv_heads", "head_dim"), init="zeros")
             self.v_bias = param(rngs, (kv_heads, hd), ("kv_heads", "head_dim"), init="zeros")
+        if cfg.bias:
             self.o_bias = param(rngs, (d_model,), ("embed",), init="zeros")
-        self.bias = bias
+        if cfg.qk_norm:
+            self.q_norm = make_norm(cfg.norm, hd, bias=cfg.bias, rngs=rngs, axis=None, eps=cfg.norm_eps)
+            self.k_norm = make_norm(cfg.norm, hd, bias=cfg.bias, rngs=rngs, axis=None, eps=cfg.norm_eps)
+        self.qkv_bias, self.bias, self.qk_norm = cfg.qkv_bias, cfg.bias, cfg.qk_norm
 
-    def __call__(self, x: jax.Array, constrain: Constrain) -> jax.Array:
+    def project(
+        self, x: jax.Array, constrain: Constrain, positions: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries, keys and values ``(batch, seq, heads, head_dim)`` of ``x`` at ``positions``: projected,
+        biased, normalised per head and rotated, as the model's parts say."""
         dt, fp8 = x.dtype, {"fp8": self.fp8, "constrain": constrain}
         q = product("bsd,dhk->bshk", x, use(self.q_proj, constrain).astype(dt), **fp8)
         k = product("bsd,dhk->bshk", x, use(self.k_proj, constrain).astype(dt), **fp8)
         v = product("bsd,dhk->bshk", x, use(self.v_proj, constrain).astype(dt), **fp8)
-        if self.bias:
+        if self.qkv_bias:
             q, k, v = (
                 q + use(self.q_bias, constrain).astype(dt),
                 k + use(self.k_bias, constrain).astype(dt),
                 v + use(self.v_bias, constrain).astype(dt),
             )
+        if self.qk_norm:
+            q, k = self.q_norm(q, constrain), self.k_norm(k, constrain)
         if self.rope_theta is not None:
-            positions = jnp.arange(x.shape[1])
-            q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
+            q = rope(q, positions, self.rope_theta, self.rope_scaling, interleave=self.rope_interleave)
+            k = rope(k, positions, self.rope_theta, self.rope_scaling, interleave=self.rope_interleave)
+        return q, k, v
+
+    def output(self, out: jax.Array, constrain: Constrain) -> jax.Array:
+        """The output projection of the heads' results ``(batch, seq, heads, head_dim)``."""
+        dt = out.dtype
+        y = product("bshk,hkd->bsd", out, use(self.o_proj, constrain).astype(dt), fp8=self.fp8, constrain=constrain)
+        if self.bias:
+            y = y + use(self.o_bias, constrain).astype(dt)
+        return y
+
+    def __call__(self, x: jax.Array, constrain: Constrain) -> jax.Array:
+        q, k, v = self.project(x, constrain, jnp.arange(x.shape[1]))
         # queries keep their sequence shard (context parallel); keys and values are projected on the local
         # shard (so their weight gradients stay local too) and then gathered whole
         q = constrain(checkpoint_name(q, "qkv"), ("batch", "seq", "act_heads", None))
@@ -194,10 +276,7 @@ class Attention(nnx.Module):
         v = constrain(checkpoint_name(v, "qkv"), ("batch", None, "act_kv_heads", None))
         out = attention_core(q, k, v, causal=self.causal, kernel=self.kernel)
         out = constrain(checkpoint_name(out, "attn_out"), ("batch", "seq", "act_heads", None))
-        y = product("bshk,hkd->bsd", out, use(self.o_proj, constrain).astype(dt), **fp8)
-        if self.bias:
-            y = y + use(self.o_bias, constrain).astype(dt)
-        return y
+        return self.output(out, constrain)
 
 
 def activate(kind: MLPKind, h: jax.Array, gate: jax.Array | None) -> jax.Array:

@@ -171,10 +171,12 @@ class MoE(nnx.Module):
         choose = scores
         if moe.balance == "bias":
             choose = scores + jax.lax.stop_gradient(self.router_bias[...])
-        idx = _top_k(jax.lax.stop_gradient(choose), moe.top_k, constrain)
+        idx = _top_k(jax.lax.stop_gradient(choose), moe, constrain)
         weights = jnp.take_along_axis(scores, idx, axis=-1)
         if moe.normalize_top_k:
             weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        if moe.routed_scaling != 1.0:
+            weights = weights * moe.routed_scaling
         chosen = jax.nn.one_hot(idx, moe.experts, dtype=jnp.float32)  # (b, s, k, E)
         load = _replica_sum(constrain, chosen.sum((0, 1, 2)))  # over the whole micro-batch
         routed = _replica_sum(constrain, jnp.float32(b * s * moe.top_k))
@@ -239,14 +241,28 @@ def token_axis(constrain: Constrain) -> str:
     return "seq" if all(a in held for a in constrain.mesh_axes("experts")) else "res_seq"
 
 
-def _top_k(scores: jax.Array, k: int, constrain: Constrain) -> jax.Array:
-    """The ``k`` best experts of every token, chosen on the device that holds the token (XLA's partitioner
-    would gather every token's scores onto every device for a ``top_k`` over sharded rows)."""
+def choose_experts(scores: jax.Array, moe: MoEConfig) -> jax.Array:
+    """The ``top_k`` experts of each row of ``scores``; with ``moe.groups``, among the experts of the row's
+    ``group_top_k`` best groups only, a group ranked by the sum of its two best scores (DeepSeek-V3's
+    grouped, device-limited routing)."""
+    if moe.groups > 1:
+        per = moe.experts // moe.groups
+        grouped = scores.reshape(*scores.shape[:-1], moe.groups, per)
+        rank = jax.lax.top_k(grouped, 2)[0].sum(-1)
+        kept = jax.lax.top_k(rank, moe.group_top_k or moe.groups)[1]
+        mask = jax.nn.one_hot(kept, moe.groups, dtype=jnp.bool_).any(-2)
+        scores = jnp.where(jnp.repeat(mask, per, axis=-1), scores, -jnp.inf)
+    return jax.lax.top_k(scores, moe.top_k)[1]
+
+
+def _top_k(scores: jax.Array, moe: MoEConfig, constrain: Constrain) -> jax.Array:
+    """:func:`choose_experts` for every token, on the device that holds the token (XLA's partitioner would
+    gather every token's scores onto every device for a ``top_k`` over sharded rows)."""
     mesh = getattr(constrain, "mesh", None)
+    pick = partial(choose_experts, moe=moe)
     if mesh is None:
-        return jax.lax.top_k(scores, k)[1]
+        return pick(scores)
     spec = constrain.spec(("batch", token_axis(constrain), None))
-    pick = lambda s: jax.lax.top_k(s, k)[1]
     region = constrain.region_mesh()
     return jax.shard_map(pick, mesh=region, in_specs=spec, out_specs=spec, axis_names=constrain.auto_axes)(scores)
 

@@ -112,27 +112,15 @@ class Block(nnx.Module):
     ) -> None:
         self.parallel = cfg.block == "parallel"
         if self.parallel:
-            self.norm = make_norm(cfg.norm, cfg.d_model, bias=cfg.bias, rngs=rngs)
+            self.norm = make_norm(cfg.norm, cfg.d_model, bias=cfg.bias, rngs=rngs, eps=cfg.norm_eps)
         else:
-            self.norm1 = make_norm(cfg.norm, cfg.d_model, bias=cfg.bias, rngs=rngs)
+            self.norm1 = make_norm(cfg.norm, cfg.d_model, bias=cfg.bias, rngs=rngs, eps=cfg.norm_eps)
         if cfg.attention == "mla":
             self.attn = LatentAttention(cfg, rngs=rngs, fp8=fp8)
         else:
-            self.attn = Attention(
-                cfg.d_model,
-                cfg.heads,
-                cfg.kv_heads,
-                cfg.head_dim,
-                bias=cfg.bias,
-                rope_theta=cfg.rope_theta if cfg.positions == "rope" else None,
-                layers=cfg.layers,
-                rngs=rngs,
-                causal=causal,
-                kernel=cfg.attention_kernel,
-                fp8=fp8,
-            )
+            self.attn = Attention(cfg, rngs=rngs, causal=causal, fp8=fp8)
         if not self.parallel:
-            self.norm2 = make_norm(cfg.norm, cfg.d_model, bias=cfg.bias, rngs=rngs)
+            self.norm2 = make_norm(cfg.norm, cfg.d_model, bias=cfg.bias, rngs=rngs, eps=cfg.norm_eps)
         self.sparse = cfg.is_moe(layer)
         if self.sparse:
             self.mlp = MoE(cfg, rngs=rngs, fp8=fp8)
@@ -193,7 +181,7 @@ class Transformer(nnx.Module):
         if cfg.positions == "learned":
             self.pos_embed = param(rngs, (cfg.seq_len, cfg.d_model), (None, "embed"), scale=0.01)
         self.blocks = nnx.List([Block(cfg, rngs=rngs, layer=i, fp8=fp8) for i in range(cfg.layers)])
-        self.final_norm = make_norm(cfg.norm, cfg.d_model, bias=cfg.bias, rngs=rngs)
+        self.final_norm = make_norm(cfg.norm, cfg.d_model, bias=cfg.bias, rngs=rngs, eps=cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab), ("embed", "vocab"))
 

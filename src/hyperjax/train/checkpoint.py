@@ -32,6 +32,13 @@ from hyperjax.files import write_json
 from hyperjax.mpmd.transfer import from_process0
 
 PROGRESS = "progress.json"  # the last step any attempt completed (read by the supervising launcher)
+IMPORTED = "imported.json"  # beside step 0 when it holds imported weights alone (hyperjax import-hf)
+
+
+def imported(directory: str | Path) -> bool:
+    """Whether ``directory`` holds imported weights alone (a step-0 checkpoint of parameters, no optimizer
+    state), which ``train --resume`` starts from and ``generate`` restores as any checkpoint."""
+    return (Path(directory) / IMPORTED).is_file() and saved_steps(directory) == [0]
 
 
 def saved_steps(directory: str | Path) -> list[int]:

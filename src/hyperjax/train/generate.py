@@ -2,8 +2,9 @@
 training checkpoint, or given), prompts split over its batch axes, and the KV cache laid out like the
 activations (:mod:`hyperjax.models.decode`).
 
-Prompts are byte-level text, as the training corpus is (:mod:`hyperjax.train.data`): a prompt's tokens are
-its UTF-8 bytes, and generated tokens decode back the same way.
+Prompts are byte-level text by default, as the training corpus is (:mod:`hyperjax.train.data`): a prompt's
+tokens are its UTF-8 bytes, and generated tokens decode back the same way. A Hugging Face ``tokenizer.json``
+(:class:`Tokenizer`) encodes and decodes instead, and token ids can be given directly.
 """
 
 from __future__ import annotations
@@ -33,14 +34,14 @@ class Texts:
     """Generated text (the ``generate --json`` object).
 
     Attributes:
-      text: each prompt followed by its continuation.
+      text: each prompt followed by its continuation (``None``: token ids given without a tokenizer).
       tokens: each continuation's tokens.
       prefill_s: the prompts' pass over the emulated mesh (compiled beforehand).
       decode_tokens_per_s: tokens generated per second over every sequence, after the prefill.
       step: the training step of the checkpoint the parameters came from (``None``: given).
     """
 
-    text: list[str]
+    text: list[str] | None
     tokens: list[list[int]]
     prefill_s: float
     decode_tokens_per_s: float | None
@@ -51,36 +52,90 @@ class Texts:
         return dataclasses.asdict(self)
 
 
-def encode(prompts: Sequence[str], run: Run, max_new_tokens: int) -> tuple[np.ndarray, list[int]]:
-    """The prompts as byte tokens, ``(batch, longest)`` padded on the right, and their lengths.
+class Bytes:
+    """Byte-level text, as the shipped corpus is: a prompt's tokens are its UTF-8 bytes."""
+
+    name = "UTF-8 bytes"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return decode_text(tokens)
+
+
+class Tokenizer:
+    """A Hugging Face ``tokenizer.json`` (the ``tokenizers`` library): prompts encoded without added special
+    tokens, continuations decoded as the tokenizer's own ``decode`` does.
 
     Raises:
-      ConfigError: an empty prompt, a byte the vocabulary lacks, or a prompt (and, with learned positions,
+      ConfigError: a file ``tokenizers`` cannot read.
+    """
+
+    name = "tokens"
+
+    def __init__(self, path: str | Path) -> None:
+        from tokenizers import Tokenizer as HfTokenizer
+
+        try:
+            self._tok = HfTokenizer.from_file(str(path))
+        except Exception as e:
+            raise ConfigError(f"--tokenizer {str(path)!r} cannot be read as a tokenizer.json ({e})") from None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self._tok.decode(list(tokens), skip_special_tokens=False)
+
+
+Codec = Bytes | Tokenizer
+
+
+def encode(
+    prompts: Sequence[str], run: Run, max_new_tokens: int, codec: Codec | None = None
+) -> tuple[np.ndarray, list[int]]:
+    """The prompts as tokens (``codec``: bytes by default), ``(batch, longest)`` padded on the right, and
+    their lengths. Raises as :func:`prompt_rows`."""
+    codec = codec or Bytes()
+    rows = [codec.encode(p) for p in prompts]
+    labels = [f"--prompt {p[:20]!r}" for p in prompts]
+    return prompt_rows(rows, run, max_new_tokens, labels=labels, unit=codec.name)
+
+
+def prompt_rows(
+    rows: Sequence[Sequence[int]],
+    run: Run,
+    max_new_tokens: int,
+    *,
+    labels: Sequence[str] | None = None,
+    unit: str = "tokens",
+) -> tuple[np.ndarray, list[int]]:
+    """Token rows as one ``(batch, longest)`` array padded on the right, and their lengths.
+
+    Raises:
+      ConfigError: an empty prompt, a token the vocabulary lacks, or a prompt (and, with learned positions,
         its new tokens) longer than ``model.seq_len``.
     """
     m = run.config.model
     if max_new_tokens <= 0:
         raise ConfigError(f"--max-new-tokens {max_new_tokens} must be a positive integer")
-    rows = [np.frombuffer(p.encode("utf-8"), dtype=np.uint8).astype(np.int32) for p in prompts]
-    for p, row in zip(prompts, rows, strict=True):
+    labels = labels or [f"--prompt-ids #{i + 1}" for i in range(len(rows))]
+    for label, row in zip(labels, rows, strict=True):
         if len(row) == 0:
-            raise ConfigError("--prompt '' is empty; give at least one character")
+            raise ConfigError(f"{label} is empty; give at least one token")
         if len(row) > m.seq_len:
-            raise ConfigError(
-                f"--prompt {p[:20]!r}... is {len(row)} tokens (UTF-8 bytes), longer than model.seq_len={m.seq_len}; "
-                "shorten it"
-            )
+            raise ConfigError(f"{label} is {len(row)} {unit}, longer than model.seq_len={m.seq_len}; shorten it")
         if m.positions == "learned" and len(row) + max_new_tokens > m.seq_len:
             raise ConfigError(
-                f"--prompt of {len(row)} tokens + --max-new-tokens {max_new_tokens} = {len(row) + max_new_tokens}, "
+                f"{label}: {len(row)} {unit} + --max-new-tokens {max_new_tokens} = {len(row) + max_new_tokens}, "
                 f"but learned positions reach model.seq_len={m.seq_len}; use --max-new-tokens "
                 f"{m.seq_len - len(row)} or less"
             )
-        if row.max() >= m.vocab:
-            raise ConfigError(
-                f"--prompt {p[:20]!r} holds byte {int(row.max())}, outside model.vocab={m.vocab}; prompts are "
-                "UTF-8 bytes, so use plain ASCII with this vocabulary"
-            )
+        if min(row) < 0 or max(row) >= m.vocab:
+            bad = max(row) if max(row) >= m.vocab else min(row)
+            hint = "; prompts are UTF-8 bytes, so use plain ASCII with this vocabulary" if unit == "UTF-8 bytes" else ""
+            raise ConfigError(f"{label} holds token {bad}, outside model.vocab={m.vocab} (0..{m.vocab - 1}){hint}")
     lengths = [len(r) for r in rows]
     out = np.zeros((len(rows), max(lengths)), np.int32)
     for i, r in enumerate(rows):
@@ -182,24 +237,36 @@ def generate_on_mesh(
 
 
 def generate_text(
-    run: Run, checkpoint_dir: str | Path, prompts: Sequence[str], max_new_tokens: int, **sampling: Any
+    run: Run,
+    checkpoint_dir: str | Path,
+    prompts: Sequence[str] | None,
+    max_new_tokens: int,
+    *,
+    codec: Codec | None = None,
+    ids: Sequence[Sequence[int]] | None = None,
+    **sampling: Any,
 ) -> Texts:
-    """Restore the newest checkpoint of ``checkpoint_dir`` onto ``run``'s mesh and continue each prompt.
+    """Restore the newest checkpoint of ``checkpoint_dir`` onto ``run``'s mesh and continue each prompt:
+    ``prompts`` as text (encoded by ``codec``, bytes by default), or ``ids`` as tokens. ``Texts.text`` is
+    each prompt and its continuation decoded by ``codec`` (``None`` for ``ids`` without one).
 
     Raises:
-      ConfigError: a run generation cannot lay out, bad prompts (see :func:`encode`), or a checkpoint that
-        is missing or of another model.
+      ConfigError: a run generation cannot lay out, bad prompts (see :func:`prompt_rows`), or a checkpoint
+        that is missing or of another model.
     """
     check_generable(run)
-    tokens, lengths = encode(prompts, run, max_new_tokens)
+    if ids is not None:
+        tokens, lengths = prompt_rows(ids, run, max_new_tokens)
+    else:
+        tokens, lengths = encode(prompts, run, max_new_tokens, codec)
     model, restored, laid_out = restored_model(run, checkpoint_dir)
     out = generate_on_mesh(run, model, tokens, max_new_tokens, lengths=lengths, laid_out=laid_out, **sampling)
     new = np.asarray(out.tokens).tolist()
-    rate = len(prompts) * out.steps / out.decode_s if out.steps else None
-    return Texts(
-        text=[p + decode_text(t) for p, t in zip(prompts, new, strict=True)],
-        tokens=new,
-        prefill_s=out.prefill_s,
-        decode_tokens_per_s=rate,
-        step=restored.step,
-    )
+    rate = len(new) * out.steps / out.decode_s if out.steps else None
+    if ids is not None:
+        text = None if codec is None else [codec.decode([*p, *t]) for p, t in zip(ids, new, strict=True)]
+    elif isinstance(codec, Tokenizer):  # a tokenizer decodes the whole sequence (spaces fall between tokens)
+        text = [codec.decode([*codec.encode(p), *t]) for p, t in zip(prompts, new, strict=True)]
+    else:
+        text = [p + decode_text(t) for p, t in zip(prompts, new, strict=True)]
+    return Texts(text=text, tokens=new, prefill_s=out.prefill_s, decode_tokens_per_s=rate, step=restored.step)

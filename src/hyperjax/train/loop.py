@@ -22,7 +22,7 @@ from hyperjax.errors import ConfigError
 from hyperjax.models import build_model, count_params
 from hyperjax.offload import block_policies
 from hyperjax.train.breakdown import CollectiveTime, check_profiled, collective_times, profile_ops
-from hyperjax.train.checkpoint import Checkpoints
+from hyperjax.train.checkpoint import Checkpoints, imported, restore_params
 from hyperjax.train.prepare import Prepared, prepare
 from hyperjax.train.programs import build_program
 
@@ -118,12 +118,21 @@ def train(
         if ckpt is None:
             raise ConfigError("--resume needs --checkpoint-dir, the folder the run wrote its checkpoints to")
         try:
-            restored = ckpt.restore(program.saved_like(state))
-            _check_same_run(restored.meta, run, ckpt.directory / str(restored.step))
+            if imported(ckpt.directory):  # weights alone (import-hf): they start the run at step 0
+                if run.pipelined:
+                    raise ConfigError(
+                        f"{str(ckpt.directory)!r} holds imported weights, which start an SPMD run; set "
+                        "parallel.pipeline=1 to train from them"
+                    )
+                restored = restore_params(ckpt.directory, state["params"], command="train --resume")
+                state = {**state, "params": restored.state}
+            else:
+                restored = ckpt.restore(program.saved_like(state))
+                _check_same_run(restored.meta, run, ckpt.directory / str(restored.step))
+                state, records = program.from_saved(restored.state, restored.step), restored.records
         except BaseException:
             ckpt.close()
             raise
-        state, records = program.from_saved(restored.state, restored.step), restored.records
         if log is not None:
             log.write(
                 f"resumed from {ckpt.directory / str(restored.step)} (step {restored.step}, written on "

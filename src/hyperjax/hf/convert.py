@@ -1,0 +1,200 @@
+"""``import-hf`` and ``export-hf``: a Hugging Face model folder as a hyperjax config and checkpoint, and back.
+
+An import writes ``config.yaml`` (the model exactly, every other section at its defaults or as ``--set``
+says), ``checkpoint/`` (an orbax checkpoint of the parameters at step 0, which ``generate``, ``train
+--resume`` and :func:`hyperjax.train.checkpoint.restore_params` restore onto any layout) and a copy of the
+tokenizer files. An export writes ``config.json``, safetensors and the tokenizer files the config's folder
+holds. Both write into a temporary folder renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import yaml
+from flax import nnx
+
+from hyperjax.config import Config, Run
+from hyperjax.config.hf import hf_from_model, read_hf_config, run_section, training_only
+from hyperjax.config.load import apply_override, build
+from hyperjax.errors import ConfigError
+from hyperjax.files import write_json
+from hyperjax.hf.io import export_weights, has_weights, import_weights, replace_folder
+from hyperjax.hf.names import views
+from hyperjax.models import build_model
+from hyperjax.resolver import resolve
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+"""The files of a model folder that travel with it unchanged."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Imported:
+    """What :func:`import_hf` wrote.
+
+    Attributes:
+      config: the ``config.yaml`` path.
+      checkpoint: the checkpoint folder (``None``: the folder held no weights).
+      tensors: stored tensors read.
+      copied: tokenizer files copied.
+      not_applied: ``config.json`` fields that matter only for training there (dropout), as ``key=value``.
+    """
+
+    config: str
+    checkpoint: str | None
+    tensors: int
+    copied: list[str]
+    not_applied: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def imported_config(hf_dir: str | Path, sets: list[str]) -> tuple[dict[str, Any], Config]:
+    """The raw run config of ``hf_dir`` with ``sets`` applied, and the config it makes."""
+    raw = run_section(read_hf_config(hf_dir), str(Path(hf_dir) / "config.json"))
+    for item in sets:
+        apply_override(raw, item)
+    return raw, build(Config, raw, "")
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, sets: list[str]) -> Imported:
+    """Import Hugging Face folder ``hf_dir`` into folder ``out`` (replaced whole if it exists).
+
+    The devices of the run the config describes must be started (:func:`hyperjax.start_devices`); the
+    weights are read into the shardings its strategy gives them.
+
+    Raises:
+      ConfigError: an unsupported ``config.json`` (the field is named), or weights of another model.
+    """
+    hf_dir, out = Path(hf_dir), Path(out)
+    raw, cfg = imported_config(hf_dir, sets)
+    run = resolve(cfg)
+    hf = read_hf_config(hf_dir)
+    copied = [name for name in TOKENIZER_FILES if (hf_dir / name).is_file()]
+    weights = has_weights(hf_dir)
+    if weights and hf.get("quantization_config"):
+        raise ConfigError(
+            f"{str(hf_dir / 'config.json')!r}: quantization_config={hf['quantization_config']!r}: import-hf reads "
+            "unquantised weights; dequantise the checkpoint to bfloat16 first (its config alone imports as it is)"
+        )
+    counted = {"tensors": 0}
+
+    def write(tmp: Path) -> None:
+        header = f"# {hf.get('model_type')} imported from {hf_dir.absolute()} by hyperjax import-hf\n"
+        (tmp / "config.yaml").write_text(header + yaml.safe_dump(raw, sort_keys=False))
+        for name in copied:
+            shutil.copyfile(hf_dir / name, tmp / name)
+        if weights:
+            counted["tensors"] = _write_checkpoint(run, hf_dir, tmp / "checkpoint")
+
+    replace_folder(write, out)
+    return Imported(
+        config=str(out / "config.yaml"),
+        checkpoint=str(out / "checkpoint") if weights else None,
+        tensors=counted["tensors"],
+        copied=copied,
+        not_applied=training_only(hf),
+    )
+
+
+def _layout(run: Run) -> tuple[Any, Any, dict[tuple, Any]]:
+    """The run's abstract model (graph and state) and each parameter's sharding, by path."""
+    from hyperjax.train.generate import layout
+
+    abstract = nnx.eval_shape(lambda: build_model(run.config.model, dtype=run.dtype, seed=run.config.train.seed))
+    graphdef, state = nnx.split(abstract)
+    mesh, strategy = layout(run, state)
+    shapes = nnx.to_pure_dict(state)
+    shardings = strategy.shardings(shapes, mesh)
+    return graphdef, shapes, dict(_flatten(shardings))
+
+
+def _write_checkpoint(run: Run, hf_dir: Path, folder: Path) -> int:
+    from hyperjax.train.checkpoint import IMPORTED, Checkpoints
+
+    _, shapes, shardings = _layout(run)
+    m = run.config.model
+    params = import_weights(m, hf_dir, shardings)
+    tree = _unflatten(params, shapes)
+    ckpt = Checkpoints(folder, keep=1)
+    t = run.config.train
+    meta = {
+        "step": 0,
+        "imported_from": str(hf_dir.absolute()),
+        "data": {"source": t.data, "seed": t.seed, "position": 0, "global_batch": t.global_batch},
+        "rng": {"seed": t.seed},
+        "devices": run.devices,
+        "strategy": run.describe(),
+        "records": [],
+    }
+    try:
+        ckpt.save(0, {"params": tree}, meta)
+    finally:
+        ckpt.close()
+    write_json(folder / IMPORTED, {"from": str(hf_dir.absolute())})
+    return len({n for _, view in views(m) for n in view.names})
+
+
+def export_hf(
+    run: Run,
+    checkpoint_dir: str | Path,
+    out: str | Path,
+    *,
+    config_path: str | Path | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+    dtype: str = "float32",
+) -> list[str]:
+    """Write the newest checkpoint of ``checkpoint_dir`` (restored onto ``run``'s mesh) as a Hugging Face
+    folder ``out``: ``config.json``, safetensors and the tokenizer files beside ``config_path``. Returns the
+    files written.
+
+    Raises:
+      ConfigError: a model no Hugging Face type describes, or a checkpoint that is missing or of another model.
+    """
+    from hyperjax.train.checkpoint import restore_params
+
+    m = run.config.model
+    config = hf_from_model(m)  # refuses a model no type describes before anything is read
+    _, shapes, shardings = _layout(run)
+    like = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, _unflatten(shardings, shapes)
+    )
+    params = dict(_flatten(restore_params(checkpoint_dir, like, command="export-hf").state))
+    src = Path(config_path).parent if config_path is not None else None
+    copied = [n for n in TOKENIZER_FILES if src is not None and (src / n).is_file()]
+    written: list[str] = []
+
+    def write(tmp: Path) -> None:
+        config["torch_dtype"] = dtype
+        write_json(tmp / "config.json", config)
+        written.extend(["config.json", *export_weights(m, params, tmp, max_shard_bytes=max_shard_bytes, dtype=dtype)])
+        for name in copied:
+            shutil.copyfile(src / name, tmp / name)
+        written.extend(copied)
+
+    replace_folder(write, Path(out))
+    return written
+
+
+def _flatten(tree: Any, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
+    if isinstance(tree, dict):
+        return [kv for k, v in tree.items() for kv in _flatten(v, (*prefix, k))]
+    return [(prefix, tree)]
+
+
+def _unflatten(flat: dict[tuple, Any], like: Any) -> Any:
+    """``flat``'s values in the nested structure of ``like`` (its keys' types kept: blocks are numbered)."""
+
+    def walk(node: Any, prefix: tuple) -> Any:
+        if isinstance(node, dict):
+            return {k: walk(v, (*prefix, k)) for k, v in node.items()}
+        if prefix not in flat:
+            raise ConfigError(f"parameter {'/'.join(map(str, prefix))} has no Hugging Face tensor")
+        return flat[prefix]
+
+    return walk(like, ())

@@ -1,0 +1,204 @@
+"""Hugging Face checkpoints in and out: safetensors read block by block into each device's shard, and
+written back in the layout ``transformers`` loads.
+
+:func:`import_weights` reads a model folder's safetensors (one file, or shards with
+``model.safetensors.index.json``) lazily: every device's shard of every parameter is read as the block of
+the stored tensor that holds it (:meth:`hyperjax.hf.names.View.read`), so no device ever holds more than its
+shard. :func:`export_weights` writes parameters one at a time into safetensors files of at most
+``max_shard_bytes`` each, with an index when there are several, all into a temporary folder renamed into
+place at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from hyperjax.config import ModelConfig
+from hyperjax.errors import ConfigError
+from hyperjax.hf.names import View, stored_shapes, views
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+UNUSED_BUFFERS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+"""Stored tensors older ``transformers`` versions save that are not parameters (rotary tables, GPT-2's
+causal masks): skipped on import."""
+
+
+def has_weights(folder: str | Path) -> bool:
+    """Whether ``folder`` holds safetensors weights (one file, or an index of shards)."""
+    folder = Path(folder)
+    return (folder / SINGLE).is_file() or (folder / INDEX).is_file()
+
+
+class Stored:
+    """The safetensors tensors of a model folder, opened lazily (``with Stored(folder) as s``)."""
+
+    def __init__(self, folder: str | Path) -> None:
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        if (self.folder / INDEX).is_file():
+            try:
+                weight_map = json.loads((self.folder / INDEX).read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ConfigError(f"{str(self.folder / INDEX)!r} is not a safetensors index ({e})") from None
+        elif (self.folder / SINGLE).is_file():
+            weight_map = None
+        else:
+            raise ConfigError(f"{str(self.folder)!r} holds no {SINGLE} and no {INDEX}")
+        files = sorted(set(weight_map.values())) if weight_map else [SINGLE]
+        self._files = {}
+        for name in files:
+            try:
+                self._files[name] = safe_open(str(self.folder / name), framework="np")
+            except Exception as e:
+                raise ConfigError(f"{str(self.folder / name)!r} cannot be read as safetensors ({e})") from None
+        if weight_map is None:
+            weight_map = {k: SINGLE for k in self._files[SINGLE].keys()}  # noqa: SIM118 (a safetensors handle)
+        self.weight_map = weight_map
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._files[self.weight_map[name]].get_slice(name).get_shape())
+
+    def fetch(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """Block ``index`` of tensor ``name``, as float32."""
+        return np.asarray(self._files[self.weight_map[name]].get_slice(name)[index], dtype=np.float32)
+
+    def __enter__(self) -> Stored:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._files.clear()
+
+
+def check_stored(m: ModelConfig, stored: Stored) -> None:
+    """Every tensor ``m`` needs is stored at its shape, and nothing else is stored.
+
+    Raises:
+      ConfigError: a missing tensor, one of another shape (both shapes named), or one the model lacks.
+    """
+    want = stored_shapes(m)
+    where = str(stored.folder)
+    for name, shape in want.items():
+        if name not in stored.weight_map:
+            raise ConfigError(f"{where}: tensor {name!r} is missing; the config.json describes a model that has it")
+        if stored.shape(name) != shape:
+            raise ConfigError(
+                f"{where}: tensor {name!r} is {list(stored.shape(name))}, but the config.json's model needs "
+                f"{list(shape)}; the weights belong to another model"
+            )
+    extra = sorted(n for n in stored.weight_map if n not in want and not n.endswith(UNUSED_BUFFERS))
+    if extra:
+        raise ConfigError(
+            f"{where}: tensor {extra[0]!r} (and {len(extra) - 1} more) has no place in the model config.json "
+            "describes; hyperjax would drop it, so it refuses the checkpoint"
+        )
+
+
+def import_weights(m: ModelConfig, folder: str | Path, shardings: dict[tuple, Any]) -> dict[tuple, jax.Array]:
+    """The parameters of ``m`` read from ``folder``, each block straight into the device shard
+    ``shardings[path]`` gives it (float32).
+
+    Raises:
+      ConfigError: as :func:`check_stored`.
+    """
+    with Stored(folder) as stored:
+        check_stored(m, stored)
+        out = {}
+        for path, view in views(m):
+            out[path] = _read_sharded(view, shardings[path], stored.fetch)
+        return out
+
+
+def _read_sharded(view: View, sharding: Any, fetch: Callable) -> jax.Array:
+    return jax.make_array_from_callback(view.shape, sharding, lambda idx: view.read(idx, fetch), dtype=np.float32)
+
+
+def export_weights(
+    m: ModelConfig, params: dict[tuple, Any], out: Path, *, max_shard_bytes: int, dtype: str = "float32"
+) -> list[str]:
+    """Write ``params`` (paths as :func:`hyperjax.hf.names.views` gives them) as safetensors into folder
+    ``out`` (which must exist): one file, or shards of at most ``max_shard_bytes`` with an index. Returns
+    the files written."""
+    from safetensors.numpy import save_file
+
+    shapes = stored_shapes(m)
+    cast = _dtype(dtype)
+    size = lambda name: math.prod(shapes[name]) * cast.itemsize
+    groups: list[list[str]] = [[]]
+    total, held = 0, 0
+    order = list(dict.fromkeys(n for _, view in views(m) for n in view.names))
+    for name in order:
+        if groups[-1] and held + size(name) > max_shard_bytes:
+            groups.append([])
+            held = 0
+        groups[-1].append(name)
+        held += size(name)
+        total += size(name)
+    by_name = {}
+    for path, view in views(m):
+        for n in view.names:
+            by_name.setdefault(n, []).append((path, view))
+    files = (
+        [SINGLE]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
+    weight_map = {}
+    for file, names in zip(files, groups, strict=True):
+        tensors: dict[str, np.ndarray] = {}
+        for name in names:
+            for path, view in by_name[name]:
+                if name in tensors and view.part is None:
+                    continue
+                value = np.asarray(jax.device_get(params[path]), dtype=np.float32)
+                part: dict[str, np.ndarray] = {k: v for k, v in tensors.items() if k in view.names}
+                view.write(value, part)
+                tensors.update({k: v for k, v in part.items() if k in names})
+            weight_map[name] = file
+        save_file({k: v.astype(cast) for k, v in tensors.items()}, str(out / file), metadata={"format": "pt"})
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX).write_text(json.dumps(index, indent=2))
+    return files
+
+
+def _dtype(name: str) -> np.dtype:
+    if name == "float32":
+        return np.dtype(np.float32)
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    raise ConfigError(f"--dtype {name!r} is not float32 or bfloat16")
+
+
+def replace_folder(build: Callable[[Path], None], target: Path) -> None:
+    """Run ``build`` on a fresh temporary folder beside ``target`` and rename it to ``target`` once it
+    returns (an existing ``target`` is replaced only then): readers see the old folder or the whole new one."""
+    target = Path(target).absolute()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        build(tmp)
+        if target.exists():
+            old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.old."))
+            os.replace(target, old / "x")
+            os.replace(tmp, target)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,54 @@
+"""``export-hf`` of models trained here: transformers loads the folder as the same model (equal logits);
+a model no Hugging Face type describes exits 2 naming what differs."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hyperjax.cli.main import main
+from tests.hf.models import logits
+
+pytest.importorskip("transformers")
+
+QUICK = str(Path(__file__).parents[2] / "configs" / "quickstart.yaml")
+SMALL = ["--set", "model.layers=2", "--set", "model.d_model=64", "--set", "model.heads=4", "--set", "model.d_ff=128"]
+FAMILIES = {"gpt": [], "llama": ["--set", "model.family=llama", "--set", "model.kv_heads=2"]}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_trained_model_exports_to_transformers_with_equal_logits(tmp_path, family):
+    import jax
+    import transformers
+
+    from hyperjax import load_config, resolve
+    from hyperjax.train.generate import restored_model
+
+    sets = [*SMALL, *FAMILIES[family]]
+    train = ["train", QUICK, *sets, "--steps", "2", "--out-dir", str(tmp_path / "o"), "--checkpoint-dir"]
+    assert main([*train, str(tmp_path / "ck")]) == 0
+    export = ["export-hf", QUICK, *sets, "--checkpoint-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")]
+    assert main(export) == 0
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = np.arange(40, dtype=np.int32).reshape(2, 20) * 3
+    run = resolve(load_config(QUICK, [*sets[1::2], "emulate.devices=1", "parallel.tensor=1"]))
+    ours = np.asarray(restored_model(run, tmp_path / "ck")[0](jax.numpy.asarray(tokens)))
+    want = logits(theirs, tokens)
+    np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["model.block=parallel"], "block=parallel"),
+        (["model.family=llama", "model.norm=layernorm"], "norm=layernorm"),
+        (["model.family=llama", "model.bias=true", "model.qkv_bias=false"], "model.bias without model.qkv_bias"),
+    ],
+    ids=["parallel-block", "llama-layernorm", "bias-without-qkv"],
+)
+def test_a_model_no_type_describes_exits_2(capsys, tmp_path, sets, message):
+    args = ["export-hf", QUICK, "--checkpoint-dir", str(tmp_path), "--out", str(tmp_path / "hf")]
+    assert main([*args, *[x for s in sets for x in ("--set", s)]]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "hf").exists()

@@ -1,0 +1,121 @@
+"""``import-hf`` on config.json files: a field hyperjax cannot honour exits 2 naming the field and its value;
+``predict`` and ``plan`` take a config.json; a tokenizer.json travels with the model and ``generate`` encodes
+and decodes with it."""
+
+import json
+
+import pytest
+
+from hyperjax.cli.main import main
+
+LLAMA = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}
+
+
+def write(folder, **changes):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**LLAMA, **changes}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"model_type": "bert"}, "model_type='bert'"),
+        ({"model_type": "mixtral", "sliding_window": 4096, "num_local_experts": 8, "num_experts_per_tok": 2},
+         "sliding_window=4096"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_scaling.rope_type='longrope'"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"attention_bias": True, "mlp_bias": False}, "attention_bias=True with mlp_bias=False"),
+        ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=True"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types="),
+        ({"logit_softcapping": 30.0}, "logit_softcapping=30.0"),
+        ({"num_attention_heads": 5}, "model.d_model=64 is not divisible by model.heads=5"),
+        ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+          "decoder_sparse_step": 2, "mlp_only_layers": [1]}, "mlp_only_layers=[1] with decoder_sparse_step=2"),
+    ],
+    ids=["model-type", "sliding", "rope-type", "act", "bias-mix", "qwen3-bias", "layer-types", "unknown",
+         "shape", "sparse-layers"],
+)  # fmt: skip
+def test_a_field_hyperjax_cannot_honour_exits_2_naming_it(capsys, tmp_path, changes, message):
+    folder = write(tmp_path / "hf", **changes)
+    assert main(["import-hf", str(folder), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()  # nothing half-written
+    assert main(["predict", str(folder / "config.json")]) == 2
+
+
+def test_predict_and_plan_take_a_config_json(capsys, tmp_path):
+    folder = write(tmp_path / "hf")
+    assert main(["predict", str(folder / "config.json"), "--json"]) == 0
+    direct = json.loads(capsys.readouterr().out)
+    assert main(["import-hf", str(folder), "--out", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    assert main(["predict", str(tmp_path / "out" / "config.yaml"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == direct and direct["step_time_s"] > 0
+    assert main(["plan", str(folder), "--json", "--devices", "8"]) == 0
+    assert json.loads(capsys.readouterr().out)
+
+
+def test_a_config_only_import_writes_the_model_exactly(tmp_path):
+    from hyperjax import load_config
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    folder = write(tmp_path / "hf", rope_scaling={**scaling, "original_max_position_embeddings": 8192})
+    assert main(["import-hf", str(folder), "--out", str(tmp_path / "out"), "--set", "parallel.tensor=2"]) == 0
+    assert not (tmp_path / "out" / "checkpoint").exists()
+    cfg = load_config(tmp_path / "out" / "config.yaml")
+    m = cfg.model
+    assert (m.d_model, m.heads, m.kv_heads, m.head_dim, m.d_ff, m.vocab) == (64, 4, 2, 16, 128, 256)
+    assert (m.norm_eps, m.rope_theta, m.rope_scaling.factor, m.rope_scaling.original_max_position) == (
+        1e-5, 500000.0, 8.0, 8192)  # fmt: skip
+    assert cfg.parallel.tensor == 2
+    assert load_config(folder).model == m
+
+
+def test_weights_of_another_model_exit_2_naming_the_tensor(capsys, tmp_path):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    folder = write(tmp_path / "hf", num_hidden_layers=1)
+    save_file({"model.embed_tokens.weight": np.zeros((256, 32), np.float32)}, str(folder / "model.safetensors"))
+    assert main(["import-hf", str(folder), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "'model.embed_tokens.weight' is [256, 32]" in err and "[256, 64]" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_generate_encodes_and_decodes_with_the_tokenizer(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from tests.hf.models import VOCAB, greedy, make
+
+    model = make("qwen3", tmp_path / "hf")
+    words = {f"w{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "q3"), "--set", "model.seq_len=64"]) == 0
+    assert (tmp_path / "q3" / "tokenizer.json").is_file()
+    capsys.readouterr()
+    args = ["generate", str(tmp_path / "q3" / "config.yaml"), "--checkpoint-dir", str(tmp_path / "q3" / "checkpoint")]
+    assert main([*args, "--prompt", "w5 w9 w12", "--max-new-tokens", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    want = greedy(model, [5, 9, 12], 8)
+    assert out["tokens"] == [want]
+    assert out["text"] == [tok.decode([5, 9, 12, *want])]

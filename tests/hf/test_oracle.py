@@ -1,0 +1,140 @@
+"""The oracle against transformers: a model made by ``transformers``, imported by ``hyperjax import-hf``,
+gives transformers' logits (fp32, 1e-4 relative) and greedy ids on one device and under tensor, fsdp and
+expert layouts; import then export gives back the same tensors bit for bit."""
+
+import json
+
+import numpy as np
+import pytest
+
+from hyperjax.cli.main import main
+from tests.hf.models import ARCHS, greedy, logits, make
+from tests.tiers import sweep
+
+pytest.importorskip("transformers")
+
+PROMPT = [1, 2, 3]
+TOKENS = np.array([[5, 9, 1, 33, 60, 2, 7, 14, 21, 3], [44, 12, 8, 0, 63, 25, 31, 6, 18, 50]], np.int32)
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """Each architecture: its transformers model, its folder and the folder import-hf wrote."""
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            root = tmp_path_factory.mktemp(arch)
+            model = make(arch, root / "hf")
+            assert main(["import-hf", str(root / "hf"), "--out", str(root / "hj"), "--set", "model.seq_len=64"]) == 0
+            made[arch] = (model, root / "hf", root / "hj")
+        return made[arch]
+
+    return get
+
+
+def our_logits(folder, tokens, sets=()):
+    """hyperjax's logits of ``tokens`` for the imported model in ``folder``, on the layout ``sets`` give."""
+    import jax
+
+    from hyperjax import load_config, resolve
+    from hyperjax.train.generate import generate_on_mesh, restored_model
+
+    run = resolve(load_config(folder / "config.yaml", list(sets)))
+    model, _, laid_out = restored_model(run, folder / "checkpoint")
+    if run.devices == 1:
+        return np.asarray(model(jax.numpy.asarray(tokens)))
+    return np.asarray(generate_on_mesh(run, model, tokens, 1, laid_out=laid_out).first_logits)
+
+
+def close(ours, theirs):
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_logits_equal_transformers_on_one_device(imported, arch):
+    model, _, folder = imported(arch)
+    close(our_logits(folder, TOKENS, ["emulate.devices=1"]), logits(model, TOKENS))
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_import_then_generate_gives_transformers_greedy_ids(imported, capsys, arch):
+    model, _, folder = imported(arch)
+    capsys.readouterr()
+    args = ["generate", str(folder / "config.yaml"), "--checkpoint-dir", str(folder / "checkpoint")]
+    args += ["--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "16", "--temperature", "0", "--json"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == [greedy(model, PROMPT, 16)]
+
+
+LAYOUTS = [
+    ("deepseek_v3", ("parallel.expert=4", "parallel.tensor=2")),
+    ("llama", ("parallel.tensor=2",)),
+    ("qwen3", ("parallel.fsdp=8",)),
+    ("mixtral", ("parallel.expert=4", "parallel.data=2")),
+    ("qwen2", ("parallel.tensor=2", "parallel.data=4")),
+    ("gpt2", ("parallel.tensor=4", "parallel.data=2")),
+    ("qwen3_moe", ("parallel.expert=2", "parallel.tensor=2", "parallel.data=2")),
+    ("llama3-scaled", ("parallel.fsdp=4", "parallel.tensor=2")),
+    ("mixtral", ("parallel.fsdp=8",)),
+]
+
+
+@pytest.mark.parametrize(
+    ("arch", "sets"), sweep(LAYOUTS, fast={0, 1, 2, 3}), ids=[f"{a}-{'-'.join(s)}" for a, s in LAYOUTS]
+)
+def test_layouts_give_the_same_logits(imported, arch, sets):
+    model, _, folder = imported(arch)
+    last = logits(model, TOKENS)[:, -1]
+    close(our_logits(folder, TOKENS, ["emulate.devices=8", *sets]), last)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_import_then_export_round_trips_bit_for_bit(imported, tmp_path, arch):
+    from safetensors.numpy import load_file
+
+    _, hf, folder = imported(arch)
+    args = ["export-hf", str(folder / "config.yaml"), "--checkpoint-dir", str(folder / "checkpoint")]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+    before, after = load_file(hf / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    for name, value in before.items():
+        assert after[name].dtype == value.dtype and after[name].tobytes() == value.tobytes(), name
+    assert (
+        json.loads((tmp_path / "out" / "config.json").read_text())["model_type"]
+        == hf.joinpath("config.json").read_text().split('"model_type": "')[1].split('"')[0]
+    )
+
+
+def test_sharded_export_writes_an_index_transformers_loads(imported, tmp_path):
+    import transformers
+
+    model, _, folder = imported("mixtral")
+    args = ["export-hf", str(folder / "config.yaml"), "--checkpoint-dir", str(folder / "checkpoint")]
+    assert main([*args, "--out", str(tmp_path / "out"), "--max-shard-gib", str(20_000 / 2**30)]) == 0
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 3
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    close(logits(back, TOKENS), logits(model, TOKENS))
+
+
+def test_train_resumes_from_imported_weights_at_transformers_loss(imported, tmp_path):
+    import shutil
+
+    import torch
+
+    from hyperjax.train.data import Batches
+
+    model, _, folder = imported("qwen2")
+    ck = tmp_path / "ck"
+    shutil.copytree(folder / "checkpoint", ck)
+    args = ["train", str(folder / "config.yaml"), "--checkpoint-dir", str(ck), "--resume", "--steps", "2"]
+    args += ["--set", "train.global_batch=8", "--metrics-out", str(tmp_path / "m.jsonl"), "--out-dir", str(tmp_path)]
+    assert main(args) == 0
+    first = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])
+    batch = Batches(source="synthetic", global_batch=8, seq_len=64, vocab=64, seed=0).batch(0)
+    theirs = torch.nn.functional.cross_entropy(
+        torch.tensor(logits(model, batch["inputs"])).reshape(-1, 64), torch.tensor(batch["targets"]).reshape(-1).long()
+    )
+    assert first["loss"] == pytest.approx(float(theirs), rel=1e-4)
+    assert (ck / "2").is_dir()  # the run goes on writing its own checkpoints
