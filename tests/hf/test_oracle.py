@@ -116,6 +116,11 @@ def test_sharded_export_writes_an_index_transformers_loads(imported, tmp_path):
     assert len(set(index["weight_map"].values())) > 3
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     close(logits(back, TOKENS), logits(model, TOKENS))
+    # and the shards import again, read through their index
+    assert (
+        main(["import-hf", str(tmp_path / "out"), "--out", str(tmp_path / "again"), "--set", "model.seq_len=64"]) == 0
+    )
+    close(our_logits(tmp_path / "again", TOKENS, ["emulate.devices=1"]), logits(model, TOKENS))
 
 
 def test_train_resumes_from_imported_weights_at_transformers_loss(imported, tmp_path):

@@ -146,10 +146,6 @@ def export_weights(
         groups[-1].append(name)
         held += size(name)
         total += size(name)
-    by_name = {}
-    for path, view in views(m):
-        for n in view.names:
-            by_name.setdefault(n, []).append((path, view))
     files = (
         [SINGLE]
         if len(groups) == 1
@@ -157,17 +153,12 @@ def export_weights(
     )
     weight_map = {}
     for file, names in zip(files, groups, strict=True):
-        tensors: dict[str, np.ndarray] = {}
-        for name in names:
-            for path, view in by_name[name]:
-                if name in tensors and view.part is None:
-                    continue
-                value = np.asarray(jax.device_get(params[path]), dtype=np.float32)
-                part: dict[str, np.ndarray] = {k: v for k, v in tensors.items() if k in view.names}
-                view.write(value, part)
-                tensors.update({k: v for k, v in part.items() if k in names})
-            weight_map[name] = file
-        save_file({k: v.astype(cast) for k, v in tensors.items()}, str(out / file), metadata={"format": "pt"})
+        wanted, tensors = set(names), {}
+        for path, view in views(m):  # every parameter with a tensor in this file, one at a time
+            if not wanted.isdisjoint(view.names):
+                view.write(np.asarray(jax.device_get(params[path]), dtype=np.float32), tensors)
+        save_file({k: tensors[k].astype(cast) for k in names}, str(out / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file))
     if len(files) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX).write_text(json.dumps(index, indent=2))

@@ -1,0 +1,36 @@
+"""The all-to-all's reach: how many blocks of devices a token's copies cross to, with and without grouped
+(node-limited) routing."""
+
+import math
+from pathlib import Path
+
+import pytest
+
+from hyperjax import estimate, load_config, resolve
+from hyperjax.config import MoEConfig
+from hyperjax.cost.routing import reach_probability
+
+DEEPSEEK = {"experts": 256, "top_k": 8}
+
+
+def test_uniform_choice_reaches_a_block_by_the_hypergeometric_law():
+    moe = MoEConfig(**DEEPSEEK)
+    assert reach_probability(moe, 32) == pytest.approx(1 - math.comb(224, 8) / math.comb(256, 8))
+
+
+def test_grouped_routing_reaches_whole_group_blocks_as_the_groups_are_chosen():
+    moe = MoEConfig(**DEEPSEEK, groups=8, group_top_k=4)
+    assert reach_probability(moe, 32) == pytest.approx(1 - math.comb(7, 4) / math.comb(8, 4))  # one node: 1/2
+    assert reach_probability(moe, 64) == pytest.approx(1 - math.comb(6, 4) / math.comb(8, 4))
+    # a block inside a group: its group chosen (4 of 8), then one of its experts among the chosen 128
+    assert reach_probability(moe, 4) == pytest.approx(0.5 * (1 - math.comb(124, 8) / math.comb(128, 8)))
+    assert reach_probability(moe, 32) < reach_probability(MoEConfig(**DEEPSEEK), 32)
+
+
+def test_grouped_routing_shortens_the_exchange_across_nodes():
+    sets = ["hardware=dgx-h100", "parallel.expert=64", "parallel.pipeline=1", "parallel.data=null"]
+    path = Path(__file__).parents[2] / "configs" / "deepseek-v3-671b.yaml"
+    grouped = resolve(load_config(path, sets))
+    flat = resolve(load_config(path, [*sets, "model.moe.groups=1", "model.moe.group_top_k=null"]))
+    a, b = estimate(grouped).communication_s["expert_parallel"], estimate(flat).communication_s["expert_parallel"]
+    assert 0 < a < b
