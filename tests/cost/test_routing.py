@@ -34,3 +34,13 @@ def test_grouped_routing_shortens_the_exchange_across_nodes():
     flat = resolve(load_config(path, [*sets, "model.moe.groups=1", "model.moe.group_top_k=null"]))
     a, b = estimate(grouped).communication_s["expert_parallel"], estimate(flat).communication_s["expert_parallel"]
     assert 0 < a < b
+
+
+def test_fewer_experts_than_kept_groups_reach_no_more_groups_than_experts():
+    moe = MoEConfig(experts=64, top_k=2, groups=8, group_top_k=4)
+    flat = MoEConfig(experts=64, top_k=2)
+    assert reach_probability(moe, 8) == pytest.approx(1 - math.comb(7, 2) / math.comb(8, 2))
+    assert reach_probability(moe, 8) < 1 - math.comb(7, 4) / math.comb(8, 4)  # two groups at most, not four
+    # all groups kept: the uniform law
+    everything = MoEConfig(experts=64, top_k=2, groups=8, group_top_k=8)
+    assert reach_probability(everything, 4) == pytest.approx(reach_probability(flat, 4))

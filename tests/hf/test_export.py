@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 
 QUICK = str(Path(__file__).parents[2] / "configs" / "quickstart.yaml")
 SMALL = ["--set", "model.layers=2", "--set", "model.d_model=64", "--set", "model.heads=4", "--set", "model.d_ff=128"]
+LLAMA_MOE = ["model.family=llama", "model.moe={experts: 4, top_k: 2, d_ff: 64}"]
 FAMILIES = {"gpt": [], "llama": ["--set", "model.family=llama", "--set", "model.kv_heads=2"]}
 
 
@@ -41,10 +42,23 @@ def test_a_trained_model_exports_to_transformers_with_equal_logits(tmp_path, fam
     ("sets", "message"),
     [
         (["model.block=parallel"], "block=parallel"),
-        (["model.family=llama", "model.norm=layernorm"], "norm=layernorm"),
+        (["model.family=llama", "model.norm=layernorm"], "layernorm outside gpt2's parts"),
         (["model.family=llama", "model.bias=true", "model.qkv_bias=false"], "model.bias without model.qkv_bias"),
+        (["model.family=llama", "model.rope_interleave=true"], "model.rope_interleave with multi-head attention"),
+        # experts without per-head norms are Mixtral's: in every layer, with renormalised weights
+        ([*LLAMA_MOE, "model.moe.first_dense=1"], "must renormalise its top-k weights and have experts in every"),
+        ([*LLAMA_MOE, "model.moe.balance=bias"], "a routing bias, expert groups or routed scaling"),
+        ([*LLAMA_MOE, "model.qk_norm=true", "model.moe.routed_scaling=2.0"], "routed scaling"),
     ],
-    ids=["parallel-block", "llama-layernorm", "bias-without-qkv"],
+    ids=[
+        "parallel-block",
+        "llama-layernorm",
+        "bias-without-qkv",
+        "interleave",
+        "mixtral-dense-first",
+        "bias",
+        "scaling",
+    ],
 )
 def test_a_model_no_type_describes_exits_2(capsys, tmp_path, sets, message):
     args = ["export-hf", QUICK, "--checkpoint-dir", str(tmp_path), "--out", str(tmp_path / "hf")]
@@ -52,3 +66,12 @@ def test_a_model_no_type_describes_exits_2(capsys, tmp_path, sets, message):
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not (tmp_path / "hf").exists()
+
+
+def test_out_may_not_replace_the_checkpoint_or_the_config(capsys, tmp_path):
+    (tmp_path / "ck").mkdir()
+    args = ["export-hf", QUICK, "--checkpoint-dir", str(tmp_path / "ck")]
+    assert main([*args, "--out", str(tmp_path / "ck")]) == 2
+    assert "--out" in capsys.readouterr().err and (tmp_path / "ck").is_dir()
+    assert main([*args, "--out", str(Path(QUICK).parent)]) == 2
+    assert "the config's folder" in capsys.readouterr().err and Path(QUICK).is_file()

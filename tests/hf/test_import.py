@@ -46,9 +46,12 @@ def write(folder, **changes):
         ({"num_attention_heads": 5}, "model.d_model=64 is not divisible by model.heads=5"),
         ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
           "decoder_sparse_step": 2, "mlp_only_layers": [1]}, "mlp_only_layers=[1] with decoder_sparse_step=2"),
+        ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+          "decoder_sparse_step": 0}, "decoder_sparse_step=0 must be at least 1"),
+        ({"num_attention_heads": 0}, "num_attention_heads=0 must be at least 1"),
     ],
     ids=["model-type", "sliding", "rope-type", "act", "bias-mix", "qwen3-bias", "layer-types", "unknown",
-         "shape", "sparse-layers"],
+         "shape", "sparse-layers", "sparse-step-0", "no-heads"],
 )  # fmt: skip
 def test_a_field_hyperjax_cannot_honour_exits_2_naming_it(capsys, tmp_path, changes, message):
     folder = write(tmp_path / "hf", **changes)
@@ -119,3 +122,50 @@ def test_generate_encodes_and_decodes_with_the_tokenizer(capsys, tmp_path):
     want = greedy(model, [5, 9, 12], 8)
     assert out["tokens"] == [want]
     assert out["text"] == [tok.decode([5, 9, 12, *want])]
+
+
+def test_fields_left_out_read_as_transformers_defaults_them():
+    base = {"model_type": "deepseek_v3", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "vocab_size": 256, "intermediate_size": 128, "moe_intermediate_size": 32}  # fmt: skip
+    m = load_config_json(base).model
+    assert (m.moe.groups, m.moe.group_top_k, m.moe.routed_scaling, m.moe.first_dense) == (8, 4, 2.5, 3)
+    assert (m.moe.experts, m.moe.shared_experts, m.q_lora_rank, m.kv_lora_rank, m.rope_interleave) == (
+        256, 1, 1536, 512, True)  # fmt: skip
+    assert load_config_json({**base, "q_lora_rank": None}).model.q_lora_rank is None  # null: uncompressed
+    mixtral = {"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 8,
+               "vocab_size": 256, "intermediate_size": 128}  # fmt: skip
+    m = load_config_json(mixtral).model
+    assert (m.rope_theta, m.norm_eps, m.kv_heads, m.moe.experts, m.moe.top_k) == (1e6, 1e-5, 8, 8, 2)
+    qwen3 = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "vocab_size": 256, "intermediate_size": 128}  # fmt: skip
+    assert load_config_json(qwen3).model.head_dim == 128
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    m = load_config_json({**LLAMA, "rope_scaling": scaling}).model
+    assert m.rope_scaling.original_max_position == 2048  # as transformers: max_position_embeddings
+
+
+def load_config_json(raw):
+    import tempfile
+    from pathlib import Path
+
+    from hyperjax import load_config
+
+    folder = Path(tempfile.mkdtemp())
+    (folder / "config.json").write_text(json.dumps(raw))
+    return load_config(folder)
+
+
+def test_out_may_not_replace_the_model_folder(capsys, tmp_path):
+    folder = write(tmp_path / "hf")
+    assert main(["import-hf", str(folder), "--out", str(folder)]) == 2
+    assert "--out" in capsys.readouterr().err and (folder / "config.json").is_file()
+    assert main(["import-hf", str(folder), "--out", str(tmp_path)]) == 2
+    assert (folder / "config.json").is_file()
+
+
+def test_a_bad_index_exits_2(capsys, tmp_path):
+    folder = write(tmp_path / "hf")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["a", "b"]}))
+    assert main(["import-hf", str(folder), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "weight_map must map tensor names to file names" in err and "Traceback" not in err

@@ -3,6 +3,7 @@ gives transformers' logits (fp32, 1e-4 relative) and greedy ids on one device an
 expert layouts; import then export gives back the same tensors bit for bit."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -143,3 +144,53 @@ def test_train_resumes_from_imported_weights_at_transformers_loss(imported, tmp_
     )
     assert first["loss"] == pytest.approx(float(theirs), rel=1e-4)
     assert (ck / "2").is_dir()  # the run goes on writing its own checkpoints
+
+
+def test_checkpoints_as_published_import(imported, tmp_path, capsys):
+    """GPT-2 saved from its base model (no ``transformer.`` prefix); DeepSeek-V3 with its multi-token-
+    prediction layer after the model's own (left out, as transformers leaves it); a Mixtral config.json
+    relying on transformers' defaults (rope_theta 1e6, rms_norm_eps 1e-5)."""
+    import shutil
+
+    import transformers
+    from safetensors.numpy import load_file, save_file
+
+    def rewrite(arch, name, tensors=None, config=None):
+        _, hf, _ = imported(arch)
+        folder = tmp_path / name
+        folder.mkdir()
+        raw = json.loads((hf / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(config(raw) if config else raw))
+        weights = load_file(hf / "model.safetensors")
+        save_file(
+            tensors(weights) if tensors else weights, str(folder / "model.safetensors"), metadata={"format": "pt"}
+        )
+        return folder
+
+    def imports(folder):
+        return main(["import-hf", str(folder), "--out", str(folder) + "-hj", "--set", "model.seq_len=64"])
+
+    bare = rewrite("gpt2", "gpt2", tensors=lambda w: {k.removeprefix("transformer."): v for k, v in w.items()})
+    assert imports(bare) == 0
+    close(our_logits(Path(str(bare) + "-hj"), TOKENS, ["emulate.devices=1"]), logits(imported("gpt2")[0], TOKENS))
+
+    mtp = lambda w: {**w, "model.layers.2.eh_proj.weight": np.zeros((32, 64), np.float32)}
+    with_mtp = rewrite("deepseek_v3", "ds", tensors=mtp, config=lambda c: {**c, "num_nextn_predict_layers": 1})
+    assert imports(with_mtp) == 0
+    close(
+        our_logits(Path(str(with_mtp) + "-hj"), TOKENS, ["emulate.devices=1"]),
+        logits(imported("deepseek_v3")[0], TOKENS),
+    )
+    stray = rewrite("deepseek_v3", "ds-stray", tensors=mtp)  # the layer without num_nextn_predict_layers
+    capsys.readouterr()
+    assert imports(stray) == 2 and "'model.layers.2.eh_proj.weight'" in capsys.readouterr().err
+
+    def bare_config(c):
+        return {k: v for k, v in c.items() if k not in ("rope_parameters", "rope_theta", "rms_norm_eps")}
+
+    defaulted = rewrite("mixtral", "mixtral", config=bare_config)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(defaulted).eval()
+    assert theirs.config.rms_norm_eps == 1e-5
+    assert imports(defaulted) == 0
+    close(our_logits(Path(str(defaulted) + "-hj"), TOKENS, ["emulate.devices=1"]), logits(theirs, TOKENS))
+    shutil.rmtree(tmp_path)

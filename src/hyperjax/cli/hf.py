@@ -20,7 +20,8 @@ def add_import_parser(sub: argparse._SubParsersAction) -> None:
         usage="HF_DIR --out DIR [options]",
         summary="a Hugging Face model folder as a hyperjax config and checkpoint",
         description=(
-            "Read HF_DIR/config.json (llama, qwen2, qwen3, mixtral, qwen3_moe, gpt2) into DIR/config.yaml, the "
+            "Read HF_DIR/config.json (llama, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3, gpt2) into "
+            "DIR/config.yaml, the "
             "architecture exactly and the rest defaulted (or as --set says); with safetensors weights, write "
             "DIR/checkpoint/, read block by block into each device's shard of the config's layout; copy the "
             "tokenizer files. A config.json field hyperjax cannot honour is an error naming it."
@@ -116,7 +117,7 @@ def run_export(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-shard-gib {args.max_shard_gib} must be > 0")
     extra = [] if args.devices is None else [f"emulate.devices={args.devices}"]
     run = resolve(config_from_args(args, extra))
-    from hyperjax.config.hf import hf_from_model
+    from hyperjax.config.hf_export import hf_from_model
 
     hf_from_model(run.config.model)  # a model no Hugging Face type describes is refused before a device starts
     _start(run.devices, run.processes)

@@ -1,8 +1,9 @@
-"""Hugging Face ``config.json`` files as hyperjax model sections, and back.
+"""Hugging Face ``config.json`` files as hyperjax model sections.
 
 :func:`model_from_hf` reads the architecture of a ``config.json`` (``llama``, ``qwen2``, ``qwen3``,
-``mixtral``, ``qwen3_moe``, ``gpt2``) into the raw ``model:`` mapping of a run config; :func:`hf_from_model`
-writes a ``ModelConfig`` as the ``config.json`` of the Hugging Face type that describes it. A field hyperjax
+``mixtral``, ``qwen3_moe``, ``deepseek_v3``, ``gpt2``) into the raw ``model:`` mapping of a run config, a
+field the file leaves out read as ``transformers`` defaults it (:mod:`hyperjax.config.hf_defaults`);
+:mod:`hyperjax.config.hf_export` writes the other way. A field hyperjax
 cannot honour (a sliding window, a rope type it lacks, another activation) is a :class:`ConfigError` that
 names the field and its value: an imported model computes what the original computes, or is refused.
 Settings that only matter while training there (dropout, router jitter) are listed by :func:`training_only`,
@@ -15,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hyperjax.config.model import ModelConfig
+from hyperjax.config.hf_defaults import DEFAULTS
 from hyperjax.errors import ConfigError
 
 LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")
@@ -61,9 +62,18 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 
 def is_hf_config(path: str | Path) -> bool:
-    """Whether ``path`` names a Hugging Face ``config.json`` (a ``.json`` file, or a folder holding one)."""
+    """Whether ``path`` names a Hugging Face ``config.json``: a folder holding one, or a ``.json`` file whose
+    object names a ``model_type`` (a run config written as JSON reads as YAML, as any run config)."""
     path = Path(path)
-    return (path.is_dir() and (path / "config.json").is_file()) or path.suffix == ".json"
+    if path.is_dir():
+        return (path / "config.json").is_file()
+    if path.suffix != ".json" or not path.is_file():
+        return False
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError:
+        return path.name == "config.json"  # read_hf_config names what is wrong with it
+    return isinstance(raw, dict) and "model_type" in raw
 
 
 def model_from_hf(hf: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
@@ -127,15 +137,25 @@ class _Fields:
     def __init__(self, hf: dict[str, Any], where: str) -> None:
         self.hf, self.where, self.read = hf, where, set()
 
-    def get(self, key: str, default: Any = ..., *, kind: type | tuple[type, ...] = int) -> Any:
+    def get(self, key: str, default: Any = ..., *, kind: type | tuple[type, ...] = int, least: int | None = 1) -> Any:
+        """Field ``key``: absent, what ``transformers`` assumes for this type (else ``default``); ``null``,
+        ``default``. An integer must be at least ``least``.
+
+        Raises:
+          ConfigError: a missing field without a default, a wrong type, or an integer out of range.
+        """
         self.read.add(key)
-        if key not in self.hf or self.hf[key] is None:
+        if key not in self.hf:
+            default = DEFAULTS.get(self.hf.get("model_type"), {}).get(key, default)
+        value = self.hf.get(key)
+        if value is None:
             if default is ...:
                 raise ConfigError(f"{self.where}: {key} is missing; a {self.hf.get('model_type')} config gives it")
             return default
-        value = self.hf[key]
         if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
             raise ConfigError(f"{self.where}: {key}={value!r} has the wrong type")
+        if isinstance(value, int) and not isinstance(value, bool) and least is not None and value < least:
+            raise ConfigError(f"{self.where}: {key}={value} must be at least {least}")
         return value
 
     def want(self, key: str, allowed: tuple[Any, ...], why: str) -> Any:
@@ -161,10 +181,9 @@ def _rope(field: _Fields) -> tuple[float, dict[str, Any] | None]:
     """``rope_theta`` and the ``rope_scaling`` section, from transformers 4's fields or 5's ``rope_parameters``."""
     params = field.get("rope_parameters", None, kind=dict)
     scaling = field.get("rope_scaling", None, kind=dict)
-    theta = field.get("rope_theta", None, kind=(int, float))
+    theta = field.get("rope_theta", 10000.0, kind=(int, float))
     merged = {**(scaling or {}), **(params or {})}
-    theta = merged.pop("rope_theta", theta)
-    theta = 10000.0 if theta is None else float(theta)
+    theta = float(merged.pop("rope_theta", None) or theta)
     kind = merged.pop("rope_type", merged.pop("type", "default"))
     key = "rope_parameters" if params else "rope_scaling"
     if kind == "default":
@@ -196,6 +215,10 @@ def _rope(field: _Fields) -> tuple[float, dict[str, Any] | None]:
     if merged:
         k = sorted(merged)[0]
         raise ConfigError(f"{field.where}: {key}.{k}={merged[k]!r} is not supported for rope_type {kind!r}")
+    if kind != "linear" and "original_max_position" not in out:  # as transformers reads a config lacking it
+        out["original_max_position"] = field.get("max_position_embeddings", ROPE_SEQ_LEN)
+    if kind == "yarn" and "factor" not in out:
+        out["factor"] = field.get("max_position_embeddings", ROPE_SEQ_LEN) / out["original_max_position"]
     return theta, out
 
 
@@ -258,7 +281,8 @@ def _llama_like(field: _Fields, kind: str) -> dict[str, Any]:
 
 
 def _moe(field: _Fields, kind: str, layers: int) -> dict[str, Any]:
-    experts = field.get("num_local_experts" if kind == "mixtral" or "num_experts" not in field.hf else "num_experts")
+    named = "num_local_experts" if kind == "mixtral" else "num_experts"  # either name is read, as transformers does
+    experts = field.get("num_local_experts" if "num_local_experts" in field.hf else named)
     field.read.update({"num_experts", "num_local_experts"})
     moe = {
         "experts": experts,
@@ -271,7 +295,10 @@ def _moe(field: _Fields, kind: str, layers: int) -> dict[str, Any]:
     }
     if kind == "qwen3_moe":
         step = field.get("decoder_sparse_step", 1)
-        dense = set(field.get("mlp_only_layers", [], kind=list))
+        listed = field.get("mlp_only_layers", [], kind=list, least=None)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in listed):
+            raise ConfigError(f"{field.where}: mlp_only_layers={listed!r} must list layer numbers")
+        dense = set(listed)
         sparse = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
         first = sparse[0] if sparse else layers
         every = sparse[1] - sparse[0] if len(sparse) > 1 else 1
@@ -333,13 +360,13 @@ def _deepseek(field: _Fields) -> dict[str, Any]:
         "moe": {
             "experts": field.get("n_routed_experts"),
             "top_k": field.get("num_experts_per_tok"),
-            "shared_experts": field.get("n_shared_experts", 0),
+            "shared_experts": field.get("n_shared_experts", 0, least=0),
             "d_ff": field.get("moe_intermediate_size"),
             "capacity_factor": None,
             "router": "sigmoid",
             "balance": "bias",
             "normalize_top_k": field.get("norm_topk_prob", True, kind=bool),
-            "first_dense": field.get("first_k_dense_replace", 0),
+            "first_dense": field.get("first_k_dense_replace", 0, least=0),
             "every": 1,
             "groups": field.get("n_group", 1),
             "group_top_k": field.get("topk_group", None),
@@ -372,164 +399,4 @@ def _gpt2(field: _Fields) -> dict[str, Any]:
         "qkv_bias": True,
         "qk_norm": False,
         "norm_eps": float(field.get("layer_norm_epsilon", 1e-5, kind=(int, float))),
-    }
-
-
-def hf_model_type(m: ModelConfig) -> str:
-    """The Hugging Face ``model_type`` that describes ``m`` exactly.
-
-    Raises:
-      ConfigError: a model no supported type describes (the part that differs is named).
-    """
-    gpt2 = ("layernorm", "gelu", "learned", True, True, True, False)
-    parts = (m.norm, m.mlp, m.positions, m.tie_embeddings, m.bias, m.qkv_bias, m.qk_norm)
-    why = None
-    if m.attention == "mla":
-        return _deepseek_type(m)
-    if m.attention != "mha" or m.vision is not None or m.block != "sequential":
-        why = f"attention={m.attention}, block={m.block}, vision={'yes' if m.vision else 'no'}"
-    elif parts == gpt2 and m.moe is None and m.kv_heads == m.heads and m.head_dim * m.heads == m.d_model:
-        return "gpt2"
-    elif (m.norm, m.mlp, m.positions) != ("rmsnorm", "swiglu", "rope"):
-        why = f"norm={m.norm}, mlp={m.mlp}, positions={m.positions} (llama-like types: rmsnorm, swiglu, rope)"
-    elif m.moe is not None and (m.moe.shared_experts or m.moe.router != "softmax" or m.moe.capacity_factor):
-        why = "model.moe with shared experts, a sigmoid router or a capacity factor"
-    elif m.bias != m.qkv_bias and not (m.qkv_bias and not m.bias):
-        why = "model.bias without model.qkv_bias"
-    elif (m.qk_norm or m.moe is not None) and (m.bias or m.qkv_bias):
-        why = "biases with qk_norm or experts (Qwen3 and Mixtral have none)"
-    if why:
-        raise ConfigError(f"no Hugging Face model_type hyperjax writes describes this model: {why}")
-    if m.moe is not None:
-        mixtral = not m.qk_norm and m.moe.normalize_top_k and m.moe_layers == m.layers
-        return "mixtral" if mixtral else "qwen3_moe"
-    if m.qk_norm:
-        return "qwen3"
-    if m.qkv_bias and not m.bias:
-        return "qwen2"
-    return "llama"
-
-
-def _deepseek_type(m: ModelConfig) -> str:
-    moe = m.moe
-    why = None
-    if (m.norm, m.mlp, m.positions, m.block) != ("rmsnorm", "swiglu", "rope", "sequential") or m.vision:
-        why = f"norm={m.norm}, mlp={m.mlp}, positions={m.positions}, block={m.block} with attention=mla"
-    elif moe is None or moe.router != "sigmoid" or moe.balance != "bias" or moe.every != 1 or moe.capacity_factor:
-        why = "attention=mla without model.moe of router sigmoid, balance bias, every 1 and dropless routing"
-    if why:
-        raise ConfigError(f"no Hugging Face model_type hyperjax writes describes this model: {why} (deepseek_v3)")
-    return "deepseek_v3"
-
-
-def hf_from_model(m: ModelConfig) -> dict[str, Any]:
-    """The ``config.json`` of ``m`` as the Hugging Face type :func:`hf_model_type` names."""
-    kind = hf_model_type(m)
-    if kind == "gpt2":
-        return {
-            "architectures": [ARCHITECTURES[kind]],
-            "model_type": kind,
-            "n_embd": m.d_model,
-            "n_layer": m.layers,
-            "n_head": m.heads,
-            "n_inner": m.d_ff,
-            "n_positions": m.seq_len,
-            "vocab_size": m.vocab,
-            "activation_function": "gelu_new",
-            "layer_norm_epsilon": m.norm_eps,
-            "tie_word_embeddings": True,
-            "attn_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-            "resid_pdrop": 0.0,
-        }
-    if kind == "deepseek_v3":
-        return _deepseek_config(m)
-    out: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[kind]],
-        "model_type": kind,
-        "hidden_size": m.d_model,
-        "num_hidden_layers": m.layers,
-        "num_attention_heads": m.heads,
-        "num_key_value_heads": m.kv_heads,
-        "head_dim": m.head_dim,
-        "intermediate_size": m.d_ff,
-        "vocab_size": m.vocab,
-        "max_position_embeddings": m.seq_len,
-        "hidden_act": "silu",
-        "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta,
-        "tie_word_embeddings": m.tie_embeddings,
-        "attention_dropout": 0.0,
-    }
-    out.update(_rope_fields(m))
-    if kind in ("llama", "qwen3", "qwen3_moe"):
-        out["attention_bias"] = m.bias
-    if kind == "llama":
-        out["mlp_bias"] = m.bias
-    if kind == "mixtral":
-        out.update(num_local_experts=m.moe.experts, num_experts_per_tok=m.moe.top_k, intermediate_size=m.moe.d_ff)
-        out["sliding_window"] = None
-    if kind == "qwen3_moe":
-        out.update(
-            num_experts=m.moe.experts,
-            num_experts_per_tok=m.moe.top_k,
-            moe_intermediate_size=m.moe.d_ff,
-            norm_topk_prob=m.moe.normalize_top_k,
-            decoder_sparse_step=1,
-            mlp_only_layers=[i for i in range(m.layers) if not m.is_moe(i)],
-        )
-    return out
-
-
-def _rope_fields(m: ModelConfig) -> dict[str, Any]:
-    out: dict[str, Any] = {"rope_theta": m.rope_theta}
-    s = m.rope_scaling
-    if s is None:
-        return out
-    out["rope_scaling"] = {"rope_type": s.type, "factor": s.factor}
-    if s.type == "llama3":
-        out["rope_scaling"].update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor)
-    if s.type == "yarn":
-        out["rope_scaling"].update(beta_fast=s.beta_fast, beta_slow=s.beta_slow)
-        out["rope_scaling"].update({k: getattr(s, k) for k in ("mscale", "mscale_all_dim") if getattr(s, k)})
-    if s.type != "linear":
-        out["rope_scaling"]["original_max_position_embeddings"] = s.original_max_position
-    return out
-
-
-def _deepseek_config(m: ModelConfig) -> dict[str, Any]:
-    moe = m.moe
-    return {
-        "architectures": [ARCHITECTURES["deepseek_v3"]],
-        "model_type": "deepseek_v3",
-        "hidden_size": m.d_model,
-        "num_hidden_layers": m.layers,
-        "num_attention_heads": m.heads,
-        "num_key_value_heads": m.heads,
-        "intermediate_size": m.d_ff,
-        "moe_intermediate_size": moe.d_ff,
-        "vocab_size": m.vocab,
-        "max_position_embeddings": m.seq_len,
-        "hidden_act": "silu",
-        "rms_norm_eps": m.norm_eps,
-        "tie_word_embeddings": m.tie_embeddings,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "q_lora_rank": m.q_lora_rank,
-        "kv_lora_rank": m.kv_lora_rank,
-        "qk_nope_head_dim": m.head_dim,
-        "qk_rope_head_dim": m.rope_head_dim,
-        "v_head_dim": m.head_dim,
-        "head_dim": m.rope_head_dim,
-        "rope_interleave": m.rope_interleave,
-        "n_routed_experts": moe.experts,
-        "num_experts_per_tok": moe.top_k,
-        "n_shared_experts": moe.shared_experts,
-        "n_group": moe.groups,
-        "topk_group": moe.group_top_k or moe.groups,
-        "routed_scaling_factor": moe.routed_scaling,
-        "norm_topk_prob": moe.normalize_top_k,
-        "first_k_dense_replace": moe.first_dense,
-        "num_nextn_predict_layers": 0,
-        **_rope_fields(m),
     }

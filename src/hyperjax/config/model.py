@@ -145,7 +145,7 @@ class RopeScaling:
     @property
     def latent_score_scale(self) -> float:
         """What latent attention multiplies its scores by (DeepSeek-V3's ``mscale_all_dim`` squared)."""
-        if self.type == "linear" or not self.mscale_all_dim:
+        if not self.mscale_all_dim:
             return 1.0
         return self._log_scale(self.factor, self.mscale_all_dim) ** 2
 

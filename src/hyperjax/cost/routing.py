@@ -93,18 +93,19 @@ def reach_probability(moe: MoEConfig, held: float) -> float:
 
     Experts chosen uniformly: ``1 - C(E - held, k) / C(E, k)``. With grouped routing (``moe.groups``, a token
     limited to its ``group_top_k`` best of ``G`` groups: DeepSeek-V3's node-limited routing), the groups
-    are chosen uniformly, every chosen group gets one of the token's experts (stated assumption: a group
-    ranks by its best scores, so it is chosen for them), and the experts uniformly among the chosen groups'.
-    A block of whole groups is reached when one of its groups is chosen; a block inside a group when its
-    group is chosen and one of its experts is.
+    are chosen uniformly and the experts uniformly among the chosen groups'. A block inside a group is
+    reached when its group is chosen and one of its experts is. A block of whole groups is reached when one
+    of the groups holding the token's experts is among its own: ``min(group_top_k, top_k)`` such groups
+    (stated assumption: each chosen group holds one of the token's experts, as a group is ranked by its
+    best scores; with fewer experts than groups, each expert in its own group).
     """
-    if moe.groups == 1:
+    kept = moe.group_top_k or moe.groups
+    if moe.groups == 1 or kept == moe.groups:
         return 1.0 - _miss(moe.experts, moe.top_k, held)
-    groups, kept = moe.groups, moe.group_top_k or moe.groups
-    per = moe.experts / groups
+    per = moe.experts / moe.groups
     if held >= per:
-        return 1.0 - _miss(groups, kept, held / per)
-    return kept / groups * (1.0 - _miss(kept * per, moe.top_k, held))
+        return 1.0 - _miss(moe.groups, min(kept, moe.top_k), held / per)
+    return kept / moe.groups * (1.0 - _miss(kept * per, moe.top_k, held))
 
 
 def _miss(n: float, k: int, held: float) -> float:

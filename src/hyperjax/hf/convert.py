@@ -19,11 +19,12 @@ import yaml
 from flax import nnx
 
 from hyperjax.config import Config, Run
-from hyperjax.config.hf import hf_from_model, read_hf_config, run_section, training_only
+from hyperjax.config.hf import read_hf_config, run_section, training_only
+from hyperjax.config.hf_export import hf_from_model
 from hyperjax.config.load import apply_override, build
 from hyperjax.errors import ConfigError
 from hyperjax.files import write_json
-from hyperjax.hf.io import export_weights, has_weights, import_weights, replace_folder
+from hyperjax.hf.io import check_out, export_weights, has_weights, import_weights, replace_folder
 from hyperjax.hf.names import views
 from hyperjax.models import build_model
 from hyperjax.resolver import resolve
@@ -72,6 +73,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, sets: list[str]) -> Imported:
       ConfigError: an unsupported ``config.json`` (the field is named), or weights of another model.
     """
     hf_dir, out = Path(hf_dir), Path(out)
+    check_out(out, {"HF_DIR": hf_dir})
     raw, cfg = imported_config(hf_dir, sets)
     run = resolve(cfg)
     hf = read_hf_config(hf_dir)
@@ -90,7 +92,9 @@ def import_hf(hf_dir: str | Path, out: str | Path, sets: list[str]) -> Imported:
         for name in copied:
             shutil.copyfile(hf_dir / name, tmp / name)
         if weights:
-            counted["tensors"] = _write_checkpoint(run, hf_dir, tmp / "checkpoint")
+            mtp = hf.get("num_nextn_predict_layers", 0) if hf.get("model_type") == "deepseek_v3" else 0
+            mtp = mtp if isinstance(mtp, int) and mtp > 0 else 0  # its layers follow the model's own
+            counted["tensors"] = _write_checkpoint(run, hf_dir, tmp / "checkpoint", extra_layers=mtp)
 
     replace_folder(write, out)
     return Imported(
@@ -114,12 +118,12 @@ def _layout(run: Run) -> tuple[Any, Any, dict[tuple, Any]]:
     return graphdef, shapes, dict(_flatten(shardings))
 
 
-def _write_checkpoint(run: Run, hf_dir: Path, folder: Path) -> int:
+def _write_checkpoint(run: Run, hf_dir: Path, folder: Path, *, extra_layers: int) -> int:
     from hyperjax.train.checkpoint import IMPORTED, Checkpoints
 
     _, shapes, shardings = _layout(run)
     m = run.config.model
-    params = import_weights(m, hf_dir, shardings)
+    params = import_weights(m, hf_dir, shardings, extra_layers=extra_layers)
     tree = _unflatten(params, shapes)
     ckpt = Checkpoints(folder, keep=1)
     t = run.config.train
@@ -160,6 +164,10 @@ def export_hf(
 
     m = run.config.model
     config = hf_from_model(m)  # refuses a model no type describes before anything is read
+    sources = {"--checkpoint-dir": checkpoint_dir}
+    if config_path is not None:
+        sources["the config's folder"] = Path(config_path).parent
+    check_out(out, sources)
     _, shapes, shardings = _layout(run)
     like = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, _unflatten(shardings, shapes)

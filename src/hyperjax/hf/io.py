@@ -42,17 +42,24 @@ def has_weights(folder: str | Path) -> bool:
 
 
 class Stored:
-    """The safetensors tensors of a model folder, opened lazily (``with Stored(folder) as s``)."""
+    """The safetensors tensors of a model folder, opened lazily (``with Stored(folder) as s``).
+
+    A name is found as given, or without the ``transformer.`` prefix that GPT-2 checkpoints written from
+    its base model lack (as ``transformers`` loads them).
+    """
 
     def __init__(self, folder: str | Path) -> None:
         from safetensors import safe_open
 
         self.folder = Path(folder)
-        if (self.folder / INDEX).is_file():
+        index = self.folder / INDEX
+        if index.is_file():
             try:
-                weight_map = json.loads((self.folder / INDEX).read_text())["weight_map"]
+                weight_map = json.loads(index.read_text())["weight_map"]
             except (ValueError, KeyError, TypeError) as e:
-                raise ConfigError(f"{str(self.folder / INDEX)!r} is not a safetensors index ({e})") from None
+                raise ConfigError(f"{str(index)!r} is not a safetensors index ({e})") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ConfigError(f"{str(index)!r}: weight_map must map tensor names to file names")
         elif (self.folder / SINGLE).is_file():
             weight_map = None
         else:
@@ -68,12 +75,29 @@ class Stored:
             weight_map = {k: SINGLE for k in self._files[SINGLE].keys()}  # noqa: SIM118 (a safetensors handle)
         self.weight_map = weight_map
 
+    def find(self, name: str) -> str | None:
+        """The stored name of tensor ``name`` (``None``: not stored)."""
+        if name in self.weight_map:
+            return name
+        bare = name.removeprefix("transformer.")
+        return bare if bare in self.weight_map else None
+
+    def _slice(self, name: str) -> Any:
+        stored = self.find(name)
+        file = self.weight_map[stored]
+        try:
+            return self._files[file].get_slice(stored)
+        except Exception as e:
+            raise ConfigError(
+                f"{str(self.folder / file)!r} does not hold tensor {stored!r} its index lists ({e})"
+            ) from None
+
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._files[self.weight_map[name]].get_slice(name).get_shape())
+        return tuple(self._slice(name).get_shape())
 
     def fetch(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """Block ``index`` of tensor ``name``, as float32."""
-        return np.asarray(self._files[self.weight_map[name]].get_slice(name)[index], dtype=np.float32)
+        return np.asarray(self._slice(name)[index], dtype=np.float32)
 
     def __enter__(self) -> Stored:
         return self
@@ -82,8 +106,10 @@ class Stored:
         self._files.clear()
 
 
-def check_stored(m: ModelConfig, stored: Stored) -> None:
-    """Every tensor ``m`` needs is stored at its shape, and nothing else is stored.
+def check_stored(m: ModelConfig, stored: Stored, *, extra_layers: int = 0) -> None:
+    """Every tensor ``m`` needs is stored at its shape, and nothing else is stored but buffers, a tied
+    model's copy of its head, and the ``extra_layers`` layers after the model's own (DeepSeek-V3's
+    multi-token-prediction module, which ``transformers`` leaves unloaded too).
 
     Raises:
       ConfigError: a missing tensor, one of another shape (both shapes named), or one the model lacks.
@@ -91,14 +117,26 @@ def check_stored(m: ModelConfig, stored: Stored) -> None:
     want = stored_shapes(m)
     where = str(stored.folder)
     for name, shape in want.items():
-        if name not in stored.weight_map:
+        if stored.find(name) is None:
             raise ConfigError(f"{where}: tensor {name!r} is missing; the config.json describes a model that has it")
         if stored.shape(name) != shape:
+            hint = "the weights belong to another model"
+            if name.endswith("wpe.weight"):
+                hint = f"the position table has {stored.shape(name)[0]} rows: keep model.seq_len at that"
             raise ConfigError(
-                f"{where}: tensor {name!r} is {list(stored.shape(name))}, but the config.json's model needs "
-                f"{list(shape)}; the weights belong to another model"
+                f"{where}: tensor {name!r} is {list(stored.shape(name))}, but the config's model needs "
+                f"{list(shape)}; {hint}"
             )
-    extra = sorted(n for n in stored.weight_map if n not in want and not n.endswith(UNUSED_BUFFERS))
+    used = {stored.find(n) for n in want}
+    skipped = tuple(f"model.layers.{i}." for i in range(m.layers, m.layers + extra_layers))
+    extra = sorted(
+        n
+        for n in stored.weight_map
+        if n not in used
+        and not n.endswith(UNUSED_BUFFERS)
+        and not (skipped and n.startswith(skipped))
+        and not (m.tie_embeddings and n == "lm_head.weight")
+    )
     if extra:
         raise ConfigError(
             f"{where}: tensor {extra[0]!r} (and {len(extra) - 1} more) has no place in the model config.json "
@@ -106,15 +144,17 @@ def check_stored(m: ModelConfig, stored: Stored) -> None:
         )
 
 
-def import_weights(m: ModelConfig, folder: str | Path, shardings: dict[tuple, Any]) -> dict[tuple, jax.Array]:
+def import_weights(
+    m: ModelConfig, folder: str | Path, shardings: dict[tuple, Any], *, extra_layers: int = 0
+) -> dict[tuple, jax.Array]:
     """The parameters of ``m`` read from ``folder``, each block straight into the device shard
-    ``shardings[path]`` gives it (float32).
+    ``shardings[path]`` gives it (float32); ``extra_layers`` as :func:`check_stored`.
 
     Raises:
       ConfigError: as :func:`check_stored`.
     """
     with Stored(folder) as stored:
-        check_stored(m, stored)
+        check_stored(m, stored, extra_layers=extra_layers)
         out = {}
         for path, view in views(m):
             out[path] = _read_sharded(view, shardings[path], stored.fetch)
@@ -186,10 +226,30 @@ def replace_folder(build: Callable[[Path], None], target: Path) -> None:
         if target.exists():
             old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.old."))
             os.replace(target, old / "x")
-            os.replace(tmp, target)
+            try:
+                os.replace(tmp, target)
+            except BaseException:
+                os.replace(old / "x", target)  # the old folder back where it was
+                raise
             shutil.rmtree(old)
         else:
             os.replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def check_out(out: str | Path, inputs: dict[str, str | Path]) -> None:
+    """``--out`` must neither be nor hold any of ``inputs`` (named by their option): replacing it would
+    delete them.
+
+    Raises:
+      ConfigError: naming the option and both paths.
+    """
+    target = Path(out).resolve()
+    for option, path in inputs.items():
+        source = Path(path).resolve()
+        if source == target or target in source.parents:
+            raise ConfigError(
+                f"--out {str(out)!r} holds {option} {str(path)!r}, which writing it would replace; choose another --out"
+            )

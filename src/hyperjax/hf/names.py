@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from hyperjax.config import ModelConfig
-from hyperjax.config.hf import hf_model_type
+from hyperjax.config.hf_export import hf_model_type
 
 
 @dataclasses.dataclass(frozen=True)
