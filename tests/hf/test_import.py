@@ -72,6 +72,8 @@ def test_predict_and_plan_take_a_config_json(capsys, tmp_path):
     assert json.loads(capsys.readouterr().out) == direct and direct["step_time_s"] > 0
     assert main(["plan", str(folder), "--json", "--devices", "8"]) == 0
     assert json.loads(capsys.readouterr().out)
+    assert main(["train", str(folder / "config.json"), "--plan-only", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"]["devices"] == 8
 
 
 def test_a_config_only_import_writes_the_model_exactly(tmp_path):
