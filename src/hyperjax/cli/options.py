@@ -50,6 +50,13 @@ def add_command(
 def add_config_arguments(parser: argparse.ArgumentParser, *, config_help: str, hardware: bool) -> None:
     """The config file, ``--set`` overrides and (optionally) ``--hardware``."""
     parser.add_argument("config", help=config_help)
+    add_set_argument(parser)
+    if hardware:
+        parser.add_argument("--hardware", help="a preset name or path (default: the config's)")
+
+
+def add_set_argument(parser: argparse.ArgumentParser) -> None:
+    """``--set KEY=VALUE`` (repeatable): a config key overridden by its dotted name."""
     parser.add_argument(
         "--set",
         dest="sets",
@@ -58,8 +65,6 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, config_help: str, h
         metavar="KEY=VALUE",
         help="override a config key (repeat), e.g. parallel.tensor=4",
     )
-    if hardware:
-        parser.add_argument("--hardware", help="a preset name or path (default: the config's)")
 
 
 def config_from_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> Config:

@@ -14,9 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import jax
 import yaml
-from flax import nnx
 
 from hyperjax.config import Config, Run
 from hyperjax.config.hf import read_hf_config, run_section, training_only
@@ -26,7 +24,6 @@ from hyperjax.errors import ConfigError
 from hyperjax.files import write_json
 from hyperjax.hf.io import check_out, export_weights, has_weights, import_weights, replace_folder
 from hyperjax.hf.names import views
-from hyperjax.models import build_model
 from hyperjax.resolver import resolve
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -106,25 +103,15 @@ def import_hf(hf_dir: str | Path, out: str | Path, sets: list[str]) -> Imported:
     )
 
 
-def _layout(run: Run) -> tuple[Any, Any, dict[tuple, Any]]:
-    """The run's abstract model (graph and state) and each parameter's sharding, by path."""
-    from hyperjax.train.generate import layout
-
-    abstract = nnx.eval_shape(lambda: build_model(run.config.model, dtype=run.dtype, seed=run.config.train.seed))
-    graphdef, state = nnx.split(abstract)
-    mesh, strategy = layout(run, state)
-    shapes = nnx.to_pure_dict(state)
-    shardings = strategy.shardings(shapes, mesh)
-    return graphdef, shapes, dict(_flatten(shardings))
-
-
 def _write_checkpoint(run: Run, hf_dir: Path, folder: Path, *, extra_layers: int) -> int:
     from hyperjax.train.checkpoint import IMPORTED, Checkpoints
+    from hyperjax.train.generate import params_like
 
-    _, shapes, shardings = _layout(run)
+    like = params_like(run)[3]
     m = run.config.model
+    shardings = {path: leaf.sharding for path, leaf in _flatten(like)}
     params = import_weights(m, hf_dir, shardings, extra_layers=extra_layers)
-    tree = _unflatten(params, shapes)
+    tree = _unflatten(params, like)
     ckpt = Checkpoints(folder, keep=1)
     t = run.config.train
     meta = {
@@ -161,19 +148,14 @@ def export_hf(
       ConfigError: a model no Hugging Face type describes, or a checkpoint that is missing or of another model.
     """
     from hyperjax.train.checkpoint import restore_params
+    from hyperjax.train.generate import params_like
 
     m = run.config.model
     config = hf_from_model(m)  # refuses a model no type describes before anything is read
-    sources = {"--checkpoint-dir": checkpoint_dir}
-    if config_path is not None:
-        sources["the config's folder"] = Path(config_path).parent
-    check_out(out, sources)
-    _, shapes, shardings = _layout(run)
-    like = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, _unflatten(shardings, shapes)
-    )
-    params = dict(_flatten(restore_params(checkpoint_dir, like, command="export-hf").state))
     src = Path(config_path).parent if config_path is not None else None
+    check_out(out, {"--checkpoint-dir": checkpoint_dir, **({"the config's folder": src} if src else {})})
+    like = params_like(run)[3]
+    params = dict(_flatten(restore_params(checkpoint_dir, like, command="export-hf").state))
     copied = [n for n in TOKENIZER_FILES if src is not None and (src / n).is_file()]
     written: list[str] = []
 

@@ -179,23 +179,32 @@ def layout(run: Run, state: nnx.State) -> Layout:
     return mesh, prepare(run).strategy.with_param_axes(state)
 
 
-def restored_model(run: Run, checkpoint_dir: str | Path) -> tuple[nnx.Module, Restored, Layout]:
-    """The run's model with the parameters of the newest checkpoint in ``checkpoint_dir``, each read straight
-    into the shardings the run's strategy gives it (any mesh, as ``train --resume`` restores), and that
-    layout (for :func:`generate_on_mesh`).
-
-    Raises:
-      ConfigError: as :func:`hyperjax.train.checkpoint.restore_params`.
-    """
+def params_like(run: Run) -> tuple[Any, nnx.State, Layout, Any]:
+    """The run's model, abstract: its graph and parameter state, the layout it runs on, and every parameter
+    as a ``jax.ShapeDtypeStruct`` on the sharding the run's strategy gives it (what a checkpoint is read into)."""
     abstract = nnx.eval_shape(lambda: build_model(run.config.model, dtype=run.dtype, seed=run.config.train.seed))
     graphdef, state = nnx.split(abstract)
     mesh, strategy = layout(run, state)
     shapes = nnx.to_pure_dict(state)
     shardings = strategy.shardings(shapes, mesh)
     like = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
-    restored = restore_params(checkpoint_dir, like)
+    return graphdef, state, (mesh, strategy), like
+
+
+def restored_model(
+    run: Run, checkpoint_dir: str | Path, *, command: str = "generate"
+) -> tuple[nnx.Module, Restored, Layout]:
+    """The run's model with the parameters of the newest checkpoint in ``checkpoint_dir``, each read straight
+    into the shardings the run's strategy gives it (any mesh, as ``train --resume`` restores), and that
+    layout (for :func:`generate_on_mesh`). ``command`` names the caller in errors.
+
+    Raises:
+      ConfigError: as :func:`hyperjax.train.checkpoint.restore_params`.
+    """
+    graphdef, state, laid_out, like = params_like(run)
+    restored = restore_params(checkpoint_dir, like, command=command)
     nnx.replace_by_pure_dict(state, restored.state)
-    return nnx.merge(graphdef, state), restored, (mesh, strategy)
+    return nnx.merge(graphdef, state), restored, laid_out
 
 
 def generate_on_mesh(
