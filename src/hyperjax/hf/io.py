@@ -25,6 +25,7 @@ import numpy as np
 
 from hyperjax.config import ModelConfig
 from hyperjax.errors import ConfigError
+from hyperjax.files import write_json
 from hyperjax.hf.names import View, stored_shapes, views
 
 INDEX = "model.safetensors.index.json"
@@ -178,8 +179,7 @@ def export_weights(
     size = lambda name: math.prod(shapes[name]) * cast.itemsize
     groups: list[list[str]] = [[]]
     total, held = 0, 0
-    order = list(dict.fromkeys(n for _, view in views(m) for n in view.names))
-    for name in order:
+    for name in shapes:  # in the order the parameters come
         if groups[-1] and held + size(name) > max_shard_bytes:
             groups.append([])
             held = 0
@@ -200,8 +200,7 @@ def export_weights(
         save_file({k: tensors[k].astype(cast) for k in names}, str(out / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, file))
     if len(files) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / INDEX).write_text(json.dumps(index, indent=2))
+        write_json(out / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
     return files
 
 
