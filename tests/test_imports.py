@@ -18,7 +18,7 @@ FLOORS = [
     {"cost"},
     {"resolver", "offload"},
     {"search", "train"},
-    {"hf"},
+    {"hf", "rl"},
     {"cli"},
     {"__main__"},
 ]

@@ -3,6 +3,8 @@
 The flow, one way: a :class:`Config` (read with :func:`load_config`) is resolved once into a frozen
 :class:`Run` (:func:`resolve`); :func:`estimate` prices it, :func:`plan` searches strategies by pricing
 resolved candidates, the offload pass places its tensors, and :func:`train` runs it on the emulated mesh.
+A config with an ``rl:`` section resolves into an :class:`RLRun` of two phases (:func:`resolve_rl`), priced
+by :func:`estimate_rl`, searched by :func:`plan_rl` and run by :func:`train_rl`.
 The public API is exactly what this module re-exports.
 """
 
@@ -14,15 +16,16 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what each name is, for type checkers and editors
-    from hyperjax.config import Config, ModelConfig, Run, Stage, load_config
-    from hyperjax.cost import Estimate, estimate
+    from hyperjax.config import Config, ModelConfig, RLRun, Run, Stage, load_config
+    from hyperjax.cost import Estimate, RLEstimate, estimate, estimate_rl
     from hyperjax.emulate import start_devices
     from hyperjax.errors import ConfigError, EmulationError, HyperjaxError, MeshError, PresetError, ShardingError
     from hyperjax.models import build_model
     from hyperjax.mpmd import Schedule, make_schedule
     from hyperjax.offload import Placement, offload_pass
-    from hyperjax.resolver import resolve
-    from hyperjax.search import Candidate, plan
+    from hyperjax.resolver import resolve, resolve_rl
+    from hyperjax.rl import RLResult, train_rl
+    from hyperjax.search import Candidate, plan, plan_rl
     from hyperjax.shard import Explanation, Strategy, mesh_axes_for, strategy_for
     from hyperjax.topology import (
         AxisSpan,
@@ -55,6 +58,9 @@ _EXPORTS = {
     "ModelConfig": "hyperjax.config",
     "Placement": "hyperjax.offload",
     "PresetError": "hyperjax.errors",
+    "RLEstimate": "hyperjax.cost",
+    "RLResult": "hyperjax.rl",
+    "RLRun": "hyperjax.config",
     "Run": "hyperjax.config",
     "RunResult": "hyperjax.train",
     "Schedule": "hyperjax.mpmd",
@@ -66,6 +72,7 @@ _EXPORTS = {
     "build_model": "hyperjax.models",
     "default_axes": "hyperjax.topology",
     "estimate": "hyperjax.cost",
+    "estimate_rl": "hyperjax.cost",
     "list_presets": "hyperjax.topology",
     "load_config": "hyperjax.config",
     "load_hardware": "hyperjax.topology",
@@ -75,10 +82,13 @@ _EXPORTS = {
     "offload_pass": "hyperjax.offload",
     "parse_axes": "hyperjax.topology",
     "plan": "hyperjax.search",
+    "plan_rl": "hyperjax.search",
     "resolve": "hyperjax.resolver",
+    "resolve_rl": "hyperjax.resolver",
     "start_devices": "hyperjax.emulate",
     "strategy_for": "hyperjax.shard",
     "train": "hyperjax.train",
+    "train_rl": "hyperjax.rl",
 }
 """Where each public name lives. A name is imported on first use, so a command loads only the rooms it
 needs: an emulated process of ``hyperjax selftest`` starts without the cost model or the models."""
@@ -129,6 +139,9 @@ __all__ = [
     "ModelConfig",
     "Placement",
     "PresetError",
+    "RLEstimate",
+    "RLResult",
+    "RLRun",
     "Run",
     "RunResult",
     "Schedule",
@@ -140,6 +153,7 @@ __all__ = [
     "build_model",
     "default_axes",
     "estimate",
+    "estimate_rl",
     "list_presets",
     "load_config",
     "load_hardware",
@@ -149,8 +163,11 @@ __all__ = [
     "offload_pass",
     "parse_axes",
     "plan",
+    "plan_rl",
     "resolve",
+    "resolve_rl",
     "start_devices",
     "strategy_for",
     "train",
+    "train_rl",
 ]

@@ -17,8 +17,10 @@ from rich.table import Table
 
 from hyperjax.cli.display import console, fmt_count
 from hyperjax.cli.options import add_command, add_config_arguments, config_from_args
+from hyperjax.config import Config
 from hyperjax.errors import ConfigError
 from hyperjax.search import NothingFits, plan
+from hyperjax.search.rl import plan_rl
 from hyperjax.topology import load_hardware
 
 
@@ -50,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
     if args.devices < 1 or args.top < 1:
         raise ConfigError(f"--devices {args.devices} and --top {args.top} must be positive integers")
     cfg = config_from_args(args)
+    if cfg.rl is not None:
+        return _plan_rl(args, cfg)
     hw = load_hardware(cfg.hardware)
     bar = None if args.json or not sys.stderr.isatty() else _progress_bar()
     try:
@@ -97,6 +101,51 @@ def run(args: argparse.Namespace) -> int:
             f"{e.step_time_s:.4g}",
             f"{e.mfu:.1%}",
             f"{e.memory_per_device_gib['peak']:.3g}",
+        )
+    out.print(table)
+    return 0
+
+
+def _plan_rl(args: argparse.Namespace, cfg: Config) -> int:
+    """An ``rl:`` config: the split of the devices between its phases and each phase's layout."""
+    found = plan_rl(cfg, args.devices, keep=args.top)
+    if args.json:
+        best = [e.to_dict() for e in found.best]
+        print(
+            json.dumps(
+                {
+                    "best": best[0],
+                    "candidates": best,
+                    "splits": found.splits,
+                    "priced": found.priced,
+                    "search_s": found.seconds,
+                },
+                indent=2,
+            )
+        )
+        return 0
+    out = console()
+    r = cfg.rl
+    out.print(
+        f"planned {r.algorithm} of {cfg.model.family} ({r.placement}) on {args.devices} "
+        f"{found.best[0].rl.hardware.name} devices: {found.splits} split(s), {found.priced} layouts priced, "
+        f"{found.seconds:.1f} s"
+    )
+    table = Table(title="fastest iterations that fit (predicted)")
+    for col in ("#", "rollout", "learner", "wave", "rollout s", "learn s", "hand-over s", "iteration s", "idle"):
+        table.add_column(col, justify="left" if col in ("rollout", "learner") else "right")
+    for i, e in enumerate(found.best, 1):
+        rl = e.rl
+        table.add_row(
+            str(i),
+            f"{rl.rollout.devices}: {rl.rollout.describe()}",
+            f"{rl.learner.devices}: {rl.learner.describe()}",
+            str(rl.wave),
+            f"{e.rollout_s:.4g}",
+            f"{e.learn_s:.4g}",
+            f"{e.handover_s:.3g}",
+            f"{e.iteration_s:.4g}",
+            f"{e.idle_fraction:.0%}",
         )
     out.print(table)
     return 0

@@ -14,13 +14,14 @@ from rich.table import Table
 
 from hyperjax.cli.display import check_writable, console, fmt_count
 from hyperjax.cli.options import add_command, add_config_arguments, config_from_args
-from hyperjax.config import ACTIVATIONS
+from hyperjax.config import ACTIVATIONS, Config
 from hyperjax.cost import Estimate, estimate, memory_budget, write_trace
 from hyperjax.cost.inference import InferenceEstimate, estimate_inference
+from hyperjax.cost.rl import RLEstimate, estimate_rl
 from hyperjax.errors import ConfigError
 from hyperjax.offload import OffloadResult, ServingPlacement, offload_pass, serving_pass, with_offload
 from hyperjax.offload.placement import KINDS
-from hyperjax.resolver import resolve
+from hyperjax.resolver import resolve, resolve_rl
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -54,11 +55,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if cfg.rl is not None:
+        return _rl(args, cfg)
     if args.inference:
-        return _inference(args)
+        return _inference(args, cfg)
     if args.trace:
         check_writable(args.trace, "--trace")
-    run = resolve(config_from_args(args), args.devices)
+    run = resolve(cfg, args.devices)
     est = estimate(run)
     offload = None
     if run.offload != "none":
@@ -75,10 +79,59 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _inference(args: argparse.Namespace) -> int:
+def _rl(args: argparse.Namespace, cfg: Config) -> int:
+    """An ``rl:`` config: one iteration's rollout, learning, hand-over and idle time."""
+    if args.inference or args.trace:
+        raise ConfigError(
+            f"{'--inference' if args.inference else '--trace'} prices one phase; an rl: config is priced per "
+            "iteration (its rollout is the serving estimate inside it); drop the flag"
+        )
+    est = estimate_rl(resolve_rl(cfg, args.devices))
+    if args.json:
+        print(json.dumps(est.to_dict(), indent=2))
+        return 0
+    print_rl(est)
+    return 0
+
+
+def print_rl(est: RLEstimate) -> None:
+    """The readable form of a reinforcement-learning iteration's estimate."""
+    rl, out = est.rl, console()
+    r = rl.rl
+    out.print(
+        f"[bold]reinforcement learning predicted on {rl.hardware.name}[/bold]: {rl.devices} devices; "
+        f"{rl.describe()}; {r.prompts_per_step} prompts x {r.group_size} completions, {rl.prompt_len} prompt and "
+        f"{r.max_new_tokens} new tokens, {r.updates} update(s) per iteration",
+        soft_wrap=True,
+    )
+    table = Table(title="one iteration (predicted)")
+    for col in ("part", "seconds", "share"):
+        table.add_column(col, justify="left" if col == "part" else "right")
+    rows = [
+        (f"rollout: prefill ({rl.waves} wave(s) of {rl.wave})", rl.waves * est.rollout.prefill_s),
+        (f"rollout: decode ({r.max_new_tokens} tokens)", est.rollout_s - rl.waves * est.rollout.prefill_s),
+        ("learning: scoring (policy and reference)", est.score_s),
+        (f"learning: {r.updates} update(s)", est.learn_s - est.score_s),
+        ("hand-over of the weights", est.handover_s),
+    ]
+    if est.offload_s:
+        rows.append(("optimizer state to the host and back", est.offload_s))
+    for name, seconds in rows:
+        table.add_row(name, f"{seconds:.4g}", f"{seconds / est.iteration_s:.1%}")
+    out.print(table)
+    mem = est.memory_gib
+    out.print(
+        f"  iteration {est.iteration_s:.4g} s; {est.tokens_per_s:,.0f} generated tokens/s; devices idle "
+        f"{est.idle_fraction:.1%} of the time; memory per device: learner {mem['learner']:.3g} GiB, rollout "
+        f"{mem['rollout']:.3g} GiB" + ("" if est.fits else " — [red]does not fit[/red]"),
+        soft_wrap=True,
+    )
+
+
+def _inference(args: argparse.Namespace, cfg: Config) -> int:
     if args.trace:
         raise ConfigError("--trace draws a training step; it does nothing with --inference")
-    run = resolve(config_from_args(args), args.devices)
+    run = resolve(cfg, args.devices)
     est = estimate_inference(run)
     placed = serving_pass(est, budget_bytes=memory_budget(run)) if run.offload != "none" else None
     if args.json:

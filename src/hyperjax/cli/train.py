@@ -80,12 +80,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     _check_flags(args)
     sets = [*args.sets, *([] if args.steps is None else [f"train.steps={args.steps}"])]  # what children are told
+    cfg = load_config(args.config, sets)
+    if cfg.rl is not None:
+        from hyperjax.cli import train_rl
+
+        return train_rl.run(args, cfg)
     if args.devices is not None and args.elastic:
         moved, run = elastic_overrides(_loader(args, sets), args.devices)
         sets += moved
     else:
-        sets += [] if args.devices is None else [f"emulate.devices={args.devices}"]
-        run = resolve(load_config(args.config, sets))
+        sets += [] if args.devices is None else [f"emulate.devices={args.devices}"]  # the children's count
+        run = resolve(cfg, args.devices)
     ready = prepare(run)  # everything train checks before it starts a device
     if args.plan_only:
         return _print_run(run, json_out=args.json)

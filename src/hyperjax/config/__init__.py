@@ -6,6 +6,7 @@ is read. :func:`hyperjax.resolve` turns a ``Config`` into a ``Run``.
 
 from hyperjax.config.load import apply_override, build, load_config
 from hyperjax.config.model import FAMILY_PARTS, ModelConfig, MoEConfig, RopeScaling, VisionConfig
+from hyperjax.config.rl import RLRun
 from hyperjax.config.run import Run, Stage
 from hyperjax.config.sections import (
     Config,
@@ -14,6 +15,8 @@ from hyperjax.config.sections import (
     MPMDConfig,
     OffloadConfig,
     ParallelConfig,
+    PhaseConfig,
+    RLConfig,
     ServeConfig,
     SubmeshConfig,
     TrainConfig,
@@ -39,8 +42,11 @@ from hyperjax.config.types import (
     OffloadOption,
     OffloadPolicy,
     Overlap,
+    Placement,
     Positions,
     Recompute,
+    Residence,
+    RLAlgorithm,
     RopeType,
     Router,
     ScheduleName,
@@ -80,8 +86,14 @@ __all__ = [
     "OffloadPolicy",
     "Overlap",
     "ParallelConfig",
+    "PhaseConfig",
+    "Placement",
     "Positions",
+    "RLAlgorithm",
+    "RLConfig",
+    "RLRun",
     "Recompute",
+    "Residence",
     "RopeScaling",
     "RopeType",
     "Router",

@@ -24,7 +24,10 @@ from hyperjax.config.types import (
     OffloadOption,
     OffloadPolicy,
     Overlap,
+    Placement,
     Recompute,
+    Residence,
+    RLAlgorithm,
     ScheduleName,
     TpOverlap,
     choices,
@@ -234,6 +237,77 @@ class ServeConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class PhaseConfig:
+    """One phase's devices and layout (``rl.rollout`` or ``rl.learner``)."""
+
+    devices: int | None = None  # its devices; null: all (colocated), or what the other phase leaves
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)  # its degrees, as parallel: has them
+
+    def __post_init__(self) -> None:
+        positive(self, "rl.rollout or rl.learner", ("devices",), optional=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RLConfig:
+    """Reinforcement learning of the model (``rl:``): ``train.steps`` iterations, each a rollout of
+    ``prompts_per_step x group_size`` sampled completions, their rewards, and ``updates`` optimizer steps on
+    them."""
+
+    algorithm: RLAlgorithm = "grpo"  # grpo: group-relative advantages, clipped ratio, KL to a frozen reference
+    group_size: int = 8  # completions sampled per prompt (the group its advantages are relative to)
+    prompts_per_step: int = 8  # prompts per iteration (train.global_batch is prompts_per_step x group_size)
+    prompt_len: int | None = None  # prompt tokens (windows of the shipped corpus); null: seq_len - max_new_tokens
+    max_new_tokens: int = 16  # tokens sampled per completion
+    temperature: float = 1.0  # sampling temperature (the policy's log-probabilities are taken at it too)
+    top_k: int | None = None  # sample from the top_k likeliest tokens; null: all
+    rollout_batch: int | None = None  # completions decoded together (a wave); null: all of an iteration's at once
+    reward: str = "letters"  # a built-in reward (hyperjax.rl.rewards.BUILTIN) or module:function
+    kl_coef: float = 0.04  # weight of the KL penalty against the frozen reference model
+    clip: float = 0.2  # the policy ratio is clipped to [1 - clip, 1 + clip]
+    updates: int = 1  # optimizer steps on each iteration's rollouts (the ratio departs from 1 after the first)
+    placement: Placement = "disaggregated"  # colocated: both phases on all devices; disaggregated: each on its own
+    reference: Residence = "device"  # the frozen reference's weights: device, or host (fetched for its pass)
+    offload_optimizer: bool = False  # colocated: the learner's optimizer state waits in host memory during rollouts
+    max_staleness: int = 0  # 1: the next rollout runs beside learning with weights one update behind
+    seed: int | None = None  # prompts and sampling; null: train.seed
+    init_checkpoint: str | None = None  # start policy and reference from the newest checkpoint here; null: seed
+    rollout: PhaseConfig = dataclasses.field(default_factory=PhaseConfig)
+    learner: PhaseConfig = dataclasses.field(default_factory=PhaseConfig)
+
+    def __post_init__(self) -> None:
+        vocabularies(self, "rl")
+        positive(self, "rl", ("group_size", "prompts_per_step", "max_new_tokens", "updates"))
+        positive(self, "rl", ("prompt_len", "top_k", "rollout_batch"), optional=True)
+        if self.group_size < 2:
+            raise ConfigError(
+                f"rl.group_size={self.group_size}: GRPO's advantage is a completion's reward against its group's "
+                "mean and spread, which one completion does not have; set rl.group_size: 2 or more (8 to 64 is usual)"
+            )
+        if not self.temperature > 0:
+            raise ConfigError(f"rl.temperature={self.temperature} must be > 0: reinforcement learning samples")
+        if self.kl_coef < 0 or not 0 < self.clip < 1:
+            raise ConfigError(f"rl.kl_coef={self.kl_coef} must be >= 0 and rl.clip={self.clip} in (0, 1)")
+        if self.max_staleness not in (0, 1):
+            raise ConfigError(
+                f"rl.max_staleness={self.max_staleness} must be 0 (rollouts with the newest weights) or 1 (the next "
+                "rollout beside learning, one update behind)"
+            )
+        if self.max_staleness and self.placement == "colocated":
+            raise ConfigError(
+                "rl.max_staleness=1 runs the next rollout beside learning on devices of its own, but "
+                "rl.placement=colocated time-shares the same devices; set rl.placement: disaggregated or "
+                "rl.max_staleness: 0"
+            )
+        if self.offload_optimizer and self.placement != "colocated":
+            raise ConfigError(
+                "rl.offload_optimizer=true frees the learner's devices for the rollout, but rl.placement="
+                f"{self.placement} gives the rollout devices of its own; set rl.placement: colocated or drop the key"
+            )
+        if ":" not in self.reward and not self.reward:
+            raise ConfigError("rl.reward is empty; name a built-in reward or give module:function")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """A whole run, as asked for."""
 
@@ -246,8 +320,14 @@ class Config:
     mpmd: MPMDConfig = dataclasses.field(default_factory=MPMDConfig)
     offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
     serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)
+    rl: RLConfig | None = None  # reinforcement learning of the model (null: supervised training)
 
     def __post_init__(self) -> None:
+        if self.rl is not None and (self.parallel != ParallelConfig() or self.mpmd.submeshes):
+            raise ConfigError(
+                "an rl: config lays out each phase apart: move the parallel: section's degrees to "
+                "rl.learner.parallel (and choose rl.rollout.parallel), and drop parallel: and mpmd:"
+            )
         moe, ep = self.model.moe, self.parallel.expert
         if ep > 1 and moe is None:
             raise ConfigError(

@@ -103,6 +103,13 @@ expert (DeepSeek-V3); either way the top-k weights are normalised over the k cho
 Balance = Literal["aux_loss", "bias"]
 """How an MoE router is kept balanced: an auxiliary loss (Switch/GShard), or DeepSeek-V3's
 auxiliary-loss-free per-expert bias, nudged after every step towards the mean load."""
+Placement = Literal["colocated", "disaggregated"]
+"""Where reinforcement learning's two phases run: ``colocated``, in turn on all devices (the weights resharded
+from the learner's layout to the rollout's each iteration); ``disaggregated``, each on devices of its own."""
+Residence = Literal["device", "host"]
+"""Where a tensor group waits between its uses: device memory, or host memory (fetched over the host link)."""
+RLAlgorithm = Literal["grpo"]
+"""The policy-gradient loss of reinforcement learning (:mod:`hyperjax.rl.losses`)."""
 BlockLayout = Literal["sequential", "parallel"]
 """``sequential``: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; ``parallel`` (GPT-J, PaLM): one norm,
 ``x + attn(norm(x)) + mlp(norm(x))``."""

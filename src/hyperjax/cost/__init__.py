@@ -14,6 +14,7 @@ from hyperjax.cost.memory import (
     state_bytes,
     zero_share,
 )
+from hyperjax.cost.rl import RLEstimate, estimate_rl
 from hyperjax.cost.stage import ChunkCost, PartCost, StageCore, StageCost, chunk_starts
 from hyperjax.cost.trace import simulate, stage_metadata, task_events, write_trace
 
@@ -24,6 +25,7 @@ __all__ = [
     "InferenceEstimate",
     "LayerCost",
     "PartCost",
+    "RLEstimate",
     "ServeLayer",
     "StageCore",
     "StageCost",
@@ -32,6 +34,7 @@ __all__ = [
     "count_params",
     "estimate",
     "estimate_inference",
+    "estimate_rl",
     "gemm_time",
     "grouped_gemm_time",
     "memory_budget",

@@ -109,6 +109,18 @@ def step(
     return logits(model, model.head, x, constrain), out
 
 
+def sample_token(logits_: jax.Array, key: jax.Array, temperature: float, top_k: int | None) -> jax.Array:
+    """A token per row of ``logits_`` ``(batch, vocab)``: the likeliest at ``temperature`` 0, else drawn from the
+    softmax at ``temperature`` over the ``top_k`` likeliest (all when ``None``)."""
+    if temperature == 0:
+        return jnp.argmax(logits_, axis=-1).astype(jnp.int32)
+    scaled = logits_ / temperature
+    if top_k is not None:
+        floor = jax.lax.top_k(scaled, top_k)[0][..., -1:]
+        scaled = jnp.where(scaled < floor, -jnp.inf, scaled)
+    return jax.random.categorical(key, scaled).astype(jnp.int32)
+
+
 class Generation(NamedTuple):
     """What :func:`generate` gives back.
 
@@ -167,14 +179,7 @@ def generate(
     @jax.jit
     def choose(logits_: jax.Array, key: jax.Array, pos: jax.Array) -> jax.Array:
         """The token at ``pos``: the prompt's own where it has one, else picked from ``logits_``."""
-        if temperature == 0:
-            picked = jnp.argmax(logits_, axis=-1).astype(jnp.int32)
-        else:
-            scaled = logits_ / temperature
-            if top_k is not None:
-                floor = jax.lax.top_k(scaled, top_k)[0][..., -1:]
-                scaled = jnp.where(scaled < floor, -jnp.inf, scaled)
-            picked = jax.random.categorical(key, scaled).astype(jnp.int32)
+        picked = sample_token(logits_, key, temperature, top_k)
         own = jax.lax.dynamic_index_in_dim(given, pos, axis=1, keepdims=False)
         return jnp.where(pos < jnp.asarray(lengths), own, picked)
 

@@ -2,6 +2,7 @@
 
 from hyperjax.resolver.elastic import elastic_overrides
 from hyperjax.resolver.resolve import DEFAULT_DEVICES, check_attention_impl, device_count, resolve
+from hyperjax.resolver.rl import learner_config, resolve_rl
 from hyperjax.resolver.stages import MODULES, balance_layers
 
 __all__ = [
@@ -11,5 +12,7 @@ __all__ = [
     "check_attention_impl",
     "device_count",
     "elastic_overrides",
+    "learner_config",
     "resolve",
+    "resolve_rl",
 ]

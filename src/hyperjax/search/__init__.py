@@ -1,15 +1,18 @@
 """The strategy search: every valid strategy for a model on N devices, resolved, priced and ranked."""
 
 from hyperjax.search.planner import Candidate, NothingFits, plan, price
+from hyperjax.search.rl import RLSearch, plan_rl
 from hyperjax.search.strategies import apply, candidate, divisors, strategies, submesh_strategies
 
 __all__ = [
     "Candidate",
     "NothingFits",
+    "RLSearch",
     "apply",
     "candidate",
     "divisors",
     "plan",
+    "plan_rl",
     "price",
     "strategies",
     "submesh_strategies",

@@ -135,6 +135,7 @@ def plan(
     progress: Callable[[int, int], None] | None = None,
     prune: bool = True,
     where: Mapping[str, Any] | None = None,
+    accumulate: bool = False,
 ) -> Search:
     """Rank every valid strategy for ``cfg``'s model on ``devices`` devices that fits.
 
@@ -146,6 +147,7 @@ def plan(
       progress: called with ``(bases done, bases in all)`` as the search goes.
       prune: stop at the first base whose lower bound cannot beat the answer (``False``: price every one).
       where: search only the strategies with these settings, e.g. ``{"parallel.expert": 64}``.
+      accumulate: also try one program in micro-batches of ``train.micro_batch`` (gradient accumulation).
 
     Raises:
       ConfigError: no strategy is valid, or none fits (:class:`NothingFits`: the message names the memory
@@ -155,7 +157,7 @@ def plan(
     hw = load_hardware(cfg.hardware) if hardware is None else hardware
     check_attention_impl(cfg, hw)
     budget_gib = budget_bytes(cfg, hw) / 2**30
-    combinations = list(strategies(cfg, devices))
+    combinations = list(strategies(cfg, devices, accumulate=accumulate))
     if cfg.mpmd.submeshes:
         combinations += list(submesh_strategies(cfg, hw, devices))
     if where:

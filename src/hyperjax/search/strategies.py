@@ -49,7 +49,7 @@ def candidate(cfg: Config, overrides: dict[str, Any]) -> Config:
     return apply(cfg, {**CLEARED, **overrides})
 
 
-def strategies(cfg: Config, devices: int) -> Iterator[dict[str, Any]]:
+def strategies(cfg: Config, devices: int, *, accumulate: bool = False) -> Iterator[dict[str, Any]]:
     """Every valid combination of degrees and options for ``cfg``'s model on ``devices`` devices.
 
     Recomputation is not part of the combination: the search tries :data:`RECOMPUTE` in order and keeps
@@ -58,7 +58,8 @@ def strategies(cfg: Config, devices: int) -> Iterator[dict[str, Any]]:
     parallelism, whether the experts spread over the tensor axis too (``parallel.expert_tensor: 1``), and
     where an all-to-all runs, the overlap schedules that can hide it (``parallel.overlap``). A
     vision-language model is searched as one SPMD program (no pipeline stages, which would cut through
-    both modules); :func:`submesh_strategies` gives its MPMD splits.
+    both modules); :func:`submesh_strategies` gives its MPMD splits. One program runs every row of a replica at
+    once, and with ``accumulate`` also in micro-batches of ``train.micro_batch`` (gradient accumulation).
     """
     m, t = cfg.model, cfg.train
     heads = math.gcd(m.heads, m.kv_heads)
@@ -88,7 +89,12 @@ def strategies(cfg: Config, devices: int) -> Iterator[dict[str, Any]]:
                     if t.global_batch % dp:
                         continue
                     per_replica = t.global_batch // dp
-                    micro_options = [mb for mb in divisors(per_replica) if mb <= 16] if pipeline > 1 else [None]
+                    if pipeline > 1:
+                        micro_options = [mb for mb in divisors(per_replica) if mb <= 16]
+                    else:  # one program: every row at once (and, accumulating, the config's micro-batch)
+                        micro = t.micro_batch
+                        more = accumulate and micro is not None and micro < per_replica and per_replica % micro == 0
+                        micro_options = [None, micro] if more else [None]
                     schedules = [("1f1b", 1)]
                     if pipeline > 1:
                         schedules += [("interleaved", v) for v in (2, 3, 4) if m.layers % (pipeline * v) == 0]

@@ -7,7 +7,7 @@ accumulation, recomputation) is decided when it is built and lives in its shardi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -51,10 +51,18 @@ def make_optimizer(train: TrainConfig, *, clip: bool = True) -> optax.GradientTr
     return optax.chain(optax.clip_by_global_norm(train.grad_clip), adamw) if (train.grad_clip and clip) else adamw
 
 
+LossFn = Callable[
+    [nnx.GraphDef, Any, dict[str, jax.Array], Any], tuple[jax.Array, tuple[dict[str, jax.Array], RouterStats | None]]
+]
+"""``(graphdef, params, batch, constrain) -> (loss, (measured, router stats))``: the loss a step differentiates
+and, apart, the scalars it reports (``measured["loss"]`` among them; each a mean over the batch's rows, so
+micro-batches and replicas average them)."""
+
+
 def loss_fn(
     graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array], constrain: Any
-) -> tuple[jax.Array, tuple[jax.Array, RouterStats | None]]:
-    """The training loss of ``batch`` and, apart, its mean next-token cross-entropy and router stats.
+) -> tuple[jax.Array, tuple[dict[str, jax.Array], RouterStats | None]]:
+    """The training loss of ``batch`` and, apart, its mean next-token cross-entropy (``loss``) and router stats.
 
     The loss is the cross-entropy over every token plus, for a mixture of experts balanced by an
     auxiliary loss, ``aux_loss_weight`` times the MoE layers' balancing losses. Batch entries other than
@@ -64,7 +72,7 @@ def loss_fn(
     model = nnx.merge(graphdef, params)
     logits, stats = model.forward(batch["inputs"], constrain, **feeds)
     ce = cross_entropy(logits, batch["targets"]).mean()
-    return ce + aux_term(model.cfg.moe, stats), (ce, stats)
+    return ce + aux_term(model.cfg.moe, stats), ({"loss": ce}, stats)
 
 
 def router_metrics(stats: RouterStats, microbatches: int = 1) -> dict[str, jax.Array]:
@@ -112,6 +120,7 @@ def build_train_step(
     placement: Any = None,
     moe: MoEConfig | None = None,
     replicas: tuple[str, ...] = (),
+    loss: LossFn = loss_fn,
 ) -> TrainStep:
     """Build the jitted step.
 
@@ -130,6 +139,8 @@ def build_train_step(
       moe: the model's mixture of experts, if any (its router stats become metrics).
       replicas: mesh axes whose replicas compute their gradients apart and sum them in flat buffers
         (a run's ``replica_axes``, see :mod:`hyperjax.shard.replicas`); empty: every reduction is XLA's.
+      loss: what the step differentiates and reports (:data:`LossFn`; default the next-token cross-entropy).
+        Batch entries it reads beyond the tokens come in through ``feeds``.
     """
     placement = placement if placement is not None else Placement(())
     strategy = strategy.with_param_axes(param_state)
@@ -149,14 +160,14 @@ def build_train_step(
     grads_in_use = jax.tree.map(lambda s: s.spec, on_device(param_sh))
 
     def grads_of(p: Any, batch: dict[str, jax.Array]) -> tuple[tuple[jax.Array, Any], Any]:
-        (_, (ce, stats)), grads = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)(graphdef, p, batch, constrain)
-        return (ce, stats), grads
+        (_, measured), grads = jax.value_and_grad(loss, argnums=1, has_aux=True)(graphdef, p, batch, constrain)
+        return measured, grads
 
     def replica(p: Any, batch: dict[str, jax.Array]) -> tuple[tuple[jax.Array, Any], Any]:
         """Loss, router stats and gradients of the rows this replica holds (the whole batch with no manual axes)."""
         grad_here = inside(grad_sh, manual)
         if microbatches == 1:
-            (loss, stats), grads = grads_of(p, batch)
+            (measured, stats), grads = grads_of(p, batch)
         else:
             micro = jax.tree.map(
                 lambda x: x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1), batch
@@ -172,12 +183,13 @@ def build_train_step(
                 jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes),
                 to_kind(jax.tree.map(jnp.zeros_like, p), grad_here, HOST),
             )
-            ((loss, stats), grads), _ = jax.lax.scan(accumulate, zeros, micro)
+            ((measured, stats), grads), _ = jax.lax.scan(accumulate, zeros, micro)
             grads = to_kind(grads, grad_here, DEVICE)
-            loss, grads = loss / microbatches, jax.tree.map(lambda g: g / microbatches, grads)
+            measured = jax.tree.map(lambda v: v / microbatches, measured)
+            grads = jax.tree.map(lambda g: g / microbatches, grads)
         if manual:  # each gradient laid out as its parameter, over the axes not split outside
             grads = jax.lax.with_sharding_constraint(grads, inside(on_device(param_sh), manual))
-        return (loss, stats), grads
+        return (measured, stats), grads
 
     def gradients(p: Any, batch: dict[str, jax.Array]) -> tuple[tuple[jax.Array, Any], Any]:
         """The batch's loss, router stats and gradients: per replica, then summed in buckets."""
@@ -187,40 +199,42 @@ def build_train_step(
         over = [tuple(a for a in manual if a not in axes_in(s)) for s in specs]
 
         def body(p: Any, batch: dict[str, jax.Array]) -> tuple[Any, ...]:
-            (loss, stats), grads = replica(p, batch)
+            (measured, stats), grads = replica(p, batch)
             aux = jnp.zeros((1,)) if stats is None else stats.aux_loss[None]  # each replica's own
             shared = None if stats is None else stats._replace(aux_loss=jnp.zeros(()))  # the same everywhere
-            return loss[None], aux, shared, [g[None] for g in jax.tree.leaves(grads)]
+            return jax.tree.map(lambda v: v[None], measured), aux, shared, [g[None] for g in jax.tree.leaves(grads)]
 
         in_specs = (jax.tree.map(lambda s: manual_part(s, manual), grads_in_use), {k: P(manual) for k in batch})
         grad_specs = [P(spec_entry(o), *manual_part(s, manual)) for s, o in zip(specs, over, strict=True)]
         out_specs = (P(manual), P(manual), P(), grad_specs)
-        loss, aux, stats, stacked = jax.shard_map(
+        measured, aux, stats, stacked = jax.shard_map(
             body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(manual), check_vma=False
         )(p, batch)
+        values, named = jax.tree.flatten(measured)
         summed = bucket_sum(
-            [loss, aux, *stacked],
+            [*values, aux, *stacked],
             mesh=mesh,
-            specs=[P(), P(), *specs],
-            over=[manual, manual, *over],
+            specs=[P()] * (len(values) + 1) + specs,
+            over=[manual] * (len(values) + 1) + over,
             hosts=host_blocks(mesh, manual),
         )
-        n = constrain.replicas
+        n, k = constrain.replicas, len(values)
         if stats is not None:
-            stats = stats._replace(aux_loss=summed[1] / n)
-        return (summed[0] / n, stats), jax.tree.unflatten(tree, [g / n for g in summed[2:]])
+            stats = stats._replace(aux_loss=summed[k] / n)
+        measured = jax.tree.unflatten(named, [v / n for v in summed[:k]])
+        return (measured, stats), jax.tree.unflatten(tree, [g / n for g in summed[k + 1 :]])
 
     def step(state: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[dict[str, Any], dict[str, jax.Array]]:
         p = to_kind(state["params"], param_sh, DEVICE)  # host-placed layers come to the device for the step
         opt_state = to_kind(state["opt_state"], opt_sh, DEVICE)
-        (loss, stats), grads = gradients(p, batch)
+        (measured, stats), grads = gradients(p, batch)
         grads = jax.lax.with_sharding_constraint(grads, on_device(grad_sh))
         updates, opt_state = optimizer.update(grads, opt_state, p)
         new_params = optax.apply_updates(p, updates)
         if moe is not None and moe.balance == "bias":
             new_params = update_router_biases(new_params, stats.load, moe.bias_update_rate)
         new_params = jax.lax.with_sharding_constraint(new_params, on_device(param_sh))
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        metrics = {**measured, "grad_norm": optax.tree.norm(grads)}
         if stats is not None:
             metrics |= router_metrics(stats, microbatches)
         new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}

@@ -1,0 +1,108 @@
+"""``hyperjax train CONFIG`` of a config with an ``rl:`` section: rollouts and learning on their own submeshes.
+
+The phases are resolved (:func:`hyperjax.resolve_rl`) and the reward loaded before any device starts; the job
+runs in one process (up to 256 emulated devices). ``--checkpoint-dir`` keeps the learner's parameters after
+the last iteration, which ``generate`` and ``export-hf`` read as any checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from hyperjax.cli.display import check_folder, check_writable, console
+from hyperjax.cli.launching import run_on_devices
+from hyperjax.config import Config, RLRun
+from hyperjax.errors import ConfigError, EmulationError
+from hyperjax.resolver import resolve_rl
+from hyperjax.rl.rewards import load_reward
+from hyperjax.train import prepare
+from hyperjax.train.checkpoint import saved_steps
+
+UNSUPPORTED = ("resume", "max_restarts", "elastic", "profile", "explain")
+
+
+def run(args: argparse.Namespace, cfg: Config) -> int:
+    """Train ``cfg``'s ``rl:`` section (``args``: the parsed ``train`` command line)."""
+    for flag in UNSUPPORTED:
+        if getattr(args, flag):
+            name = "--" + flag.replace("_", "-")
+            raise ConfigError(
+                f"{name} is not available for an rl: config, which runs its iterations in one process from the "
+                "start; drop it (--checkpoint-dir keeps the learner's parameters after the last iteration)"
+            )
+    rl = resolve_rl(cfg, args.devices)
+    prepare(rl.learner)  # the learner's offload pass and checks, before any device starts
+    load_reward(cfg.rl.reward)
+    if args.plan_only:
+        return _print_plan(rl, json_out=args.json)
+    if rl.processes is None:
+        raise EmulationError(f"{rl.emulation_limit}; hyperjax predict still prices this run")
+    out_dir = args.out_dir or str(Path("runs") / Path(args.config).stem)
+    if args.metrics_out:
+        check_writable(args.metrics_out, "--metrics-out")
+    check_folder(out_dir, "--out-dir")
+    if args.checkpoint_dir:
+        check_folder(args.checkpoint_dir, "--checkpoint-dir")
+        if saved_steps(args.checkpoint_dir):
+            raise ConfigError(
+                f"--checkpoint-dir {args.checkpoint_dir!r} already holds checkpoints; give an empty folder (start "
+                "from earlier weights with rl.init_checkpoint)"
+            )
+    return run_on_devices(args, devices=rl.devices, processes=1, child_args=[], work=lambda: _train(rl, args, out_dir))
+
+
+def _print_plan(rl: RLRun, *, json_out: bool) -> int:
+    if json_out:
+        print(json.dumps({"rl": rl.to_dict()}, indent=2))
+        return 0
+    out = console()
+    where = f"{rl.processes} process" if rl.processes else f"not emulated here: {rl.emulation_limit}"
+    out.print(
+        f"plan only: {rl.config.model.family} on {rl.devices} emulated {rl.hardware.name} devices ({where}); "
+        f"{rl.describe()}",
+        soft_wrap=True,
+    )
+    for name, phase, first in (("rollout", rl.rollout, rl.rollout_first), ("learner", rl.learner, rl.learner_first)):
+        out.print(f"  {name}: {phase.describe()} (devices {first}-{first + phase.devices - 1})")
+    return 0
+
+
+def _train(rl: RLRun, args: argparse.Namespace, out_dir: str) -> int:
+    from hyperjax.rl import train_rl
+    from hyperjax.train.checkpoint import Checkpoints
+
+    out = console()
+    r = rl.rl
+    out.print(
+        f"reinforcement learning of {rl.config.model.family} on {rl.devices} emulated {rl.hardware.name} devices: "
+        f"{rl.describe()}; {r.prompts_per_step} prompts x {r.group_size} completions of {r.max_new_tokens} tokens "
+        f"per iteration, reward {r.reward}",
+        soft_wrap=True,
+    )
+    result = train_rl(rl, metrics_out=args.metrics_out, out_dir=out_dir, init_checkpoint=r.init_checkpoint)
+    if args.checkpoint_dir:
+        steps = len(result.records)
+        ckpt = Checkpoints(args.checkpoint_dir, keep=1)
+        try:
+            meta = {"step": steps, "rl": rl.to_dict(), "records": result.records, "devices": rl.devices}
+            meta["strategy"] = rl.learner.describe()
+            ckpt.save(steps, {"params": result.params}, meta)
+        finally:
+            ckpt.close()
+    first, final = result.records[0], result.records[-1]
+    mean = lambda key: sum(x[key] for x in result.records[1:] or result.records) / max(len(result.records) - 1, 1)
+    out.print(
+        f"[bold]summary[/bold]: reward {first['reward_mean']:.3f} -> {final['reward_mean']:.3f} over "
+        f"{len(result.records)} iterations; kl {final['kl']:.4f}"
+    )
+    out.print(
+        f"  per iteration after the first: rollout {mean('rollout_s'):.3f} s, learning {mean('learn_s'):.3f} s, "
+        f"hand-over {mean('handover_s') * 1e3:.1f} ms"
+    )
+    out.print(f"  a completion of the last iteration: {result.completions[0]!r}")
+    out.print(f"  loss and reward curves: {out_dir}/loss.png")
+    if args.checkpoint_dir:
+        out.print(f"  the learner's parameters: {args.checkpoint_dir}/{len(result.records)}")
+    return 0

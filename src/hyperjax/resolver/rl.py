@@ -1,0 +1,186 @@
+"""``resolve_rl(config)``: an ``rl:`` config decided into its two phases, each an ordinary resolved run.
+
+The rollout's run is the model laid out by ``rl.rollout.parallel`` on its devices, serving
+``prompts_per_step x group_size`` completions (its ``serve`` section says so, for the cost model); the
+learner's is the model laid out by ``rl.learner.parallel`` on its devices, training on those completions
+(``train.global_batch``), ``rl.updates`` optimizer steps per iteration. Both go through
+:func:`hyperjax.resolve`, so every check a run gets, each phase gets, its errors naming the phase's keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from hyperjax.config import Config, EmulateConfig, ParallelConfig, RLRun, Run, ServeConfig
+from hyperjax.emulate import plan_processes
+from hyperjax.errors import ConfigError, EmulationError, HyperjaxError
+from hyperjax.resolver.resolve import DEFAULT_DEVICES, resolve
+from hyperjax.topology import Hardware, load_hardware
+
+
+def resolve_rl(config: Config, devices: int | None = None, *, hardware: Hardware | None = None) -> RLRun:
+    """Resolve the ``rl:`` section of ``config`` into its phases.
+
+    Args:
+      config: a config with an ``rl:`` section.
+      devices: the job's devices (``--devices``); default ``emulate.devices``, else what the phases' devices
+        add up to (disaggregated), else 8.
+      hardware: the machine, if already loaded.
+
+    Raises:
+      ConfigError: devices that do not add up, a prompt and completion longer than ``model.seq_len``, a
+        rollout layout generation cannot run, a learner layout the RL step cannot train, or any error
+        of either phase's run (naming ``rl.rollout.*`` or ``rl.learner.*``).
+    """
+    r = config.rl
+    if r is None:
+        raise ConfigError("this config has no rl: section; hyperjax train runs it as supervised training")
+    hw = load_hardware(config.hardware) if hardware is None else hardware
+    m = config.model
+    prompt_len = r.prompt_len if r.prompt_len is not None else m.seq_len - r.max_new_tokens
+    if prompt_len < 1 or prompt_len + r.max_new_tokens > m.seq_len:
+        raise ConfigError(
+            f"rl.prompt_len={prompt_len} + rl.max_new_tokens={r.max_new_tokens} = {prompt_len + r.max_new_tokens} "
+            f"tokens must fit model.seq_len={m.seq_len} with at least one prompt token; shorten them or raise "
+            "model.seq_len"
+        )
+    if config.offload.policy != "none":
+        raise ConfigError(
+            f"offload.policy={config.offload.policy!r}: an rl: config's phases keep their weights, optimizer "
+            "state, reference and cache on the device; set offload.policy: none"
+        )
+    total, sizes = _devices(config, devices)
+    batch = r.prompts_per_step * r.group_size
+    base = learner_config(config)
+    learner = _phase(base, "learner", r.learner.parallel, sizes[1], hw)
+    if r.rollout_batch is not None and r.rollout_batch > batch:
+        raise ConfigError(
+            f"rl.rollout_batch={r.rollout_batch} is more than the {batch} completions of an iteration "
+            "(rl.prompts_per_step x rl.group_size); use at most that, or null"
+        )
+    wave = r.rollout_batch or batch
+    dp = _rollout_replicas(config, r.rollout.parallel, sizes[0])
+    padded = -(-wave // dp) * dp  # all of an iteration's completions (null) are padded to the replicas
+    serve = ServeConfig(batch=padded, prompt_len=prompt_len, new_tokens=r.max_new_tokens)
+    generating = dataclasses.replace(base.train, global_batch=padded, micro_batch=None, microbatches=None)
+    rollout = _phase(
+        dataclasses.replace(base, serve=serve, train=generating), "rollout", r.rollout.parallel, sizes[0], hw
+    )
+    _check_rollout(rollout, r.rollout_batch)
+    _check_learner(learner)
+    try:
+        processes, limit = plan_processes(total, 1), None
+    except EmulationError:
+        processes = None
+        limit = (
+            f"reinforcement learning runs its phases in one process here, which holds at most 256 emulated "
+            f"devices; this job has {total}"
+        )
+    return RLRun(
+        config=config,
+        devices=total,
+        rollout=rollout,
+        learner=learner,
+        rollout_first=0,
+        learner_first=0 if r.placement == "colocated" else sizes[0],
+        prompt_len=prompt_len,
+        processes=processes,
+        emulation_limit=limit,
+    )
+
+
+def learner_config(config: Config) -> Config:
+    """``config``'s learning as a supervised config: ``train.global_batch`` the completions of an iteration,
+    ``train.steps`` its optimizer steps (iterations x ``rl.updates``), no ``rl:`` section (what ``plan``
+    searches the learner's layout on)."""
+    r, t = config.rl, config.train
+    train = dataclasses.replace(
+        t,
+        global_batch=r.prompts_per_step * r.group_size,
+        steps=t.steps * r.updates,
+        warmup_steps=None if t.warmup_steps is None else t.warmup_steps * r.updates,
+    )
+    return dataclasses.replace(config, rl=None, train=train)
+
+
+def _devices(config: Config, devices: int | None) -> tuple[int, tuple[int, int]]:
+    """The job's devices and each phase's (rollout, learner)."""
+    r = config.rl
+    a, b = r.rollout.devices, r.learner.devices
+    total = devices if devices is not None else config.emulate.devices
+    if r.placement == "colocated":
+        total = total or a or b or DEFAULT_DEVICES
+        for name, n in (("rollout", a), ("learner", b)):
+            if n is not None and n != total:
+                raise ConfigError(
+                    f"rl.{name}.devices={n}, but rl.placement=colocated runs both phases on all {total} devices; "
+                    f"drop rl.{name}.devices, set it to {total}, or set rl.placement: disaggregated"
+                )
+        return total, (total, total)
+    if total is None:
+        total = a + b if a is not None and b is not None else DEFAULT_DEVICES
+    if a is None and b is None:
+        a = total // 2
+    a = total - b if a is None else a
+    b = total - a if b is None else b
+    if a < 1 or b < 1 or a + b != total:
+        raise ConfigError(
+            f"rl.rollout.devices={a} + rl.learner.devices={b} = {a + b}, but the job has {total} devices "
+            "(--devices, emulate.devices); make the phases' devices add up to it, each at least 1"
+        )
+    return total, (a, b)
+
+
+def _phase(base: Config, name: str, parallel: ParallelConfig, devices: int, hw: Hardware) -> Run:
+    """The run of phase ``name`` laid out by ``parallel`` on ``devices`` devices, its errors naming its keys."""
+    if parallel.gradient_buckets is None:  # the phases run in one process: XLA's reductions, not buckets
+        parallel = dataclasses.replace(parallel, gradient_buckets=False)
+    cfg = dataclasses.replace(base, parallel=parallel, emulate=EmulateConfig(devices=devices))
+    try:
+        return resolve(cfg, hardware=hw)
+    except HyperjaxError as e:
+        message = re.sub(r"(?<![\w.])parallel\.", f"rl.{name}.parallel.", str(e))
+        message = message.replace("emulate.devices", f"rl.{name}.devices")
+        message = message.replace("train.global_batch", "rl.prompts_per_step x rl.group_size (train.global_batch)")
+        raise type(e)(f"rl.{name}: {message}") from None
+
+
+def _rollout_replicas(config: Config, p: ParallelConfig, devices: int) -> int:
+    """The rollout's data-parallel replicas (data x fsdp x expert) on ``devices`` (1 where the degrees do not
+    fit them: resolving the phase then says so)."""
+    rest = p.fsdp * p.expert * p.context * p.tensor * p.pipeline
+    data = p.data if p.data is not None else max(devices // rest, 1)
+    return data * p.fsdp * p.expert
+
+
+def _check_rollout(run: Run, wave: int | None) -> None:
+    """A rollout layout generation runs: one SPMD program, no context split, a wave its replicas divide (all
+    of an iteration's completions, ``wave`` null, are padded to a multiple of them)."""
+    p = run.config.parallel
+    if run.pipelined or p.context > 1:
+        key, value = ("pipeline", p.pipeline) if run.pipelined else ("context", p.context)
+        raise ConfigError(
+            f"rl.rollout.parallel.{key}={value}: rollouts are generated by one SPMD program decoding a token at a "
+            "time, which a pipeline or a context split does not run; lay the rollout out with data, fsdp, tensor "
+            "and expert"
+        )
+    if run.config.model.vision is not None:
+        raise ConfigError("rl: covers language models; this config has a model.vision encoder")
+    dp = run.stages[0].data_parallel
+    if wave is not None and wave % dp:
+        raise ConfigError(
+            f"rl.rollout_batch={wave} completions decoded together are split over the rollout's {dp} data-parallel "
+            f"replicas (rl.rollout.parallel data x fsdp x expert), which do not divide them; use a multiple of "
+            f"{dp}, or null"
+        )
+
+
+def _check_learner(run: Run) -> None:
+    """A learner layout the RL step trains: one SPMD program."""
+    if run.pipelined:
+        raise ConfigError(
+            f"rl.learner.parallel.pipeline={run.config.parallel.pipeline}: the learner runs one SPMD program per "
+            "update; lay it out with data, fsdp, tensor, context and expert (pipelines are priced by predict "
+            "for supervised runs)"
+        )

@@ -1,0 +1,175 @@
+"""The layout search of a reinforcement-learning config: the split of the devices between rollout and learning,
+and each phase's layout, ranked by the predicted iteration (:func:`hyperjax.cost.rl.estimate_rl`).
+
+- **Splits** (disaggregated): the rollout takes ``k`` blocks of the machine's granule, the learner the rest;
+  the granule is the largest power of two that divides the devices and leaves at least eight blocks (32
+  devices, a CloudMatrix384 node, on 384). Colocated: both phases on every device.
+- **The learner's layout** on its devices: the training search (:func:`hyperjax.search.plan`) restricted to
+  one SPMD program, its fastest candidates that fit beside the reference copy.
+- **The rollout's layout** on its devices: every tensor degree (and, for a mixture of experts, expert
+  degree) with data parallelism over the rest, each with the largest wave of completions decoded together
+  (``rl.rollout_batch``, halving from all of them) that fits; the fastest iteration wins.
+- **Where state waits**: the reference on the device or in host memory (``rl.reference``) and, colocated,
+  the optimizer state kept or sent to the host during rollouts (``rl.offload_optimizer``).
+
+Every answer is an ``rl:`` config resolved by :func:`hyperjax.resolve_rl` and priced on the public path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from hyperjax.config import Config, ParallelConfig, PhaseConfig
+from hyperjax.cost.rl import RLEstimate, estimate_rl
+from hyperjax.errors import ConfigError, HyperjaxError
+from hyperjax.resolver import learner_config, resolve_rl
+from hyperjax.search.planner import plan
+from hyperjax.search.strategies import divisors
+from hyperjax.topology import Hardware, load_hardware
+
+LEARNER_TRIES = 3
+"""The training search's fastest learner layouts tried on each split (the reference copy may not fit the first)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RLSearch:
+    """What an RL search found.
+
+    Attributes:
+      best: the fastest fitting answers, fastest first (each an estimate of a resolved ``rl:`` config).
+      splits: the device splits searched.
+      priced: iterations priced.
+      seconds: wall time of the search.
+    """
+
+    best: list[RLEstimate]
+    splits: int
+    priced: int
+    seconds: float
+
+
+def splits(devices: int, placement: str) -> list[int]:
+    """The rollout's device counts searched (see the module's docstring)."""
+    if placement == "colocated":
+        return [devices]
+    granule = 1
+    while devices % (granule * 2) == 0 and devices // (granule * 2) >= 8:
+        granule *= 2
+    return [k * granule for k in range(1, devices // granule)]
+
+
+def with_layouts(
+    cfg: Config, rollout: tuple[int, dict[str, Any]], learner: tuple[int, dict[str, Any]], wave: int | None = None
+) -> Config:
+    """``cfg`` with each phase's devices and ``parallel.*`` overrides (a learner candidate may also set
+    ``train.*`` keys), and the rollout's wave (``rl.rollout_batch``; ``None``: the config's)."""
+    r = cfg.rl
+    colocated = r.placement == "colocated"
+
+    def phase(n: int, overrides: dict[str, Any]) -> PhaseConfig:
+        degrees = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("parallel.")}
+        return PhaseConfig(devices=None if colocated else n, parallel=dataclasses.replace(ParallelConfig(), **degrees))
+
+    trains = {k.split(".", 1)[1]: v for k, v in learner[1].items() if k.startswith("train.")}
+    rl = dataclasses.replace(r, rollout=phase(*rollout), learner=phase(*learner))
+    rl = rl if wave is None else dataclasses.replace(rl, rollout_batch=wave)
+    devices = rollout[0] if colocated else rollout[0] + learner[0]
+    return dataclasses.replace(
+        cfg,
+        rl=rl,
+        train=dataclasses.replace(cfg.train, **trains),
+        emulate=dataclasses.replace(cfg.emulate, devices=devices, processes=None),
+    )
+
+
+def rollout_layouts(cfg: Config, devices: int) -> list[dict[str, Any]]:
+    """Every tensor degree (and expert degree of a mixture of experts) on ``devices``, data over the rest."""
+    m = cfg.model
+    out = []
+    for t in divisors(devices):
+        if t > m.heads:
+            continue
+        experts = [e for e in divisors(devices // t) if m.moe.experts % e == 0] if m.moe is not None else [1]
+        out += [{"parallel.tensor": t, "parallel.expert": e} for e in experts]
+    return out
+
+
+def waves(cfg: Config) -> list[int]:
+    """The rollout's waves searched, largest first: ``rl.rollout_batch`` when the config sets it, else every
+    halving of an iteration's completions."""
+    r = cfg.rl
+    if r.rollout_batch is not None:
+        return [r.rollout_batch]
+    n, out = r.prompts_per_step * r.group_size, []
+    while n >= 1:
+        out.append(n)
+        if n % 2:
+            break
+        n //= 2
+    return out
+
+
+def residences(cfg: Config) -> list[dict[str, Any]]:
+    """Where the reference and (colocated) the optimizer state wait: the config's choice, and the host for
+    each where the config keeps it on the device (each adds host-link time and saves device memory)."""
+    r = cfg.rl
+    references = [r.reference] + (["host"] if r.reference == "device" and r.kl_coef > 0 else [])
+    optimizers = [r.offload_optimizer] + ([True] if r.placement == "colocated" and not r.offload_optimizer else [])
+    return [{"reference": a, "offload_optimizer": b} for a in references for b in optimizers]
+
+
+def plan_rl(cfg: Config, devices: int, *, keep: int = 5, hardware: Hardware | None = None) -> RLSearch:
+    """Rank the splits and layouts of ``cfg``'s ``rl:`` section on ``devices`` devices by predicted iteration.
+
+    Raises:
+      ConfigError: no split and layouts fit (naming the leanest tried).
+    """
+    start = time.perf_counter()
+    hw = load_hardware(cfg.hardware) if hardware is None else hardware
+    base = learner_config(cfg)
+    found: list[RLEstimate] = []
+    priced = 0
+    tried = splits(devices, cfg.rl.placement)
+    for n_rollout in tried:
+        n_learner = devices if cfg.rl.placement == "colocated" else devices - n_rollout
+        try:
+            one = {"parallel.pipeline": 1}  # the learner runs one program, accumulating micro-batches
+            learners = plan(base, n_learner, keep=LEARNER_TRIES, hardware=hw, where=one, accumulate=True).best
+        except HyperjaxError:
+            continue
+        for learner in learners:
+            best: RLEstimate | None = None
+            for layout in rollout_layouts(cfg, n_rollout):
+                replicas = n_rollout // layout["parallel.tensor"]  # data x expert
+                every = cfg.rl.prompts_per_step * cfg.rl.group_size
+                for wave in dict.fromkeys(min(-(-w // replicas) * replicas, every) for w in waves(cfg)):
+                    fitted = False
+                    for waits in residences(cfg):
+                        try:
+                            chosen = with_layouts(cfg, (n_rollout, layout), (n_learner, learner.overrides), wave)
+                            est = estimate_rl(
+                                resolve_rl(
+                                    dataclasses.replace(chosen, rl=dataclasses.replace(chosen.rl, **waits)), hardware=hw
+                                )
+                            )
+                        except HyperjaxError:
+                            continue
+                        priced += 1
+                        if est.fits:
+                            fitted = True
+                            best = est if best is None or est.iteration_s < best.iteration_s else best
+                    if fitted:  # smaller waves decode the same tokens slower
+                        break
+            if best is not None:
+                found.append(best)
+                break  # the learner's faster layouts came first
+    if not found:
+        raise ConfigError(
+            f"no split of {devices} devices between rollout and learning fits the device memory "
+            f"({len(tried)} splits, {priced} layouts priced); use more devices or a smaller rl.prompts_per_step "
+            "x rl.group_size"
+        )
+    found.sort(key=lambda e: e.iteration_s)
+    return RLSearch(best=found[:keep], splits=len(tried), priced=priced, seconds=time.perf_counter() - start)

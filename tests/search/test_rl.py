@@ -1,0 +1,37 @@
+"""The RL search: its splits, and answers that are resolved configs priced on the public path."""
+
+from pathlib import Path
+
+from hyperjax.config import load_config
+from hyperjax.cost.rl import estimate_rl
+from hyperjax.resolver import resolve_rl
+from hyperjax.search.rl import plan_rl, residences, splits, waves
+
+GRPO = str(Path(__file__).parents[2] / "configs" / "grpo-tiny.yaml")
+
+
+def test_splits_are_blocks_of_a_power_of_two_granule():
+    assert splits(384, "disaggregated") == list(range(32, 384, 32))
+    assert splits(8, "disaggregated") == list(range(1, 8))
+    assert splits(384, "colocated") == [384]
+
+
+def test_waves_and_where_state_waits():
+    cfg = load_config(GRPO)
+    assert waves(cfg) == [64, 32, 16, 8, 4, 2, 1]
+    assert waves(load_config(GRPO, ["rl.rollout_batch=16"])) == [16]
+    assert residences(cfg) == [
+        {"reference": "device", "offload_optimizer": False},
+        {"reference": "host", "offload_optimizer": False},
+    ]
+    together = load_config(GRPO, ["rl.placement=colocated", "rl.rollout.devices=null", "rl.learner.devices=null"])
+    assert len(residences(together)) == 4
+    assert residences(load_config(GRPO, ["rl.kl_coef=0"])) == [{"reference": "device", "offload_optimizer": False}]
+
+
+def test_the_answer_is_a_resolved_config_priced_again():
+    found = plan_rl(load_config(GRPO), 8, keep=3)
+    best = found.best[0]
+    again = estimate_rl(resolve_rl(best.rl.config))
+    assert again.iteration_s == best.iteration_s and again.fits
+    assert [e.iteration_s for e in found.best] == sorted(e.iteration_s for e in found.best)
