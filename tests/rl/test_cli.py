@@ -47,6 +47,8 @@ def test_grpo_tiny_reward_rises(capsys, tmp_path: Path):
         (["--set", "rl.reward=nope"], r"rl.reward='nope' is not a built-in reward"),
         (["--set", "rl.rollout.devices=2"], r"rl.rollout.devices=2 \+ rl.learner.devices=4 = 6"),
         (["--resume", "--checkpoint-dir", "x"], r"--resume is not available for an rl: config"),
+        (["--set", "rl.init_checkpoint=/no/such/folder"], r"rl.init_checkpoint='/no/such/folder' holds no checkpoint"),
+        (["--set", "model.vocab=512", "--set", "train.data=synthetic"], r"model.vocab=512: train of an rl: config"),
         (
             [
                 *("--devices", "512", "--set", "rl.rollout.devices=null", "--set", "rl.learner.devices=null"),
@@ -82,6 +84,8 @@ def test_predict_prices_an_iteration(capsys):
     assert apart["rollout_s"] == pytest.approx(apart["prefill_s"] + 16 * apart["decode_s_per_token"])
     assert apart["learn_s"] == pytest.approx(apart["score_s"] + 2 * apart["update_s"])
     assert 0.3 < apart["idle_fraction"] < 0.7  # each half of the machine waits while the other works
+    busy = 4 * apart["rollout_s"] + 4 * apart["learn_s"] + 8 * apart["handover_s"]
+    assert apart["idle_fraction"] == pytest.approx(1 - busy / (8 * apart["iteration_s"]))
     assert apart["fits"] and apart["handover_s"] > 0
     stale = predicted(capsys, "--set", "rl.max_staleness=1")
     assert stale["iteration_s"] == pytest.approx(max(stale["rollout_s"], stale["learn_s"] + stale["handover_s"]))

@@ -167,7 +167,13 @@ def test_hand_over_delivers_the_weights_bit_for_bit(placement: str):
     for s, g in zip(sent, got, strict=True):
         assert set(g.sharding.device_set) == rollout_devices
         np.testing.assert_array_equal(np.asarray(g), np.asarray(s))
-    assert not any(g.is_deleted() for g in got) and not any(s.is_deleted() for s in sent)
+    kept = [np.asarray(g) for g in got]
+    batch = learner.place_batch(fixed_batch(rl))
+    batch["old_logp"] = batch["ref_logp"] = learner.score(learner.state["params"], batch["inputs"], batch["targets"])
+    learner.update(batch)  # donates the learner's state: the rollout's copy must outlive it
+    for g, k in zip(got, kept, strict=True):
+        assert not g.is_deleted()
+        np.testing.assert_array_equal(np.asarray(g), k)
 
 
 def test_stale_rollouts_are_sampled_one_update_behind():

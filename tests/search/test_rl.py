@@ -18,7 +18,8 @@ def test_splits_are_blocks_of_a_power_of_two_granule():
 
 def test_waves_and_where_state_waits():
     cfg = load_config(GRPO)
-    assert waves(cfg) == [64, 32, 16, 8, 4, 2, 1]
+    assert waves(cfg) == [None, 32, 16, 8, 4, 2, 1]
+    assert waves(cfg, replicas=6) == [None, 36, 18, 12, 6]  # rounded up to the replicas; 64 / 2 rounds to 36
     assert waves(load_config(GRPO, ["rl.rollout_batch=16"])) == [16]
     assert residences(cfg) == [
         {"reference": "device", "offload_optimizer": False},

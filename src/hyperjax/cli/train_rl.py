@@ -33,6 +33,18 @@ def run(args: argparse.Namespace, cfg: Config) -> int:
                 "start; drop it (--checkpoint-dir keeps the learner's parameters after the last iteration)"
             )
     rl = resolve_rl(cfg, args.devices)
+    if cfg.model.vocab != 256:  # predict and plan price any vocabulary; the emulated run reads bytes
+        raise ConfigError(
+            f"model.vocab={cfg.model.vocab}: train of an rl: config samples from byte-level windows of the corpus "
+            "and rewards read completions as UTF-8 bytes, so it needs model.vocab: 256 (predict and plan price "
+            "any vocabulary)"
+        )
+    init = cfg.rl.init_checkpoint
+    if init is not None and not saved_steps(init):
+        raise ConfigError(
+            f"rl.init_checkpoint={init!r} holds no checkpoint; give the folder a train, rl or import-hf run wrote "
+            "its checkpoints to, or null to start from train.seed"
+        )
     prepare(rl.learner)  # the learner's offload pass and checks, before any device starts
     load_reward(cfg.rl.reward)
     if args.plan_only:

@@ -285,7 +285,7 @@ class RLConfig:
             )
         if not self.temperature > 0:
             raise ConfigError(f"rl.temperature={self.temperature} must be > 0: reinforcement learning samples")
-        if self.kl_coef < 0 or not 0 < self.clip < 1:
+        if not self.kl_coef >= 0 or not 0 < self.clip < 1:
             raise ConfigError(f"rl.kl_coef={self.kl_coef} must be >= 0 and rl.clip={self.clip} in (0, 1)")
         if self.max_staleness not in (0, 1):
             raise ConfigError(
@@ -298,6 +298,8 @@ class RLConfig:
                 "rl.placement=colocated time-shares the same devices; set rl.placement: disaggregated or "
                 "rl.max_staleness: 0"
             )
+        if self.seed is not None and self.seed < 0:
+            raise ConfigError(f"rl.seed={self.seed} must be >= 0 (or null: train.seed)")
         if self.offload_optimizer and self.placement != "colocated":
             raise ConfigError(
                 "rl.offload_optimizer=true frees the learner's devices for the rollout, but rl.placement="

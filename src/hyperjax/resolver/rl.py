@@ -38,6 +38,8 @@ def resolve_rl(config: Config, devices: int | None = None, *, hardware: Hardware
         raise ConfigError("this config has no rl: section; hyperjax train runs it as supervised training")
     hw = load_hardware(config.hardware) if hardware is None else hardware
     m = config.model
+    if r.top_k is not None and r.top_k > m.vocab:
+        raise ConfigError(f"rl.top_k={r.top_k} is more than model.vocab={m.vocab}; use at most {m.vocab}, or null")
     prompt_len = r.prompt_len if r.prompt_len is not None else m.seq_len - r.max_new_tokens
     if prompt_len < 1 or prompt_len + r.max_new_tokens > m.seq_len:
         raise ConfigError(

@@ -11,7 +11,7 @@ One iteration, in order (``rl.max_staleness: 0``):
 4. **hand-over** of the learner's new weights to the rollout's layout.
 
 With ``rl.max_staleness: 1`` the next iteration's rollout runs beside the learning, with the weights of the
-iteration before: the phases overlap, and a completion is learned from one update after it was sampled.
+iteration before: the phases overlap, and a completion is learned one iteration after it was sampled.
 Prompts and sampling keys are functions of ``(seed, iteration)``, so any layout, either placement and a
 resumed view all see the same iterations.
 """
@@ -152,6 +152,8 @@ def train_rl(
                 prompts, completions, rollout_s = pending.result()
             if pool is not None and i + 1 < steps:  # the next rollout, with these weights, beside the learning
                 pending = pool.submit(sampled, i + 1, weights)
+            else:
+                weights = None  # the rollout's copy is not kept through the learning (colocated: its room)
             last = texts(completions)
             rewards = score(reward, r.reward, texts(prompts), last)
             batch = learner.place_batch(
@@ -161,9 +163,10 @@ def train_rl(
             if r.offload_optimizer:
                 learner.unpark()
             batch["old_logp"] = learner.score(learner.state["params"], batch["inputs"], batch["targets"])
-            # without a KL penalty no reference is kept: the estimate then reads the drift from the iteration's start
-            reference = learner.reference if learner.reference is not None else learner.state["params"]
-            batch["ref_logp"] = learner.score(reference, batch["inputs"], batch["targets"])
+            if learner.reference is not None:
+                batch["ref_logp"] = learner.score(learner.reference, batch["inputs"], batch["targets"])
+            else:  # no KL penalty, no reference: the estimate then reads the drift from the iteration's start
+                batch["ref_logp"] = batch["old_logp"]
             measured = [learner.update(batch) for _ in range(r.updates)]
             measured = jax.device_get(measured)
             if r.offload_optimizer:

@@ -123,8 +123,8 @@ class Learner:
       mesh: its devices.
       step: the training step with the algorithm's loss (``TrainStep.fn(state, batch)``).
       state: ``{"params", "opt_state", "step"}`` now (replaced by :meth:`update`).
-      reference: the frozen reference model's parameters (the starting weights in the compute dtype), laid out
-        as ``params``, in device or host memory (``rl.reference``); ``None`` when ``rl.kl_coef`` is 0.
+      reference: the frozen reference model's parameters (a copy of the starting weights), laid out as
+        ``params``, in device or host memory (``rl.reference``); ``None`` when ``rl.kl_coef`` is 0.
       score: ``(params, inputs, targets) -> log-probabilities``, jitted (host-kept parameters come in for it).
       parked, working: where the optimizer state waits during a rollout (host memory) and where it works.
     """
@@ -194,11 +194,10 @@ def build_learner(rl: RLRun, *, init_checkpoint: str | None = None) -> Learner:
         params = restore_params(init_checkpoint, like, command="rl.init_checkpoint").state
         state = init_state_from(params, optimizer, train_step)
     param_sh = train_step.state_shardings["params"]
-    dtype = jnp.dtype(run.dtype)  # the reference is read, never trained: kept in the compute dtype
     kind = "pinned_host" if r.reference == "host" else "device"
     ref_sh = jax.tree.map(lambda sh: sh.with_memory_kind(kind), param_sh)
-    frozen = lambda p: jax.tree.map(lambda x: x.astype(dtype) if x.dtype != dtype else jnp.copy(x), p)
-    reference = jax.jit(frozen, out_shardings=ref_sh)(state["params"]) if r.kl_coef > 0 else None
+    frozen = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=ref_sh)  # a copy: the state is donated
+    reference = frozen(state["params"]) if r.kl_coef > 0 else None
     constrain = Constrainer(strategy=strategy, mesh=mesh)
     tokens = train_step.batch_sharding
     temperature = r.temperature

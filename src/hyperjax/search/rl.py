@@ -64,7 +64,7 @@ def with_layouts(
     cfg: Config, rollout: tuple[int, dict[str, Any]], learner: tuple[int, dict[str, Any]], wave: int | None = None
 ) -> Config:
     """``cfg`` with each phase's devices and ``parallel.*`` overrides (a learner candidate may also set
-    ``train.*`` keys), and the rollout's wave (``rl.rollout_batch``; ``None``: the config's)."""
+    ``train.*`` keys), and the rollout's wave (``rl.rollout_batch``; ``None``: all of an iteration's at once)."""
     r = cfg.rl
     colocated = r.placement == "colocated"
 
@@ -74,7 +74,7 @@ def with_layouts(
 
     trains = {k.split(".", 1)[1]: v for k, v in learner[1].items() if k.startswith("train.")}
     rl = dataclasses.replace(r, rollout=phase(*rollout), learner=phase(*learner))
-    rl = rl if wave is None else dataclasses.replace(rl, rollout_batch=wave)
+    rl = dataclasses.replace(rl, rollout_batch=wave)
     devices = rollout[0] if colocated else rollout[0] + learner[0]
     return dataclasses.replace(
         cfg,
@@ -96,19 +96,23 @@ def rollout_layouts(cfg: Config, devices: int) -> list[dict[str, Any]]:
     return out
 
 
-def waves(cfg: Config) -> list[int]:
-    """The rollout's waves searched, largest first: ``rl.rollout_batch`` when the config sets it, else every
-    halving of an iteration's completions."""
+def waves(cfg: Config, replicas: int = 1) -> list[int | None]:
+    """The rollout's waves searched, largest first: ``rl.rollout_batch`` when the config sets it, else all of
+    an iteration's completions at once (``None``) and every halving, each rounded up to a multiple of the
+    rollout's ``replicas`` (those that round up to all of them are ``None``)."""
     r = cfg.rl
     if r.rollout_batch is not None:
         return [r.rollout_batch]
-    n, out = r.prompts_per_step * r.group_size, []
+    every = r.prompts_per_step * r.group_size
+    out: list[int | None] = [None]
+    n = every // 2
     while n >= 1:
-        out.append(n)
+        rounded = -(-n // replicas) * replicas
+        out.append(None if rounded >= every else rounded)
         if n % 2:
             break
         n //= 2
-    return out
+    return list(dict.fromkeys(out))
 
 
 def residences(cfg: Config) -> list[dict[str, Any]]:
@@ -127,10 +131,16 @@ def plan_rl(cfg: Config, devices: int, *, keep: int = 5, hardware: Hardware | No
       ConfigError: no split and layouts fit (naming the leanest tried).
     """
     start = time.perf_counter()
+    if cfg.rl.placement == "disaggregated" and devices < 2:
+        raise ConfigError(
+            f"--devices {devices}: rl.placement=disaggregated gives each phase devices of its own, so it needs 2 "
+            "or more; plan with more devices or rl.placement: colocated"
+        )
     hw = load_hardware(cfg.hardware) if hardware is None else hardware
     base = learner_config(cfg)
     found: list[RLEstimate] = []
     priced = 0
+    refused: HyperjaxError | None = None  # the last reason a candidate did not resolve
     tried = splits(devices, cfg.rl.placement)
     for n_rollout in tried:
         n_learner = devices if cfg.rl.placement == "colocated" else devices - n_rollout
@@ -143,8 +153,7 @@ def plan_rl(cfg: Config, devices: int, *, keep: int = 5, hardware: Hardware | No
             best: RLEstimate | None = None
             for layout in rollout_layouts(cfg, n_rollout):
                 replicas = n_rollout // layout["parallel.tensor"]  # data x expert
-                every = cfg.rl.prompts_per_step * cfg.rl.group_size
-                for wave in dict.fromkeys(min(-(-w // replicas) * replicas, every) for w in waves(cfg)):
+                for wave in waves(cfg, replicas):
                     fitted = False
                     for waits in residences(cfg):
                         try:
@@ -154,7 +163,8 @@ def plan_rl(cfg: Config, devices: int, *, keep: int = 5, hardware: Hardware | No
                                     dataclasses.replace(chosen, rl=dataclasses.replace(chosen.rl, **waits)), hardware=hw
                                 )
                             )
-                        except HyperjaxError:
+                        except HyperjaxError as e:
+                            refused = e
                             continue
                         priced += 1
                         if est.fits:
@@ -165,6 +175,8 @@ def plan_rl(cfg: Config, devices: int, *, keep: int = 5, hardware: Hardware | No
             if best is not None:
                 found.append(best)
                 break  # the learner's faster layouts came first
+    if not found and not priced and refused is not None:
+        raise ConfigError(f"no split of {devices} devices between rollout and learning resolves: {refused}")
     if not found:
         raise ConfigError(
             f"no split of {devices} devices between rollout and learning fits the device memory "
