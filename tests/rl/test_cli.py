@@ -18,6 +18,9 @@ def test_grpo_tiny_reward_rises(capsys, tmp_path: Path):
     assert main([*args, "--checkpoint-dir", str(ck)]) == 0
     out = capsys.readouterr().out
     assert "rollout 4 devices (data=2, tensor=2) | learner 4 devices (fsdp=4)" in out and "summary" in out
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("iteration ")] == [
+        f"{i}/12" for i in range(1, 13)
+    ]  # the reward of every iteration is printed
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in records] == list(range(1, 13))
     keys = {"reward_mean", "reward_std", "kl", "clip_fraction", "rollout_s", "learn_s", "handover_s", "tokens"}

@@ -193,13 +193,12 @@ def train_rl(
             if sink is not None:
                 sink.write(json.dumps(record) + "\n")
                 sink.flush()
-            if i == 0 or (i + 1) % max(1, steps // 10) == 0 or i + 1 == steps:
-                log.write(
-                    f"iteration {i + 1:>3}/{steps}  reward {record['reward_mean']:.3f} ± {record['reward_std']:.3f}  "
-                    f"kl {record['kl']:.4f}  clip {record['clip_fraction']:.1%}  rollout {rollout_s:.2f} s  "
-                    f"learn {learn_s:.2f} s  hand-over {handover_s * 1e3:.1f} ms\n"
-                )
-                log.flush()
+            log.write(  # every iteration: iterations are few, each a rollout and a learning step
+                f"iteration {i + 1:>3}/{steps}  reward {record['reward_mean']:.3f} ± {record['reward_std']:.3f}  "
+                f"kl {record['kl']:.4f}  clip {record['clip_fraction']:.1%}  rollout {rollout_s:.2f} s  "
+                f"learn {learn_s:.2f} s  hand-over {handover_s * 1e3:.1f} ms\n"
+            )
+            log.flush()
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
