@@ -35,6 +35,7 @@ from hyperjax.rl.phases import Learner, Rollout, build_learner, build_rollout, h
 from hyperjax.rl.rewards import load_reward, score
 from hyperjax.train.data import Batches
 from hyperjax.train.generate import decode_text
+from hyperjax.train.loop import save_figure
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -216,7 +217,6 @@ def plot_rl(records: list[dict[str, Any]], path: Path, *, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     x = [r["iteration"] for r in records]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.5, 5), dpi=100, sharex=True)
     top.plot(x, [r["loss"] for r in records])
@@ -229,8 +229,4 @@ def plot_rl(records: list[dict[str, Any]], path: Path, *, title: str) -> None:
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
     top.title.set_fontsize(8)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png")
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path)

@@ -20,21 +20,15 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hyperjax.config import RLRun, Run
+from hyperjax.config import RLRun
 from hyperjax.models import build_model
 from hyperjax.models.decode import init_cache, sample_token, step
 from hyperjax.rl.losses import FEEDS, LOSSES, token_logp
-from hyperjax.shard import Constrainer, Strategy, place
-from hyperjax.topology import make_mesh
+from hyperjax.shard import Constrainer, place
 from hyperjax.train import prepare
 from hyperjax.train.checkpoint import restore_params
+from hyperjax.train.generate import layout
 from hyperjax.train.step import TrainStep, build_train_step, init_state, make_optimizer
-
-
-def _laid_out(run: Run, first: int, state: nnx.State) -> tuple[jax.sharding.Mesh, Strategy]:
-    """The mesh of ``run`` over the devices from ``first``, and its strategy with the model's parameter axes."""
-    mesh = make_mesh(run.hardware, run.axes, devices=jax.devices()[first : first + run.devices])
-    return mesh, prepare(run).strategy.with_param_axes(state)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -83,7 +77,7 @@ def build_rollout(rl: RLRun) -> Rollout:
     """The rollout program of ``rl`` (compiled on first use)."""
     run, r = rl.rollout, rl.rl
     graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(run.config.model, dtype=run.dtype)))
-    mesh, strategy = _laid_out(run, rl.rollout_first, state)
+    mesh, strategy = layout(run, state, first=rl.rollout_first)
     shapes = nnx.to_pure_dict(state)
     shardings = strategy.shardings(shapes, mesh)
     constrain = Constrainer(strategy=strategy, mesh=mesh)
@@ -173,7 +167,7 @@ def build_learner(rl: RLRun, *, init_checkpoint: str | None = None) -> Learner:
         run.config.model, dtype=run.dtype, recompute=run.recompute, recompute_modules=t.recompute_modules, seed=t.seed
     )
     graphdef, param_state = nnx.split(model)
-    mesh, strategy = _laid_out(run, rl.learner_first, param_state)
+    mesh, strategy = layout(run, param_state, first=rl.learner_first)
     optimizer = make_optimizer(t)
     loss = LOSSES[r.algorithm](clip=r.clip, kl_coef=r.kl_coef, temperature=r.temperature)
     train_step = build_train_step(

@@ -173,9 +173,10 @@ Layout = tuple[jax.sharding.Mesh, Strategy]
 """A run's mesh and its strategy with a model's parameter axes."""
 
 
-def layout(run: Run, state: nnx.State) -> Layout:
-    """The mesh and strategy ``run`` lays the model of parameter state ``state`` out with."""
-    mesh = make_mesh(run.hardware, run.axes, devices=jax.devices()[: run.devices])
+def layout(run: Run, state: nnx.State, *, first: int = 0) -> Layout:
+    """The mesh and strategy ``run`` lays the model of parameter state ``state`` out with, over the devices
+    from ``first`` (a submesh of a larger job)."""
+    mesh = make_mesh(run.hardware, run.axes, devices=jax.devices()[first : first + run.devices])
     return mesh, prepare(run).strategy.with_param_axes(state)
 
 

@@ -295,11 +295,18 @@ def plot_losses(losses: list[float], path: Path, *, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     ax.plot(range(1, len(losses) + 1), losses)
     ax.set(xlabel="step", ylabel="loss", title=title)
     ax.grid(alpha=0.3)
+    save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Lay out ``fig`` and write it to ``path`` as PNG, whole or not at all; close it."""
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp")
     fig.savefig(tmp, format="png")
