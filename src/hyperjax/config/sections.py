@@ -23,6 +23,7 @@ from hyperjax.config.types import (
     FsdpUnit,
     OffloadOption,
     OffloadPolicy,
+    OptimizerState,
     Overlap,
     Placement,
     Recompute,
@@ -85,6 +86,8 @@ class TrainConfig:
     beta2: float = 0.95  # AdamW second-moment decay
     grad_clip: float = 1.0  # global gradient-norm clip; 0 turns it off
     dtype: DType = "float32"  # compute dtype: float32 or bfloat16 (parameters stay float32)
+    grad_dtype: DType = "float32"  # the gradient buffer and its reduction (priced): float32 or bfloat16
+    optimizer_state: OptimizerState = "float32"  # AdamW's master and moments (priced): float32, remainders, bfloat16
     fp8: Fp8Config | None = None  # FP8 products of the blocks' linear layers (null: none); see Fp8Config
     recompute: Recompute = "none"  # activation recomputation per block: none, selective or full
     recompute_modules: tuple[Activation, ...] | None = None  # what selective recomputes; null: attn_core
@@ -114,6 +117,12 @@ class TrainConfig:
             raise ConfigError(
                 f"train.recompute_modules={list(self.recompute_modules)} names what selective recomputation "
                 f"recomputes, but train.recompute={self.recompute!r}; set train.recompute: selective or drop the key"
+            )
+        if self.dtype == "float32" and self.optimizer_state != "float32":
+            raise ConfigError(
+                f"train.optimizer_state={self.optimizer_state!r} keeps 16-bit weights beside the optimizer state, "
+                "but train.dtype=float32 keeps float32 weights; set train.dtype: bfloat16 or "
+                "train.optimizer_state: float32"
             )
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ConfigError("train.weight_decay and train.grad_clip must be >= 0")

@@ -52,6 +52,13 @@ FsdpUnit = Literal["tensor", "layer"]
 weight gathered before its product, its gradient reduce-scattered as soon as it is produced) or a whole block
 (PyTorch FSDP2's unit, torchtitan: the block's gradients reduced together in float32)."""
 
+OptimizerState = Literal["float32", "remainders", "bfloat16"]
+"""What AdamW keeps per parameter beside the weights (priced; the emulated step keeps float32): a float32
+master copy and float32 moments (Megatron's distributed optimizer, PyTorch's AdamW); the master's low 16
+bits beside 16-bit weights and float32 moments (NeMo's distributed Adam, ``store_param_remainders``, with
+bfloat16 weights); or bfloat16 moments and no master, the 16-bit weights updated in place (NeMo's
+``optim.dtype: bf16``)."""
+
 TaskKind = Literal["F", "B", "W"]
 """Pipeline tasks: forward, backward (input gradient when split), weight gradient (split backward only)."""
 

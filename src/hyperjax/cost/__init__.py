@@ -7,6 +7,8 @@ from hyperjax.cost.estimate import Estimate, estimate, memory_budget, stage_span
 from hyperjax.cost.inference import InferenceEstimate, ServeLayer, estimate_inference
 from hyperjax.cost.layer import LayerCost, price_layer
 from hyperjax.cost.memory import (
+    grad_bytes,
+    optimizer_bytes,
     replica_axes,
     sharding_axes,
     sharding_spans,
@@ -36,10 +38,12 @@ __all__ = [
     "estimate_inference",
     "estimate_rl",
     "gemm_time",
+    "grad_bytes",
     "grouped_gemm_time",
     "memory_budget",
     "model_flops_per_sequence",
     "model_tensors",
+    "optimizer_bytes",
     "price_layer",
     "replica_axes",
     "sharding_axes",

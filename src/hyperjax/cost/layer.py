@@ -25,7 +25,7 @@ import dataclasses
 import functools
 from collections.abc import Mapping
 
-from hyperjax.config import ACTIVATIONS, Activation, Fp8Config, ModelConfig, Recompute, TpOverlap, recomputed
+from hyperjax.config import ACTIVATIONS, Activation, DType, Fp8Config, ModelConfig, Recompute, TpOverlap, recomputed
 from hyperjax.cost.collectives import collective_time
 from hyperjax.cost.compute import gemm_time, grouped_gemm_time, stream_time
 from hyperjax.cost.counts import Product, activation_units, block_products, block_tensors
@@ -121,6 +121,7 @@ def price_layer(
     modules: tuple[Activation, ...] | None = None,
     tp_overlap: TpOverlap = "none",
     fsdp_reshard: bool = True,
+    grad_dtype: DType = "float32",
 ) -> LayerCost:
     """Price one block of ``m`` for ``micro`` sequences on one device of a mesh with ``axes``.
 
@@ -144,6 +145,7 @@ def price_layer(
       tp_overlap: how the tensor-parallel collectives meet the products beside them (``parallel.tp_overlap``).
       fsdp_reshard: FSDP gathers the layer for every pass (``True``), or once a step, the stage priced
         apart (``parallel.fsdp_reshard: false``): nothing of it waits here.
+      grad_dtype: the dtype FSDP reduce-scatters gradients in (``train.grad_dtype``).
     """
     return _price_layer(
         m,
@@ -160,6 +162,7 @@ def price_layer(
         modules,
         tp_overlap,
         fsdp_reshard,
+        grad_dtype,
     )
 
 
@@ -189,6 +192,7 @@ def _price_layer(
     modules: tuple[Activation, ...] | None,
     tp_overlap: TpOverlap,
     fsdp_reshard: bool,
+    grad_dtype: DType,
 ) -> LayerCost:
     axes, spans = dict(axes_items), dict(span_items)
     tp, cp, fsdp, ep = axes["tensor"], axes["context"], axes["fsdp"], axes.get("expert", 1)
@@ -325,7 +329,8 @@ def _price_layer(
     params, experts, largest = _block_params(m, moe, tp, ep, expert_tensor)
     gathered = params * e - (weights8 * (e - 1) if fp8 is not None and fp8.all_gather else 0.0)
     gather = collective_time("all_gather", gathered, spans["fsdp"], hardware)
-    scatter = collective_time("reduce_scatter", params * 4, spans["fsdp"], hardware)
+    g = 2 if grad_dtype == "bfloat16" else 4
+    scatter = collective_time("reduce_scatter", params * g, spans["fsdp"], hardware)
     exposed = max(0.0, 2 * gather + scatter - (fwd + bwd + extra)) if fsdp_reshard else 0.0
     return LayerCost(
         products_s=products,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from hyperjax.config import ParallelConfig, Run, Stage
+from hyperjax.config import ParallelConfig, Run, Stage, TrainConfig
 from hyperjax.cost.fp8 import held_bytes
 
 
@@ -58,15 +58,42 @@ def state_bytes(
     of them updated here, ``expert_params`` routed experts') on a stage with mesh ``axes``: float32 weights,
     with 16-bit compute a 16-bit copy beside them, except where the float32 master is sharded: FSDP keeps
     float32 shards and gathers in the compute dtype, and a distributed optimizer (ZeRO 1 and 2, Megatron's)
-    keeps the 16-bit weights whole and the float32 master with both moments sharded (2 + 4 + 12 / d)."""
+    keeps the 16-bit weights whole and the float32 master with both moments sharded (2 + 4 + 12 / d). The
+    gradient buffer holds ``train.grad_dtype`` (Megatron's main gradients: float32; NeMo's
+    ``grad_sync_dtype: bf16``: two bytes); ``train.optimizer_state`` sets the master and moments
+    (:func:`optimizer_bytes`)."""
     e = 2 if run.dtype == "bfloat16" else 4
+    g = grad_bytes(run.config.train)
+    master, moments = optimizer_bytes(run.config.train)
     fsdp = sharding_axes(run.config.parallel, axes)["fsdp"]
     zero = lambda n: zero_share(n, expert_params, replica_axes(run.config.parallel, axes))
-    sharded_master = e == 2 and fsdp == 1 and run.zero_stage >= 1
-    weights = held * (2 if sharded_master else 4 + (2 if e == 2 and fsdp == 1 else 0))
-    gradients = (zero(held) if run.zero_stage >= 2 else held) * 4
-    optimizer = (zero(trained) if run.zero_stage >= 1 else trained) * (12 if sharded_master else 8)
+    lean = e == 2 and fsdp == 1  # 16-bit weights whole, the master apart (FSDP shards the master itself)
+    sharded_master = lean and run.zero_stage >= 1
+    weights = held * (2 + (0 if sharded_master else master) if lean else 4)
+    gradients = (zero(held) if run.zero_stage >= 2 else held) * g
+    optimizer = (zero(trained) if run.zero_stage >= 1 else trained) * (moments + (master if sharded_master else 0))
     return weights, gradients, optimizer
+
+
+def optimizer_bytes(train: TrainConfig) -> tuple[int, int]:
+    """Bytes per parameter of ``(master copy, both moments)`` beside 16-bit weights (``train.optimizer_state``):
+    a float32 master and moments (4, 8); the master's low 16 bits (2, 8); bfloat16 moments, no master (0, 4)."""
+    return {"float32": (4, 8), "remainders": (2, 8), "bfloat16": (0, 4)}[train.optimizer_state]
+
+
+def optimizer_traffic(run: Run) -> int:
+    """HBM bytes the optimizer step moves per parameter: the gradient read, both moments read and written, and
+    the weights: float32 weights read and written; with 16-bit compute the master read and written and the
+    16-bit copy written, the 16-bit weights and their remainders read and written, or the 16-bit weights
+    alone."""
+    master, moments = optimizer_bytes(run.config.train)
+    weights = 8 if run.dtype != "bfloat16" else {4: 2 * 4 + 2, 2: 2 * (2 + 2), 0: 2 * 2}[master]
+    return grad_bytes(run.config.train) + 2 * moments + weights
+
+
+def grad_bytes(train: TrainConfig) -> int:
+    """Bytes of one gradient element as a run keeps and reduces it (``train.grad_dtype``)."""
+    return 2 if train.grad_dtype == "bfloat16" else 4
 
 
 def stage_memory(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> dict[str, float]:
@@ -79,7 +106,7 @@ def stage_memory(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> 
         run, stage.axes, core.held_params, core.trained_params, core.expert_params
     )
     # FSDP materialises its unit whole: a layer's gathered parameters and the next layer's (prefetched) in
-    # the compute dtype (FP8 with train.fp8.all_gather) and its full gradient in float32 before the
+    # the compute dtype (FP8 with train.fp8.all_gather) and its full gradient (train.grad_dtype) before the
     # reduce-scatter (parallel.fsdp_unit: layer); or one tensor and the next, and one tensor's gradient
     # (tensor). Gathered once a step (parallel.fsdp_reshard: false), every layer of the stage stays
     # gathered, and its gradients accumulate unsharded in the compute dtype until the step's reduce-scatter
@@ -93,7 +120,7 @@ def stage_memory(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> 
         kept = sum(p.layers * p.layer.params * fsdp for p in core.parts)
     fp8_bytes = 0.0 if fp8 is None else held_bytes(fp8, run.config.model, core.parts, fsdp)
     memory = {
-        "params": weights + whole * (2 * gathered + 4) + kept * gathered + fp8_bytes,
+        "params": weights + whole * (2 * gathered + grad_bytes(run.config.train)) + kept * gathered + fp8_bytes,
         "optimizer": optimizer,
         "gradients": gradients + kept * e,
         "activations": in_flight * core.kept_bytes + core.head_bytes + _halves_bytes(run, stage, core),

@@ -19,7 +19,15 @@ from hyperjax.cost.compute import gemm_time, stream_time
 from hyperjax.cost.counts import Tensor, decoder_tensors, encoder_tensors
 from hyperjax.cost.fp8 import cast_time
 from hyperjax.cost.layer import LayerCost, price_layer
-from hyperjax.cost.memory import replica_axes, sharding_axes, sharding_spans, stage_memory, zero_share
+from hyperjax.cost.memory import (
+    grad_bytes,
+    optimizer_traffic,
+    replica_axes,
+    sharding_axes,
+    sharding_spans,
+    stage_memory,
+    zero_share,
+)
 from hyperjax.cost.overlap import Exchange, chunk_exchange
 from hyperjax.topology import AxisSpan
 
@@ -242,6 +250,7 @@ def stage_core(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: AxisS
                 modules=run.config.train.recompute_modules,
                 tp_overlap=run.config.parallel.tp_overlap,
                 fsdp_reshard=run.config.parallel.fsdp_reshard,
+                grad_dtype=run.config.train.grad_dtype,
             )
             ends = module != "decoder" or c == last
             starts = module != "decoder" or c == 0
@@ -317,7 +326,7 @@ def price_stage(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> S
         (trained - core.expert_params, core.spans[f"data{over}+expert"]),
         (core.expert_params, core.spans[f"data{over}"]),
     )
-    reduce = sum(collective_time(kind, n * 4, span, hw) for n, span in reduced)
+    reduce = sum(collective_time(kind, n * grad_bytes(run.config.train), span, hw) for n, span in reduced)
     gather = sum(collective_time("all_gather", n * e, span, hw) for n, span in reduced) if run.zero_stage >= 1 else 0.0
     if sharding_axes(run.config.parallel, axes)["fsdp"] > 1 and not run.config.parallel.fsdp_reshard:
         # FSDP gathers the stage's layers once a step and reduce-scatters their accumulated gradients once
@@ -350,7 +359,7 @@ def price_stage(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> S
         slowdown_s=core.slowdown_s,
         data_parallel_s=dp_time,
         data_parallel_exposed_s=dp_exposed,
-        optimizer_s=stream_time(opt_params * (30 if e == 2 else 28), ops=8, hardware=hw),
+        optimizer_s=stream_time(opt_params * optimizer_traffic(run), ops=8, hardware=hw),
         weight_cast_s=sum(p.layers * p.layer.weight_cast_s for p in core.parts) / (fsdp if gathered == 1 else 1),
         in_flight=in_flight,
         memory=memory,

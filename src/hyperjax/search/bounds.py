@@ -21,7 +21,16 @@ import math
 from typing import Any
 
 from hyperjax.config import Config
-from hyperjax.cost import price_layer, replica_axes, sharding_axes, sharding_spans, stage_spans, zero_share
+from hyperjax.cost import (
+    grad_bytes,
+    optimizer_bytes,
+    price_layer,
+    replica_axes,
+    sharding_axes,
+    sharding_spans,
+    stage_spans,
+    zero_share,
+)
 from hyperjax.resolver import balance_layers
 from hyperjax.search.strategies import RECOMPUTE
 from hyperjax.topology import Hardware
@@ -63,6 +72,7 @@ def lower_bound(cfg: Config, overrides: dict[str, Any], hardware: Hardware, budg
     if overrides["parallel.schedule"] == "gpipe":
         held = microbatches
     e = 2 if cfg.train.dtype == "bfloat16" else 4
+    g, (master, moments) = grad_bytes(cfg.train), optimizer_bytes(cfg.train)
     expert_tensor = overrides.get("parallel.expert_tensor") is None or axes["tensor"] == 1
     for recompute in RECOMPUTE:
         layers = [
@@ -81,6 +91,7 @@ def lower_bound(cfg: Config, overrides: dict[str, Any], hardware: Hardware, budg
                 modules=cfg.train.recompute_modules,
                 tp_overlap=cfg.parallel.tp_overlap,
                 fsdp_reshard=cfg.parallel.fsdp_reshard,
+                grad_dtype=cfg.train.grad_dtype,
             )
             for moe in kinds
         ]
@@ -88,7 +99,8 @@ def lower_bound(cfg: Config, overrides: dict[str, Any], hardware: Hardware, budg
         # master sharded beside the moments and gradients) and activations
         lean = e == 2 and axes["fsdp"] == 1  # 16-bit weights whole, the float32 master sharded
         state = [
-            x.params * (2 if lean else 4) + (16 if lean else 12) * zero_share(x.params, x.expert_params, replicas)
+            x.params * (2 if lean else 4)
+            + (master * lean + moments + g) * zero_share(x.params, x.expert_params, replicas)
             for x in layers
         ]
         kept = sum(n * (st + held * x.stored_bytes) for n, st, x in zip(count[0], state, layers, strict=True))
