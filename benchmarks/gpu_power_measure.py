@@ -2,8 +2,9 @@
 
 A power-capped part's sustained rate is its clock under load. This reads what the part does at its own
 cap: the SM clock, board power and throughput while BF16 products of two shapes (8192^3 and a Llama-3-8B MLP
-product, 16384 x 14336 x 4096) and a device-to-device copy run back to back for some seconds each, with
-nvidia-smi sampled beside them, and the idle draw before them. The power cap is read, never changed.
+product, 16384 x 14336 x 4096), a device-to-device copy and torchtitan's Llama-3-8B training block (compiled
+and eager; ``gpu_block_measure.py``) run back to back for some seconds each, with nvidia-smi sampled beside
+them, and the idle draw before them. The power cap is read, never changed.
 
     python benchmarks/gpu_power_measure.py --out power.json [--seconds 20]
 
@@ -22,6 +23,9 @@ import time
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from gpu_block_measure import Block, Checkpointed
 
 FIELDS = (
     "power.draw",
@@ -119,6 +123,25 @@ def copy(name: str, nbytes: int, seconds: float, sampler: Sampler) -> dict:
     return sustained(name, lambda: dst.copy_(src), 0, 2 * nbytes, seconds, sampler)
 
 
+def block(name: str, compiled: bool, seconds: float, sampler: Sampler) -> dict:
+    """torchtitan's Llama-3-8B block (2 x 8,192 tokens, op-level checkpointing), forward and backward,
+    sustained: products, attention and element-wise work sharing the power budget as in a training step."""
+    torch.manual_seed(0)
+    m = Block().cuda().to(torch.bfloat16)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, m.hd, 2, device="cuda").float() / m.hd))
+    angles = torch.outer(torch.arange(8192, device="cuda").float(), inv)
+    freqs = torch.polar(torch.ones_like(angles), angles).view(1, 8192, 1, m.hd // 2)
+    net = Checkpointed(m)
+    fn = torch.compile(net) if compiled else net
+    x = torch.randn(2, 8192, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step() -> None:
+        fn(x, freqs).backward(torch.ones_like(x))
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return sustained(name, step, 0, 0, seconds, sampler)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -135,6 +158,8 @@ def main() -> int:
         product("gemm_8192", 8192, 8192, 8192, args.seconds, sampler),
         product("gemm_llama8b_mlp", 16384, 4096, 14336, args.seconds, sampler),
         copy("copy_2gib", 2 * 2**30, args.seconds / 2, sampler),
+        block("llama8b_block_compiled", True, args.seconds, sampler),
+        block("llama8b_block_eager", False, args.seconds, sampler),
     ]
     sampler.stop.set()
     results["runs"] = runs

@@ -29,7 +29,7 @@ def test_required_presets_load(name):
     [
         ("dgx-h100", 1979e12),
         ("dgx-h200", 1979e12),
-        ("h100-96g-500w", 1355.6e12),
+        ("h100-96g-500w", 1370.3e12),
         ("dgx-a100-80g", None),
         ("tpu-v5p", None),
         ("tpu-v5e", None),

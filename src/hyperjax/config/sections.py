@@ -18,6 +18,7 @@ from hyperjax.config.types import (
     DataSource,
     DpOverlap,
     DType,
+    Elementwise,
     Fp8Format,
     Fp8Recipe,
     FsdpUnit,
@@ -88,6 +89,7 @@ class TrainConfig:
     dtype: DType = "float32"  # compute dtype: float32 or bfloat16 (parameters stay float32)
     grad_dtype: DType = "float32"  # the gradient buffer and its reduction (priced): float32 or bfloat16
     optimizer_state: OptimizerState = "float32"  # AdamW's master and moments (priced): float32, remainders, bfloat16
+    elementwise: Elementwise = "fused"  # the blocks' element-wise work (priced): fused (compiled) or eager
     fp8: Fp8Config | None = None  # FP8 products of the blocks' linear layers (null: none); see Fp8Config
     recompute: Recompute = "none"  # activation recomputation per block: none, selective or full
     recompute_modules: tuple[Activation, ...] | None = None  # what selective recomputes; null: attn_core

@@ -52,6 +52,12 @@ FsdpUnit = Literal["tensor", "layer"]
 weight gathered before its product, its gradient reduce-scattered as soon as it is produced) or a whole block
 (PyTorch FSDP2's unit, torchtitan: the block's gradients reduced together in float32)."""
 
+Elementwise = Literal["fused", "eager"]
+"""How a block's element-wise work (norms, rotary embedding, activation, residual adds) runs (priced; the
+emulated step is compiled by XLA): fused into few kernels that read and write each activation once (XLA,
+``torch.compile``), or one kernel per operation through HBM, in float32 where the model upcasts (eager
+PyTorch: torchtitan's ``compile = false``)."""
+
 OptimizerState = Literal["float32", "remainders", "bfloat16"]
 """What AdamW keeps per parameter beside the weights (priced; the emulated step keeps float32): a float32
 master copy and float32 moments (Megatron's distributed optimizer, PyTorch's AdamW); the master's low 16

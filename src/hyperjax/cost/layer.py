@@ -2,7 +2,8 @@
 
 The block's products (:func:`hyperjax.cost.counts.block_products`) are priced on the roofline at their
 tensor-parallel shapes, the attention core as one batched product per micro-batch, and element-wise work
-as the stored activations streamed through HBM. The backward costs twice the forward. Tensor- and
+as the stored activations streamed through HBM, fused as a compiler fuses it or, eager, at
+:data:`EAGER_ELEMENTWISE` times that. The backward costs twice the forward. Tensor- and
 context-parallel collectives sit on the critical path; FSDP's gathers and scatters overlap the layer's
 compute and only what exceeds it is exposed.
 
@@ -25,13 +26,32 @@ import dataclasses
 import functools
 from collections.abc import Mapping
 
-from hyperjax.config import ACTIVATIONS, Activation, DType, Fp8Config, ModelConfig, Recompute, TpOverlap, recomputed
+from hyperjax.config import (
+    ACTIVATIONS,
+    Activation,
+    DType,
+    Elementwise,
+    Fp8Config,
+    ModelConfig,
+    Recompute,
+    TpOverlap,
+    recomputed,
+)
 from hyperjax.cost.collectives import collective_time
 from hyperjax.cost.compute import gemm_time, grouped_gemm_time, stream_time
 from hyperjax.cost.counts import Product, activation_units, block_products, block_tensors
 from hyperjax.cost.fp8 import cast_passes, fp8_input_units, keeps_fp8_inputs
 from hyperjax.cost.routing import exchange_time, routing
 from hyperjax.topology import AxisSpan, Hardware
+
+EAGER_ELEMENTWISE = 12.2 / 4.3
+"""Eager element-wise work against fused: torchtitan's Llama-3-8B block (float32 RMSNorm, complex rotary
+products, ``repeat_kv``, SwiGLU; 2 x 8,192 tokens), forward and backward on an H100, spent 12.2 ms in its 110
+element-wise and reduction kernels eager and 4.3 ms in 58 under ``torch.compile`` (PyTorch's profiler;
+``benchmarks/gpu_block_measure.py``, ``benchmarks/results/block-h100-measured.json``). Each eager operation
+reads and writes its tensors through HBM, float32 ones where the model upcasts, in kernels that reach less
+of the bandwidth (unvectorised and broadcasting ones): a property of the framework's eager code, the same on
+any memory-bound device."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -122,6 +142,7 @@ def price_layer(
     tp_overlap: TpOverlap = "none",
     fsdp_reshard: bool = True,
     grad_dtype: DType = "float32",
+    elementwise: Elementwise = "fused",
 ) -> LayerCost:
     """Price one block of ``m`` for ``micro`` sequences on one device of a mesh with ``axes``.
 
@@ -146,6 +167,8 @@ def price_layer(
       fsdp_reshard: FSDP gathers the layer for every pass (``True``), or once a step, the stage priced
         apart (``parallel.fsdp_reshard: false``): nothing of it waits here.
       grad_dtype: the dtype FSDP reduce-scatters gradients in (``train.grad_dtype``).
+      elementwise: the element-wise work fused (compiled) or eager, one kernel per operation
+        (``train.elementwise``; :data:`EAGER_ELEMENTWISE`).
     """
     return _price_layer(
         m,
@@ -163,6 +186,7 @@ def price_layer(
         tp_overlap,
         fsdp_reshard,
         grad_dtype,
+        elementwise,
     )
 
 
@@ -193,6 +217,7 @@ def _price_layer(
     tp_overlap: TpOverlap,
     fsdp_reshard: bool,
     grad_dtype: DType,
+    elementwise: Elementwise,
 ) -> LayerCost:
     axes, spans = dict(axes_items), dict(span_items)
     tp, cp, fsdp, ep = axes["tensor"], axes["context"], axes["fsdp"], axes.get("expert", 1)
@@ -277,6 +302,8 @@ def _price_layer(
     # materialized: the scores and probabilities stream through HBM; fused: they stay on chip, and the
     # backward recomputes the scores (five products of the core's size against the forward's two)
     ew_core_fwd = 0.0 if flash else stream_time(2 * acts["attn_core"], ops=4, hardware=hardware)
+    if elementwise == "eager":  # one kernel an operation, float32 where the model upcasts (measured ratio)
+        ew_fwd, ew_core_fwd = ew_fwd * EAGER_ELEMENTWISE, ew_core_fwd * EAGER_ELEMENTWISE
     fwd = proj + core + ew_fwd + ew_core_fwd + cast_fwd
     bwd = 2 * proj + core_bwd + 2 * (ew_fwd + ew_core_fwd) + cast_bwd
     ew_share = lambda name: ew_fwd * acts[name] / (replicated + split)

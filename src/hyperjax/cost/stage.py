@@ -251,6 +251,7 @@ def stage_core(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: AxisS
                 tp_overlap=run.config.parallel.tp_overlap,
                 fsdp_reshard=run.config.parallel.fsdp_reshard,
                 grad_dtype=run.config.train.grad_dtype,
+                elementwise=run.config.train.elementwise,
             )
             ends = module != "decoder" or c == last
             starts = module != "decoder" or c == 0

@@ -92,6 +92,7 @@ def lower_bound(cfg: Config, overrides: dict[str, Any], hardware: Hardware, budg
                 tp_overlap=cfg.parallel.tp_overlap,
                 fsdp_reshard=cfg.parallel.fsdp_reshard,
                 grad_dtype=cfg.train.grad_dtype,
+                elementwise=cfg.train.elementwise,
             )
             for moe in kinds
         ]

@@ -1,0 +1,128 @@
+"""One Llama-3-8B block as torchtitan runs it, eager and compiled, with and without its op-level activation
+checkpointing, timed and split by kernel kind on one GPU (run where a GPU and PyTorch are).
+
+The block is ``gpu_kernels_measure.Block`` (torchtitan's code: float32 RMSNorm, complex rotary products,
+``repeat_kv``, SDPA's FlashAttention-2, SwiGLU), at torchtitan's local batch of 2 x 8,192 tokens. The
+checkpointing is torchtitan's ``selective_ac_option = 'op'`` policy: matrix products' and SDPA's outputs
+saved except every second product's, everything else recomputed in the backward. Each variant's forward
+and backward is timed with CUDA events; one step of it runs under PyTorch's profiler, whose kernels are
+summed as products (cuBLAS/CUTLASS), attention (flash) and the rest (element-wise and reductions).
+
+    python benchmarks/gpu_block_measure.py --out block.json
+
+Save the result as ``benchmarks/results/block-<gpu>-measured.json``; ``benchmarks/validation``'s report
+sets it beside ``train.elementwise`` and ``train.recompute_modules``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from gpu_kernels_measure import Block, event_time
+
+SAVE = {torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_flash_attention.default}
+
+
+def op_policy(meta: dict, ctx, func, *args, **kwargs):
+    """torchtitan's 'op' policy: save products' and attention's outputs, except every second product's."""
+    mode = "recompute" if ctx.is_recompute else "forward"
+    if func == torch.ops.aten.mm.default:
+        meta[f"{mode}_mm_count"] += 1
+    save = func in SAVE and not (func == torch.ops.aten.mm.default and meta[f"{mode}_mm_count"] % 2 == 0)
+    return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def contexts():
+    return create_selective_checkpoint_contexts(partial(op_policy, defaultdict(int)))
+
+
+class Checkpointed(torch.nn.Module):
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, freqs):
+        return checkpoint(self.block, x, freqs, use_reentrant=False, context_fn=contexts)
+
+
+def kind(name: str) -> str:
+    n = name.lower()
+    if "flash" in n or "fmha" in n or "attention" in n:
+        return "attention"
+    if any(k in n for k in ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90_")):
+        return "products"
+    return "other"
+
+
+def measure(checkpointed: bool, compiled: bool, batch: int = 2, seq: int = 8192) -> dict:
+    torch.manual_seed(0)
+    m = Block().cuda().to(torch.bfloat16)
+    hd = m.hd
+    inv = 1.0 / (500000.0 ** (torch.arange(0, hd, 2, device="cuda").float() / hd))
+    freqs = torch.polar(
+        torch.ones(seq, hd // 2, device="cuda"), torch.outer(torch.arange(seq, device="cuda").float(), inv)
+    )
+    freqs = freqs.view(1, seq, 1, hd // 2)
+    net = Checkpointed(m) if checkpointed else m
+    fn = torch.compile(net) if compiled else net
+    x = torch.randn(batch, seq, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step():
+        y = fn(x, freqs)
+        y.backward(torch.ones_like(y))
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        t = event_time(step, n=5)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+    by_kind: dict[str, float] = defaultdict(float)
+    kernels: dict[str, int] = defaultdict(int)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_kind[kind(e.name)] += getattr(e, "device_time", getattr(e, "cuda_time", 0.0)) / 1e6
+            kernels[kind(e.name)] += 1
+    row = {
+        "checkpointed": checkpointed,
+        "compiled": compiled,
+        "batch": batch,
+        "seq": seq,
+        "s": t,
+        "kernel_s": dict(by_kind),
+        "kernels": dict(kernels),
+    }
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    rows = []
+    for checkpointed in (False, True):
+        for compiled in (False, True):
+            try:
+                rows.append(measure(checkpointed, compiled))
+            except Exception as err:  # a variant that fails is recorded, the others still run
+                rows.append({"checkpointed": checkpointed, "compiled": compiled, "error": repr(err)[:500]})
+                print(json.dumps(rows[-1]), flush=True)
+    props = torch.cuda.get_device_properties(0)
+    result = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__, "rows": rows}
+    args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
