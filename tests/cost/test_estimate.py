@@ -36,8 +36,8 @@ def test_calibration_runs_within_bounds():
 
 
 def test_moe_calibration_runs_within_their_stated_error():
-    """The published mixture-of-experts runs: the docs state a mean error of 23.4 % and a worst row of
-    46.5 % (what the model leaves out is listed there); this holds the model to that."""
+    """The published mixture-of-experts runs: the docs state a mean error of 20.3 % and a worst row of
+    37.0 % (what the model leaves out is listed there); this holds the model to that."""
     errors = []
     for path in MOE_VALIDATION:
         cfg, doc = run(path)
@@ -46,8 +46,8 @@ def test_moe_calibration_runs_within_their_stated_error():
         assert est.communication_s["expert_parallel"] > 0
         errors.append(abs(est.step_time_s / doc["measured"]["step_time_s"] - 1))
     assert len(errors) == 4
-    assert sum(errors) / len(errors) <= 0.25
-    assert max(errors) <= 0.47
+    assert sum(errors) / len(errors) <= 0.21
+    assert max(errors) <= 0.38
 
 
 def priced(folder: str) -> list[tuple[dict, object]]:
@@ -93,7 +93,7 @@ def test_eager_elementwise_work_costs_the_measured_ratio_more():
     elementwise = lambda x: x.forward_s - sum(x.products_s.values()) - x.core_s
     assert elementwise(e) == pytest.approx(EAGER_ELEMENTWISE * elementwise(f))
     assert eager.step_time_s > fused.step_time_s
-    with pytest.raises(HyperjaxError, match=r"train.elementwise"):
+    with pytest.raises(HyperjaxError, match=r"train\.elementwise"):
         load_config(None, ["train.elementwise=compiled"])
 
 

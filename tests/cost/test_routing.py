@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hyperjax import estimate, load_config, resolve
+from hyperjax import HyperjaxError, estimate, load_config, resolve
 from hyperjax.config import MoEConfig
 from hyperjax.cost.routing import reach_probability
 
@@ -44,3 +44,24 @@ def test_fewer_experts_than_kept_groups_reach_no_more_groups_than_experts():
     # all groups kept: the uniform law
     everything = MoEConfig(experts=64, top_k=2, groups=8, group_top_k=8)
     assert reach_probability(everything, 4) == pytest.approx(reach_probability(flat, 4))
+
+
+def test_dispatchers_move_what_their_exchanges_send():
+    """DeepEP sends a token once to each device holding any of its experts; NCCL's all-to-all sends each of
+    its top_k copies; an all-gather brings every token of the group to every device."""
+    sets = ["hardware=dgx-h100", "parallel.expert=8", "parallel.pipeline=1", "parallel.data=null"]
+    path = Path(__file__).parents[2] / "configs" / "deepseek-v3-671b.yaml"
+    exchange = {
+        d: estimate(resolve(load_config(path, [*sets, f"parallel.dispatcher={d}"]))).stages[0].parts[-1].layer
+        for d in ("deepep", "alltoall", "allgather")
+    }
+    one = {d: layer.exchange_s for d, layer in exchange.items()}
+    held = 256 / 8  # experts a device holds
+    # inside one node: the bytes are each device's, the ratio of copies sent to devices reached
+    moe = load_config(path, sets).model.moe  # node-limited routing: fewer devices reached than uniform
+    copies, reached = moe.top_k * 7 / 8, 7 * reach_probability(moe, held)
+    assert one["alltoall"] / one["deepep"] == pytest.approx(copies / reached, rel=0.02)
+    # each device gathers the other 7 devices' tokens: as many bytes as 8 copies to 7 of 8 devices
+    assert one["allgather"] == pytest.approx(one["alltoall"], rel=0.02) and one["deepep"] > 0
+    with pytest.raises(HyperjaxError, match=r"parallel\.dispatcher"):
+        load_config(path, ["parallel.dispatcher=nccl"])

@@ -16,6 +16,7 @@ from hyperjax.config.types import (
     ACTIVATIONS,
     Activation,
     DataSource,
+    Dispatcher,
     DpOverlap,
     DType,
     Elementwise,
@@ -151,6 +152,7 @@ class ParallelConfig:
     virtual_stages: int = 1  # model chunks per pipeline stage (interleaved schedule when > 1)
     schedule: ScheduleName = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved or zero-bubble
     overlap: Overlap = "none"  # MoE all-to-all behind compute: none, two-microbatch, or fb-pair (1f1b pipelines)
+    dispatcher: Dispatcher = "deepep"  # the MoE token exchange (priced): deepep, alltoall or allgather
     tp_overlap: TpOverlap = "none"  # tensor-parallel collectives beside products (priced): none, bulk, pipelined
     dp_overlap: DpOverlap = "backward"  # gradient reduction beside compute (priced): none, backward, full
     fsdp_unit: FsdpUnit = "tensor"  # what FSDP gathers and reduce-scatters at once (priced): tensor or layer

@@ -52,6 +52,14 @@ FsdpUnit = Literal["tensor", "layer"]
 weight gathered before its product, its gradient reduce-scattered as soon as it is produced) or a whole block
 (PyTorch FSDP2's unit, torchtitan: the block's gradients reduced together in float32)."""
 
+Dispatcher = Literal["deepep", "alltoall", "allgather"]
+"""How a mixture of experts' tokens reach their experts (priced; the emulated step runs its own all-to-all of
+padded buffers): DeepEP's kernels (DeepSeek-V3; Megatron's ``flex`` dispatcher), each token sent once to each
+device and across the slow tier once to each node holding any of its experts, then forwarded inside the node;
+NCCL's all-to-all (Megatron's ``alltoall`` dispatcher), each of a token's ``top_k`` routed copies sent to its
+expert's device; or an all-gather of the group's tokens to every device and a reduce-scatter back
+(Megatron's ``allgather`` dispatcher, its default)."""
+
 Elementwise = Literal["fused", "eager"]
 """How a block's element-wise work (norms, rotary embedding, activation, residual adds) runs (priced; the
 emulated step is compiled by XLA): fused into few kernels that read and write each activation once (XLA,

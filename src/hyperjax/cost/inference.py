@@ -169,6 +169,7 @@ def estimate_inference(run: Run) -> InferenceEstimate:
                 hardware=hw,
                 moe=moe,
                 expert_tensor=run.expert_tensor_split,
+                dispatcher=run.config.parallel.dispatcher,
             )
             full = price_layer(dataclasses.replace(block, seq_len=prompt), micro=local, **kw)
             prefill += count * (

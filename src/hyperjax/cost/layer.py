@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from hyperjax.config import (
     ACTIVATIONS,
     Activation,
+    Dispatcher,
     DType,
     Elementwise,
     Fp8Config,
@@ -143,6 +144,7 @@ def price_layer(
     fsdp_reshard: bool = True,
     grad_dtype: DType = "float32",
     elementwise: Elementwise = "fused",
+    dispatcher: Dispatcher = "deepep",
 ) -> LayerCost:
     """Price one block of ``m`` for ``micro`` sequences on one device of a mesh with ``axes``.
 
@@ -169,6 +171,7 @@ def price_layer(
       grad_dtype: the dtype FSDP reduce-scatters gradients in (``train.grad_dtype``).
       elementwise: the element-wise work fused (compiled) or eager, one kernel per operation
         (``train.elementwise``; :data:`EAGER_ELEMENTWISE`).
+      dispatcher: how a mixture of experts' tokens reach their experts (``parallel.dispatcher``).
     """
     return _price_layer(
         m,
@@ -187,6 +190,7 @@ def price_layer(
         fsdp_reshard,
         grad_dtype,
         elementwise,
+        dispatcher,
     )
 
 
@@ -218,6 +222,7 @@ def _price_layer(
     fsdp_reshard: bool,
     grad_dtype: DType,
     elementwise: Elementwise,
+    dispatcher: Dispatcher,
 ) -> LayerCost:
     axes, spans = dict(axes_items), dict(span_items)
     tp, cp, fsdp, ep = axes["tensor"], axes["context"], axes["fsdp"], axes.get("expert", 1)
@@ -347,10 +352,10 @@ def _price_layer(
     expert_comm = one = 0.0
     if routed is not None:  # dispatch and combine in each pass, the busiest device's receive deciding
         exchange = spans["+".join(routed.exchange)]
-        one = exchange_time(m, routed, exchange, bytes_per_element=e, hardware=hardware)
+        one = exchange_time(m, routed, exchange, bytes_per_element=e, hardware=hardware, dispatcher=dispatcher)
         expert_comm = 2 * passes * one
         if fp8 is not None:  # the forward's dispatch (and its recomputation) moves FP8 rows
-            low_one = exchange_time(m, routed, exchange, bytes_per_element=1, hardware=hardware)
+            low_one = exchange_time(m, routed, exchange, bytes_per_element=1, hardware=hardware, dispatcher=dispatcher)
             expert_comm -= (passes - 1) * (one - low_one)
 
     params, experts, largest = _block_params(m, moe, tp, ep, expert_tensor)

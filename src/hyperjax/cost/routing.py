@@ -6,7 +6,8 @@ Expert parallelism places ``experts / expert`` routed experts on each device of 
 balanced, and the step waits for the busiest device: its expert products and the all-to-all traffic it
 receives are the mean times the *load imbalance*, the busiest device's routed copies over the mean.
 
-The dispatch and the combine are priced as the exchanges real MoE runtimes run (DeepEP's dispatch,
+The dispatch and the combine are priced by default (``parallel.dispatcher: deepep``; ``alltoall`` and
+``allgather`` at :func:`exchange_time`) as the exchanges real MoE runtimes run (DeepEP's dispatch,
 which DeepSeek-V3 trains with; Megatron-Core's flex dispatcher): a token is sent once to each device that
 holds any of its experts, and across a slower tier once to each block of that tier's group (a node) that
 holds any, then forwarded inside the block. So the bytes crossing a tier are the token's hidden state
@@ -32,7 +33,8 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from hyperjax.config import ModelConfig, MoEConfig
+from hyperjax.config import Dispatcher, ModelConfig, MoEConfig
+from hyperjax.cost.collectives import collective_time
 from hyperjax.topology import AxisSpan, Hardware
 
 MAX_VIOLATION: Mapping[str, float] = {"aux_loss": 0.52, "bias": 0.04}
@@ -117,24 +119,38 @@ def _miss(n: float, k: int, held: float) -> float:
 
 
 def exchange_time(
-    m: ModelConfig, route: Routing, span: AxisSpan, *, bytes_per_element: int, hardware: Hardware
+    m: ModelConfig,
+    route: Routing,
+    span: AxisSpan,
+    *,
+    bytes_per_element: int,
+    hardware: Hardware,
+    dispatcher: Dispatcher = "deepep",
 ) -> float:
     """Seconds of one dispatch (or combine) on the busiest device of an exchange over ``span``.
 
-    Each tier of the span carries the hidden states sent to the blocks first reached through it, once
-    per block the token's experts fall in (see the module docstring), at the busiest device's load; the
-    tiers run side by side, so the slowest tier's share decides, plus a latency per rank it reaches.
+    ``deepep``: each tier of the span carries the hidden states sent to the blocks first reached through
+    it, once per block the token's experts fall in (see the module docstring), at the busiest device's
+    load. ``alltoall``: each routed copy goes to its expert's device, crossing the tier between them once:
+    a tier carries the copies whose experts lie in the blocks it joins. Either way the tiers run side by
+    side, so the slowest tier's share decides, plus a latency per rank it reaches. ``allgather``: every
+    device gathers the group's tokens (the combine reduce-scatters them), a collective over the span.
     """
     x = m.moe
     tiers = {t.name: t for t in hardware.tiers}
     group = math.prod(r for _, r in span.levels)
     tokens = route.copies / x.top_k * route.imbalance
     width = m.d_model * bytes_per_element
+    if dispatcher == "allgather":
+        return collective_time("all_gather", tokens * width * group, span, hardware)
     reached, latency, slowest = 1, 0.0, 0.0
     for name, ranks in span.levels:
         tier = tiers[name]
         held = x.experts * reached / group  # experts in one block of ``reached`` devices
-        crossing = tokens * (ranks - 1) * reach_probability(x, held) * width
+        if dispatcher == "alltoall":  # every copy, to its expert's device
+            crossing = tokens * x.top_k * (ranks - 1) * held / x.experts * width
+        else:
+            crossing = tokens * (ranks - 1) * reach_probability(x, held) * width
         latency += (ranks - 1) * tier.latency
         slowest = max(slowest, crossing / tier.effective_bandwidth)
         reached *= ranks

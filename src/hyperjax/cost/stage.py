@@ -252,6 +252,7 @@ def stage_core(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: AxisS
                 fsdp_reshard=run.config.parallel.fsdp_reshard,
                 grad_dtype=run.config.train.grad_dtype,
                 elementwise=run.config.train.elementwise,
+                dispatcher=run.config.parallel.dispatcher,
             )
             ends = module != "decoder" or c == last
             starts = module != "decoder" or c == 0

@@ -93,6 +93,7 @@ def lower_bound(cfg: Config, overrides: dict[str, Any], hardware: Hardware, budg
                 fsdp_reshard=cfg.parallel.fsdp_reshard,
                 grad_dtype=cfg.train.grad_dtype,
                 elementwise=cfg.train.elementwise,
+                dispatcher=cfg.parallel.dispatcher,
             )
             for moe in kinds
         ]
