@@ -73,3 +73,16 @@ def test_unequal_layers_over_many_stages_are_replayed_chunk_by_chunk():
     end = max(e for _, _, e in replay(sched, seconds).values())
     slowest = est.stages[est.critical]
     assert est.step_time_s == pytest.approx(end + slowest.data_parallel_exposed_s + slowest.optimizer_s)
+
+
+def test_end_chunks_of_no_blocks_price_the_embedding_and_the_head_alone():
+    # Megatron's account_for_embedding/loss split: 2 x 2 chunks of 0, 2, 2 and 0 layers
+    sets = ["parallel.tensor=1", "parallel.pipeline=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2"]
+    sets += ["train.microbatches=4", "parallel.stage_layers=[0,2,2,0]"]
+    est = estimate(resolve(load_config(CONFIGS / "quickstart.yaml", sets)))
+    first, last = est.stages
+    embed, head = first.parts[0], last.parts[-1]
+    assert embed.layers == 0 and embed.held_params > 0 and head.layers == 0 and head.head_s > 0
+    work = {c.chunk: c.forward_s for s in est.stages for c in s.chunks}
+    assert work[0] < work[1] and work[0] < work[2]  # the embedding alone is a fraction of two blocks
+    assert first.layers == last.layers == 2

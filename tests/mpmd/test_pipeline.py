@@ -90,6 +90,15 @@ def test_interleaved_four_stages_matches_spmd(spmd_deep, m):
     np.testing.assert_allclose(losses(sets), spmd_deep, rtol=1e-4, atol=0)
 
 
+def test_end_chunks_of_no_blocks_match_spmd(spmd):
+    """Megatron's account_for_embedding/loss split: the first chunk embeds alone, the last computes the loss."""
+    sets = ["parallel.pipeline=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2"]
+    sets += ["train.microbatches=4", "parallel.stage_layers=[0,2,2,0]"]
+    run = resolve(load_config(QUICKSTART, [*BASE, *sets]))
+    assert run.chunk_layers() == (0, 2, 2, 0)
+    np.testing.assert_allclose(losses(sets), spmd, rtol=1e-4, atol=0)
+
+
 def test_unequal_stages_get_layers_by_their_devices():
     sets = ["train.global_batch=48", "parallel.pipeline=2", "parallel.stage_devices=[2,6]"]
     run = resolve(load_config(QUICKSTART, [*BASE, *sets]))
@@ -119,7 +128,17 @@ def test_submeshes_are_consecutive_slices():
         (["parallel.pipeline=2", "parallel.stage_devices=[2,5]"], "sum to 7"),
         (["parallel.pipeline=2", "parallel.stage_devices=[2,2,4]"], "names 3 stages"),
         (["parallel.pipeline=2", "parallel.stage_devices=[2,6]"], "multiple of 24"),
-        (["parallel.pipeline=2", "parallel.stage_layers=[1,1]"], "summing to model.layers=4"),
+        (["parallel.pipeline=2", "parallel.stage_layers=[1,1]"], "sums to 2 layers, but model.layers=4"),
+        (
+            [
+                "parallel.pipeline=2",
+                "parallel.virtual_stages=2",
+                "parallel.schedule=interleaved",
+                "parallel.stage_layers=[2,0,2,0]",
+            ],
+            "positive but for the first and the last chunk",
+        ),
+        (["parallel.pipeline=2", "parallel.stage_layers=[-1,5]"], "must be integers >= 0"),
         (["parallel.pipeline=2", "parallel.schedule=pipedream"], "parallel.schedule"),
         (["parallel.pipeline=3"], "does not divide the 8 devices"),
     ],

@@ -167,10 +167,10 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         vocabularies(self, "parallel")
         positive(self, "parallel", ("fsdp", "expert", "tensor", "context", "pipeline", "virtual_stages"))
-        for key in ("stage_devices", "stage_layers"):
-            value = getattr(self, key)
-            if value is not None and any(n < 1 for n in value):
-                raise ConfigError(f"parallel.{key}={list(value)} must be positive integers")
+        if self.stage_devices is not None and any(n < 1 for n in self.stage_devices):
+            raise ConfigError(f"parallel.stage_devices={list(self.stage_devices)} must be positive integers")
+        if self.stage_layers is not None and any(n < 0 for n in self.stage_layers):
+            raise ConfigError(f"parallel.stage_layers={list(self.stage_layers)} must be integers >= 0")
         if self.stage_devices is not None and len(self.stage_devices) != self.pipeline:
             raise ConfigError(
                 f"parallel.stage_devices={list(self.stage_devices)} names {len(self.stage_devices)} stages, but "

@@ -142,7 +142,8 @@ def part_models(
     """``(module, block model, layers, moe)`` of each part of chunk ``stage.chunks[chunk_index]``, whose
     first block is block ``first`` of the model: the block model's ``seq_len`` is the tokens a sequence
     has there (a language model also sees the image tokens); a chunk holding dense and mixture-of-experts
-    blocks has a part of each kind, dense first."""
+    blocks has a part of each kind, dense first; a chunk of no blocks (the embedding or the output layer alone)
+    one part of none."""
     out = []
     if "encoder" in stage.modules:
         out.append(("encoder", m.vision.as_model(m.d_model), m.vision.layers, False))
@@ -150,7 +151,8 @@ def part_models(
         lm = dataclasses.replace(m, vision=None, seq_len=m.seq_len + m.vision.patches)
         out += [("language_model", lm, n, moe) for n, moe in _kinds(m, 0, m.layers)]
     if "decoder" in stage.modules:
-        out += [("decoder", m, n, moe) for n, moe in _kinds(m, first, stage.layers[chunk_index])]
+        blocks = stage.layers[chunk_index]
+        out += [("decoder", m, n, moe) for n, moe in _kinds(m, first, blocks)] or [("decoder", m, 0, False)]
     return out
 
 

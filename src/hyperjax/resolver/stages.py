@@ -93,17 +93,27 @@ def balance_layers(
     """Layers per chunk (model order) minimising the slowest chunk's training FLOPs per device.
 
     Chunk ``c`` runs on ``chunk_devices[c]`` devices; the first chunk also embeds, the last also computes
-    the logits and the loss. Every chunk gets at least one layer.
+    the logits and the loss. Every chunk gets at least one layer, but where ``stage_layers`` gives the
+    first or the last none (the embedding or the output layer alone, as Megatron can count them).
 
     Raises:
       ConfigError: more chunks than layers, or ``stage_layers`` that do not fit the model.
     """
     chunks = len(chunk_devices)
     if stage_layers is not None:
-        if len(stage_layers) != chunks or any(n < 1 for n in stage_layers) or sum(stage_layers) != m.layers:
+        inner = stage_layers[1:-1] if chunks > 1 else stage_layers
+        ends = (stage_layers[0], stage_layers[-1]) if chunks > 1 else ()
+        if len(stage_layers) != chunks or any(n < 1 for n in inner) or any(n < 0 for n in ends):
             raise ConfigError(
-                f"parallel.stage_layers={list(stage_layers)} must give {chunks} positive layer counts (one per "
-                f"chunk: pipeline x virtual_stages) summing to model.layers={m.layers}"
+                f"parallel.stage_layers={list(stage_layers)} must give {chunks} layer counts (one per chunk: "
+                "pipeline x virtual_stages), positive but for the first and the last chunk, which may hold the "
+                "embedding or the output layer alone (Megatron's account_for_embedding_in_pipeline_split and "
+                "account_for_loss_in_pipeline_split)"
+            )
+        if sum(stage_layers) != m.layers:
+            raise ConfigError(
+                f"parallel.stage_layers={list(stage_layers)} sums to {sum(stage_layers)} layers, but "
+                f"model.layers={m.layers}; give counts that sum to model.layers"
             )
         return list(stage_layers)
     if chunks > m.layers:
