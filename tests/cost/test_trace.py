@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hyperjax import estimate, resolve
+from hyperjax import estimate, load_config, resolve
 from hyperjax.cli.main import main
 from hyperjax.config import Config, build
 from hyperjax.cost.trace import simulate
@@ -87,3 +87,11 @@ def test_predict_writes_a_trace(tmp_path: Path, capsys):
     assert {"forward", "backward", "optimizer step", "process_name"} <= names
     assert {e["pid"] for e in data["traceEvents"]} == {0, 1}
     assert main(["predict", str(ROOT / "configs/quickstart.yaml"), "--trace", "/nonexistent/t.json"]) == 2
+
+
+def test_all_to_alls_run_in_the_chunks_that_hold_moe_blocks():
+    sets = ["parallel.tensor=1", "parallel.pipeline=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2"]
+    sets += ["train.microbatches=4", "parallel.stage_layers=[0,2,2,0]"]
+    est = estimate(resolve(load_config(ROOT / "configs" / "moe-tiny.yaml", sets)))
+    chunks = {e["args"]["task"].split(".")[1] for e in simulate(est) if "lane task" in e.get("args", {})}
+    assert chunks == {"1", "2"}  # the embedding's and the loss's chunks exchange nothing

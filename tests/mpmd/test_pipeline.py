@@ -139,6 +139,7 @@ def test_submeshes_are_consecutive_slices():
             "positive but for the first and the last chunk",
         ),
         (["parallel.pipeline=2", "parallel.stage_layers=[-1,5]"], "must be integers >= 0"),
+        (["parallel.pipeline=2", "parallel.stage_layers=[0,4]"], "leaves pipeline stage 0 no block"),
         (["parallel.pipeline=2", "parallel.schedule=pipedream"], "parallel.schedule"),
         (["parallel.pipeline=3"], "does not divide the 8 devices"),
     ],

@@ -200,7 +200,7 @@ def estimate_inference(run: Run) -> InferenceEstimate:
             comm += count * collectives
             weights += count * one.params * e
             kv += count * per_token_kv * local * total
-            acts = max(acts, full.activation_bytes.get("block_in", 0.0) * 6)
+            acts = max(acts, full.activation_bytes.get("block_in", 0.0) * 6) if count else acts
         if 0 in stage.chunks or (run.chunks - 1) in stage.chunks:
             table = m.vocab * m.d_model / tp * e
             ends = (0 in stage.chunks) + ((run.chunks - 1) in stage.chunks and not m.tie_embeddings)

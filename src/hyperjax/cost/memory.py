@@ -69,7 +69,10 @@ def state_bytes(
     zero = lambda n: zero_share(n, expert_params, replica_axes(run.config.parallel, axes))
     lean = e == 2 and fsdp == 1  # 16-bit weights whole, the master apart (FSDP shards the master itself)
     sharded_master = lean and run.zero_stage >= 1
-    weights = held * (2 + (0 if sharded_master else master) if lean else 4)
+    # FSDP (or float32 compute) keeps the weights' shards as the optimizer updates them: float32, or the
+    # 16-bit weights themselves where there is no master
+    unsharded = 2 + (0 if sharded_master else master)
+    weights = held * (unsharded if lean else (2 if e == 2 and master == 0 else 4))
     gradients = (zero(held) if run.zero_stage >= 2 else held) * g
     optimizer = (zero(trained) if run.zero_stage >= 1 else trained) * (moments + (master if sharded_master else 0))
     return weights, gradients, optimizer
@@ -115,7 +118,8 @@ def stage_memory(run: Run, stage: Stage, core: StageCore, *, in_flight: int) -> 
     by_layer = run.config.parallel.fsdp_unit == "layer"
     whole = kept = 0.0  # a unit gathered at a time; the whole stage gathered
     if fsdp > 1 and run.config.parallel.fsdp_reshard:
-        whole = max((p.layer.params * fsdp if by_layer else p.layer.largest_param for p in core.parts), default=0.0)
+        blocks = [p for p in core.parts if p.layers]  # a chunk of no block gathers none
+        whole = max((p.layer.params * fsdp if by_layer else p.layer.largest_param for p in blocks), default=0.0)
     elif fsdp > 1:
         kept = sum(p.layers * p.layer.params * fsdp for p in core.parts)
     fp8_bytes = 0.0 if fp8 is None else held_bytes(fp8, run.config.model, core.parts, fsdp)

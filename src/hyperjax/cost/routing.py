@@ -141,8 +141,8 @@ def exchange_time(
     group = math.prod(r for _, r in span.levels)
     tokens = route.copies / x.top_k * route.imbalance
     width = m.d_model * bytes_per_element
-    if dispatcher == "allgather":
-        return collective_time("all_gather", tokens * width * group, span, hardware)
+    if dispatcher == "allgather":  # every token of the group, however the router balances them
+        return collective_time("all_gather", route.copies / x.top_k * width * group, span, hardware)
     reached, latency, slowest = 1, 0.0, 0.0
     for name, ranks in span.levels:
         tier = tiers[name]

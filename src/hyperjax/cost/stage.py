@@ -264,7 +264,9 @@ def stage_core(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: AxisS
             here.append(dataclasses.replace(part, moe=moe))
         chunk_parts.append(here)
         parts += here
-    first_gather = parts[0].layer.fsdp_gather_s if axes["fsdp"] > 1 and run.config.parallel.fsdp_reshard else 0.0
+    first = next((p for p in parts if p.layers), None)  # the stage's first block (a chunk may hold none)
+    gathers = axes["fsdp"] > 1 and run.config.parallel.fsdp_reshard and first is not None
+    first_gather = first.layer.fsdp_gather_s if gathers else 0.0
     # the all-to-all is exposed as the overlap schedule leaves it; the rest of the blocks' on the path
     layer_comm = [sum(p.layers * (p.layer.on_path_comm_s - p.layer.expert_comm_s) for p in ps) for ps in chunk_parts]
     share = hw.device.comm_compute_share

@@ -18,6 +18,7 @@ from typing import Any
 
 from hyperjax.cost.estimate import Estimate
 from hyperjax.cost.overlap import lane_events
+from hyperjax.cost.stage import chunk_starts
 from hyperjax.files import write_json
 from hyperjax.mpmd.schedules import Task
 from hyperjax.mpmd.timing import replay
@@ -69,10 +70,12 @@ def exchange_events(est: Estimate, times: dict[Task, tuple[int, float, float]], 
     share = run.hardware.device.comm_compute_share
     partner = {f: b for f, b in sched.pairs}
     paired = set(partner) | set(partner.values())
-    layers = {}  # stage -> the MoE layers of one of its chunks
-    for i, cost in enumerate(est.stages):
-        moe = [p.layer for p in cost.parts if p.moe for _ in range(p.layers)]
-        layers[i] = moe[: len(moe) // max(len(cost.chunks), 1)]
+    m, starts = run.config.model, chunk_starts(run)
+    layers = {}  # chunk -> its MoE layers (a stage's MoE blocks are priced alike; a chunk may hold none)
+    for cost, stage in zip(est.stages, run.stages, strict=True):
+        block = next((p.layer for p in cost.parts if p.moe and p.layers), None)
+        for c, n in zip(stage.chunks, stage.layers, strict=True):
+            layers[c] = [block] * sum(m.is_moe(i) for i in range(starts[c], starts[c] + n)) if block else []
     events = []
     for task, (stage, start, _) in times.items():
         if task.kind == "W" or (task in paired and task.kind == "B"):
@@ -82,7 +85,7 @@ def exchange_events(est: Estimate, times: dict[Task, tuple[int, float, float]], 
         else:
             kinds = (task.kind,) * (2 if run.overlap == "two-microbatch" else 1)
             overlap = "two-microbatch" if run.overlap == "two-microbatch" else "none"
-        for lane_task, s, e in lane_events(layers[stage], overlap, kinds, share):
+        for lane_task, s, e in lane_events(layers[task.chunk], overlap, kinds, share):
             args = {"task": str(task), "lane task": str(lane_task)}
             events.append(_event(lane_task.name, start + s, e - s, pid + stage, ALL_TO_ALL, args))
     return events

@@ -72,6 +72,13 @@ def pipeline_stages(cfg: Config, sizes: Sequence[int], axes: Sequence[dict[str, 
     chunks = p.pipeline * p.virtual_stages
     chunk_devices = [sizes[c % p.pipeline] for c in range(chunks)]
     layers = balance_layers(cfg.model, chunk_devices, p.stage_layers)
+    empty = [s for s in range(p.pipeline) if not any(layers[c] for c in range(s, chunks, p.pipeline))]
+    if empty:
+        raise ConfigError(
+            f"parallel.stage_layers={list(layers)} leaves pipeline stage {empty[0]} no block; a chunk may hold "
+            "the embedding or the output layer alone only beside another chunk of its stage "
+            "(parallel.virtual_stages > 1): give every stage a block"
+        )
     offsets = [sum(sizes[:s]) for s in range(p.pipeline)]
     return tuple(
         Stage(
