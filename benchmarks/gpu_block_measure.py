@@ -9,9 +9,12 @@ and backward is timed with CUDA events; one step of it runs under PyTorch's prof
 summed as products (cuBLAS/CUTLASS), attention (flash) and the rest (element-wise and reductions).
 
     python benchmarks/gpu_block_measure.py --out block.json
+    python benchmarks/gpu_block_measure.py --block gpt --out block-gpt.json
 
-Save the result as ``benchmarks/results/block-<gpu>-measured.json``; ``benchmarks/validation``'s report
-sets it beside ``train.elementwise`` and ``train.recompute_modules``.
+``--block gpt`` times nanoGPT's GPT block instead (LayerNorm, one QKV product, SDPA, GELU MLP, biases; 4 x
+4,096 tokens), eager and compiled, without checkpointing. Save the results as
+``benchmarks/results/block-<gpu>-measured.json`` and ``block-gpt-<gpu>-measured.json``; the cost model's
+``train.elementwise: eager`` takes its ratios from them (``hyperjax.cost.layer.eager_ratio``).
 """
 
 from __future__ import annotations
@@ -53,6 +56,25 @@ class Checkpointed(torch.nn.Module):
         return checkpoint(self.block, x, freqs, use_reentrant=False, context_fn=contexts)
 
 
+class GPTBlock(torch.nn.Module):
+    """A GPT-2/3 block as nanoGPT writes it: LayerNorm, one QKV product, SDPA, GELU MLP, biases."""
+
+    def __init__(self, d: int = 4096, heads: int = 32):
+        super().__init__()
+        self.h, self.hd = heads, d // heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc, self.out = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (t.view(b, s, self.h, self.hd).transpose(1, 2) for t in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(o.transpose(1, 2).reshape(b, s, d))
+        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
+
+
 def kind(name: str) -> str:
     n = name.lower()
     if "flash" in n or "fmha" in n or "attention" in n:
@@ -62,23 +84,26 @@ def kind(name: str) -> str:
     return "other"
 
 
-def measure(checkpointed: bool, compiled: bool, batch: int = 2, seq: int = 8192) -> dict:
+def measure(checkpointed: bool, compiled: bool, batch: int = 2, seq: int = 8192, gpt: bool = False) -> dict:
     torch.manual_seed(0)
+    if gpt:  # nanoGPT's block: no rotary table, plain input
+        m = GPTBlock().cuda().to(torch.bfloat16)
+        fn = torch.compile(m) if compiled else m
+        x = torch.randn(batch, seq, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        return _timed(lambda: fn(x).backward(torch.ones_like(x)), checkpointed, compiled, batch, seq)
     m = Block().cuda().to(torch.bfloat16)
     hd = m.hd
     inv = 1.0 / (500000.0 ** (torch.arange(0, hd, 2, device="cuda").float() / hd))
-    freqs = torch.polar(
-        torch.ones(seq, hd // 2, device="cuda"), torch.outer(torch.arange(seq, device="cuda").float(), inv)
-    )
+    angles = torch.outer(torch.arange(seq, device="cuda").float(), inv)
+    freqs = torch.polar(torch.ones_like(angles), angles)
     freqs = freqs.view(1, seq, 1, hd // 2)
     net = Checkpointed(m) if checkpointed else m
     fn = torch.compile(net) if compiled else net
     x = torch.randn(batch, seq, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return _timed(lambda: fn(x, freqs).backward(torch.ones_like(x)), checkpointed, compiled, batch, seq)
 
-    def step():
-        y = fn(x, freqs)
-        y.backward(torch.ones_like(y))
 
+def _timed(step, checkpointed: bool, compiled: bool, batch: int, seq: int) -> dict:
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         for _ in range(2):
             step()
@@ -109,12 +134,14 @@ def measure(checkpointed: bool, compiled: bool, batch: int = 2, seq: int = 8192)
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--block", choices=("llama", "gpt"), default="llama")
     args = parser.parse_args()
+    gpt = args.block == "gpt"
     rows = []
-    for checkpointed in (False, True):
+    for checkpointed in (False,) if gpt else (False, True):
         for compiled in (False, True):
             try:
-                rows.append(measure(checkpointed, compiled))
+                rows.append(measure(checkpointed, compiled, *((4, 4096) if gpt else (2, 8192)), gpt=gpt))
             except Exception as err:  # a variant that fails is recorded, the others still run
                 rows.append({"checkpointed": checkpointed, "compiled": compiled, "error": repr(err)[:500]})
                 print(json.dumps(rows[-1]), flush=True)

@@ -9,7 +9,7 @@ from hyperjax import HyperjaxError, estimate, load_hardware, resolve
 from hyperjax.cli.main import main
 from hyperjax.config import Config, build, load_config
 from hyperjax.cost import count_params, model_flops_per_sequence
-from hyperjax.cost.layer import EAGER_ELEMENTWISE
+from hyperjax.cost.layer import EAGER_ELEMENTWISE, eager_ratio
 
 ROOT = Path(__file__).parents[2]
 VALIDATION = sorted((ROOT / "benchmarks" / "validation").glob("korthikanti-*.yaml"))
@@ -86,13 +86,16 @@ def test_fp8_and_torchtitan_rows_ran_and_are_priced_within_their_stated_error():
     assert len(titan) == 6 and max(titan.values()) <= 0.05 and sum(titan.values()) / 6 <= 0.025
 
 
-def test_eager_elementwise_work_costs_the_measured_ratio_more():
-    sets = ["parallel.tensor=8", "model.attention_kernel=flash", "train.dtype=bfloat16"]
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_eager_elementwise_work_costs_the_measured_ratio_more(family):
+    sets = ["parallel.tensor=8", "model.attention_kernel=flash", "train.dtype=bfloat16", f"model.family={family}"]
     fused, eager = predict(sets), predict([*sets, "train.elementwise=eager"])
     f, e = fused.stages[0].parts[0].layer, eager.stages[0].parts[0].layer
     assert f.products_s == e.products_s and f.core_s == e.core_s  # the products and the attention kernel alike
     elementwise = lambda x: x.forward_s - sum(x.products_s.values()) - x.core_s
-    assert elementwise(e) == pytest.approx(EAGER_ELEMENTWISE * elementwise(f))
+    ratio = eager_ratio(fused.run.config.model)
+    assert ratio == EAGER_ELEMENTWISE[family]  # llama: RMSNorm and rotary positions; gpt: neither
+    assert elementwise(e) == pytest.approx(ratio * elementwise(f))
     assert eager.step_time_s > fused.step_time_s
     with pytest.raises(HyperjaxError, match=r"train\.elementwise"):
         load_config(None, ["train.elementwise=compiled"])

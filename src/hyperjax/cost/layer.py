@@ -3,7 +3,7 @@
 The block's products (:func:`hyperjax.cost.counts.block_products`) are priced on the roofline at their
 tensor-parallel shapes, the attention core as one batched product per micro-batch, and element-wise work
 as the stored activations streamed through HBM, fused as a compiler fuses it or, eager, at
-:data:`EAGER_ELEMENTWISE` times that. The backward costs twice the forward. Tensor- and
+:func:`eager_ratio` times that. The backward costs twice the forward. Tensor- and
 context-parallel collectives sit on the critical path; FSDP's gathers and scatters overlap the layer's
 compute and only what exceeds it is exposed.
 
@@ -45,15 +45,26 @@ from hyperjax.cost.fp8 import cast_passes, fp8_input_units, keeps_fp8_inputs
 from hyperjax.cost.routing import exchange_time, routing
 from hyperjax.topology import AxisSpan, Hardware
 
-EAGER_ELEMENTWISE = 12.23 / 4.34
-"""Eager element-wise work against fused: torchtitan's Llama-3-8B block (float32 RMSNorm, complex rotary
-products, ``repeat_kv``, SwiGLU; 2 x 8,192 tokens), forward and backward on an H100, spent 12.23 ms in its
-110 element-wise and reduction kernels eager and 4.34 ms in 58 under ``torch.compile`` (PyTorch's profiler;
-``benchmarks/gpu_block_measure.py``, ``benchmarks/results/block-h100-measured.json``). Each eager operation
-reads and writes its tensors through HBM, float32 ones where the model upcasts, in kernels that reach less
-of the bandwidth (unvectorised and broadcasting ones): a property of the framework's eager code, the same on
-any memory-bound device. A materialized attention core's score traffic is priced as it is (the measured
-block ran a fused kernel)."""
+EAGER_ELEMENTWISE = {"llama": 12.23 / 4.34, "gpt": 3.61 / 3.37}
+"""Eager element-wise work against fused, measured forward and backward on an H100 with PyTorch's profiler
+(``benchmarks/gpu_block_measure.py``; ``benchmarks/results/block-h100-measured.json`` and
+``block-gpt-h100-measured.json``):
+
+- ``llama``: torchtitan's Llama-3-8B block (float32 RMSNorm written out, complex rotary products,
+  ``repeat_kv``, SwiGLU; 2 x 8,192 tokens) spent 12.23 ms in its 110 element-wise and reduction kernels
+  eager and 4.34 ms in 58 under ``torch.compile``: each eager operation reads and writes its tensors
+  through HBM, float32 ones where the model upcasts, in kernels that reach less of the bandwidth;
+- ``gpt``: nanoGPT's GPT block (``F.layer_norm``, one QKV product, GELU, biases; 4 x 4,096 tokens) spent 3.61
+  ms eager and 3.37 ms compiled: PyTorch's own layer-norm and GELU kernels are fused already.
+
+A block with an RMSNorm or rotary positions is priced at the first ratio, one with neither at the second
+(:func:`eager_ratio`). A materialized attention core's score traffic is priced as it is (the measured
+blocks ran a fused kernel)."""
+
+
+def eager_ratio(m: ModelConfig) -> float:
+    """Eager element-wise work over fused for ``m``'s blocks (:data:`EAGER_ELEMENTWISE`)."""
+    return EAGER_ELEMENTWISE["llama" if m.norm == "rmsnorm" or m.positions == "rope" else "gpt"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -171,7 +182,7 @@ def price_layer(
         apart (``parallel.fsdp_reshard: false``): nothing of it waits here.
       grad_dtype: the dtype FSDP reduce-scatters gradients in (``train.grad_dtype``).
       elementwise: the element-wise work fused (compiled) or eager, one kernel per operation
-        (``train.elementwise``; :data:`EAGER_ELEMENTWISE`).
+        (``train.elementwise``; :func:`eager_ratio`).
       dispatcher: how a mixture of experts' tokens reach their experts (``parallel.dispatcher``).
     """
     return _price_layer(
@@ -309,7 +320,7 @@ def _price_layer(
     # backward recomputes the scores (five products of the core's size against the forward's two)
     ew_core_fwd = 0.0 if flash else stream_time(2 * acts["attn_core"], ops=4, hardware=hardware)
     if elementwise == "eager":  # one kernel an operation, float32 where the model upcasts (measured ratio)
-        ew_fwd *= EAGER_ELEMENTWISE
+        ew_fwd *= eager_ratio(m)
     fwd = proj + core + ew_fwd + ew_core_fwd + cast_fwd
     bwd = 2 * proj + core_bwd + 2 * (ew_fwd + ew_core_fwd) + cast_bwd
     ew_share = lambda name: ew_fwd * acts[name] / (replicated + split)
