@@ -191,6 +191,7 @@ def test_split_backward_leaves_w_the_weight_gemms():
     jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-7), g_split, g_plain)
 
 
+@pytest.mark.slow  # the pairs' losses are held in the fast tier by tests/train/test_moe_oracle.py
 def test_paired_tasks_run_as_one_program_in_the_grids_order():
     """What the emulation can show of F-B pairing: each pair runs as one program (its two tasks share one
     interval of the timeline) and the tasks run in the grid's order; the timing of a real overlap it cannot."""

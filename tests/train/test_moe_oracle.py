@@ -117,8 +117,8 @@ def reference(model: str) -> tuple[float, ...]:
 @pytest.mark.parametrize(
     ("model", "sets"),
     [
-        ("deepseek-router", []),
-        ("mla", []),
+        pytest.param("deepseek-router", [], marks=SLOW),  # the fast tier trains both in the grouped-routing test
+        pytest.param("mla", [], marks=SLOW),
         pytest.param("gpt-experts", [], marks=SLOW),
         # the replicas' gradients summed in buckets; every micro-batch run as two halves
         pytest.param("deepseek-router", ["parallel.gradient_buckets=true"], marks=SLOW),
