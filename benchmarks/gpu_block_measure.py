@@ -29,7 +29,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from gpu_kernels_measure import Block, event_time
+from gpu_kernels_measure import Block, event_time, rotary_table
 
 SAVE = {torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_flash_attention.default}
 
@@ -84,23 +84,25 @@ def kind(name: str) -> str:
     return "other"
 
 
-def measure(checkpointed: bool, compiled: bool, batch: int = 2, seq: int = 8192, gpt: bool = False) -> dict:
+def llama_step(checkpointed: bool, compiled: bool, batch: int = 2, seq: int = 8192):
+    """One forward and backward of torchtitan's block (with its op-level checkpointing), as a callable."""
     torch.manual_seed(0)
-    if gpt:  # nanoGPT's block: no rotary table, plain input
-        m = GPTBlock().cuda().to(torch.bfloat16)
-        fn = torch.compile(m) if compiled else m
-        x = torch.randn(batch, seq, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        return _timed(lambda: fn(x).backward(torch.ones_like(x)), checkpointed, compiled, batch, seq)
     m = Block().cuda().to(torch.bfloat16)
-    hd = m.hd
-    inv = 1.0 / (500000.0 ** (torch.arange(0, hd, 2, device="cuda").float() / hd))
-    angles = torch.outer(torch.arange(seq, device="cuda").float(), inv)
-    freqs = torch.polar(torch.ones_like(angles), angles)
-    freqs = freqs.view(1, seq, 1, hd // 2)
+    freqs = rotary_table(m.hd, seq)
     net = Checkpointed(m) if checkpointed else m
     fn = torch.compile(net) if compiled else net
     x = torch.randn(batch, seq, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    return _timed(lambda: fn(x, freqs).backward(torch.ones_like(x)), checkpointed, compiled, batch, seq)
+    return lambda: fn(x, freqs).backward(torch.ones_like(x))
+
+
+def measure(checkpointed: bool, compiled: bool, batch: int = 2, seq: int = 8192, gpt: bool = False) -> dict:
+    if not gpt:
+        return _timed(llama_step(checkpointed, compiled, batch, seq), checkpointed, compiled, batch, seq)
+    torch.manual_seed(0)  # nanoGPT's block: no rotary table, plain input
+    m = GPTBlock().cuda().to(torch.bfloat16)
+    fn = torch.compile(m) if compiled else m
+    x = torch.randn(batch, seq, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return _timed(lambda: fn(x).backward(torch.ones_like(x)), checkpointed, compiled, batch, seq)
 
 
 def _timed(step, checkpointed: bool, compiled: bool, batch: int, seq: int) -> dict:

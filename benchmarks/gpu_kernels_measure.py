@@ -171,16 +171,19 @@ class Block(torch.nn.Module):
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
 
+def rotary_table(head_dim: int, seq: int) -> torch.Tensor:
+    """torchtitan's rotary table (theta 500,000) for ``seq`` positions, shaped to broadcast over heads."""
+    inv = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim))
+    angles = torch.outer(torch.arange(seq, device="cuda").float(), inv)
+    return torch.polar(torch.ones_like(angles), angles).view(1, seq, 1, head_dim // 2)
+
+
 def block(batch: int, seq: int, compiled: bool) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch.manual_seed(0)
     m = Block().cuda().to(torch.bfloat16)
-    hd = m.hd
-    inv = 1.0 / (500000.0 ** (torch.arange(0, hd, 2, device="cuda").float() / hd))
-    angles = torch.outer(torch.arange(seq, device="cuda").float(), inv)
-    freqs = torch.polar(torch.ones_like(angles), angles)
-    freqs = freqs.view(1, seq, 1, hd // 2)
+    freqs = rotary_table(m.hd, seq)
     x = torch.randn(batch, seq, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     fn = torch.compile(m) if compiled else m
     start = time.perf_counter()

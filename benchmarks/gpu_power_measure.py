@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from gpu_block_measure import Block, Checkpointed
+from gpu_block_measure import llama_step
 
 FIELDS = (
     "power.draw",
@@ -126,18 +126,7 @@ def copy(name: str, nbytes: int, seconds: float, sampler: Sampler) -> dict:
 def block(name: str, compiled: bool, seconds: float, sampler: Sampler) -> dict:
     """torchtitan's Llama-3-8B block (2 x 8,192 tokens, op-level checkpointing), forward and backward,
     sustained: products, attention and element-wise work sharing the power budget as in a training step."""
-    torch.manual_seed(0)
-    m = Block().cuda().to(torch.bfloat16)
-    inv = 1.0 / (500000.0 ** (torch.arange(0, m.hd, 2, device="cuda").float() / m.hd))
-    angles = torch.outer(torch.arange(8192, device="cuda").float(), inv)
-    freqs = torch.polar(torch.ones_like(angles), angles).view(1, 8192, 1, m.hd // 2)
-    net = Checkpointed(m)
-    fn = torch.compile(net) if compiled else net
-    x = torch.randn(2, 8192, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-
-    def step() -> None:
-        fn(x, freqs).backward(torch.ones_like(x))
-
+    step = llama_step(checkpointed=True, compiled=compiled)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         return sustained(name, step, 0, 0, seconds, sampler)
 

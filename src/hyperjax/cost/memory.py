@@ -69,10 +69,8 @@ def state_bytes(
     zero = lambda n: zero_share(n, expert_params, replica_axes(run.config.parallel, axes))
     lean = e == 2 and fsdp == 1  # 16-bit weights whole, the master apart (FSDP shards the master itself)
     sharded_master = lean and run.zero_stage >= 1
-    # FSDP (or float32 compute) keeps the weights' shards as the optimizer updates them: float32, or the
-    # 16-bit weights themselves where there is no master
     unsharded = 2 + (0 if sharded_master else master)
-    weights = held * (unsharded if lean else (2 if e == 2 and master == 0 else 4))
+    weights = held * (unsharded if lean else shard_weight_bytes(run.config.train))
     gradients = (zero(held) if run.zero_stage >= 2 else held) * g
     optimizer = (zero(trained) if run.zero_stage >= 1 else trained) * (moments + (master if sharded_master else 0))
     return weights, gradients, optimizer
@@ -82,6 +80,13 @@ def optimizer_bytes(train: TrainConfig) -> tuple[int, int]:
     """Bytes per parameter of ``(master copy, both moments)`` beside 16-bit weights (``train.optimizer_state``):
     a float32 master and moments (4, 8); the master's low 16 bits (2, 8); bfloat16 moments, no master (0, 4)."""
     return {"float32": (4, 8), "remainders": (2, 8), "bfloat16": (0, 4)}[train.optimizer_state]
+
+
+def shard_weight_bytes(train: TrainConfig) -> int:
+    """Bytes per parameter of the weights FSDP (or float32 compute) keeps, as the optimizer updates them:
+    float32, or the 16-bit weights themselves where there is no master (``train.optimizer_state:
+    bfloat16``)."""
+    return 2 if train.dtype == "bfloat16" and optimizer_bytes(train)[0] == 0 else 4
 
 
 def optimizer_traffic(run: Run) -> int:

@@ -26,6 +26,7 @@ from hyperjax.cost import (
     optimizer_bytes,
     price_layer,
     replica_axes,
+    shard_weight_bytes,
     sharding_axes,
     sharding_spans,
     stage_spans,
@@ -101,7 +102,7 @@ def lower_bound(cfg: Config, overrides: dict[str, Any], hardware: Hardware, budg
         # master sharded beside the moments and gradients) and activations
         lean = e == 2 and axes["fsdp"] == 1  # 16-bit weights whole, the float32 master sharded
         state = [
-            x.params * (2 if lean else (2 if e == 2 and master == 0 else 4))
+            x.params * (2 if lean else shard_weight_bytes(cfg.train))
             + (master * lean + moments + g) * zero_share(x.params, x.expert_params, replicas)
             for x in layers
         ]
