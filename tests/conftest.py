@@ -4,7 +4,8 @@ cache for the session; the slow tier.
 Many tests compile the same program (a one-device reference run, the quick start behind several command-line
 tests, a checkpoint's writer and its reader). JAX's persistent compilation cache, in a folder of this session's
 own, compiles each once: the tests' processes and the processes they start (whose environment carries the
-folder) read it. The folder starts empty, so a test's result never depends on an earlier session.
+folder) read it; each of pytest-xdist's workers keeps a folder of its own. The folder starts empty, so a test's
+result never depends on an earlier session.
 """
 
 import os
@@ -35,6 +36,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if any(item.get_closest_marker(m) for m in SLOW_MARKERS[1:]) and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """The slow tier in one process: its tests start a dozen processes or emulate hundreds of devices each,
+    and two at once would share the cores and memory they already fill. The fast tier: xdist's count."""
+    marks = config.option.markexpr or ""
+    return 0 if "slow" in marks and "not slow" not in marks else None
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
