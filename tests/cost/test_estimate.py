@@ -36,8 +36,9 @@ def test_calibration_runs_within_bounds():
 
 
 def test_moe_calibration_runs_within_their_stated_error():
-    """The published mixture-of-experts runs: the docs state a mean error of 24.7 % and a worst row of
-    37.0 % (what the model leaves out is listed there), every row fitting; this holds the model to that."""
+    """The published mixture-of-experts runs: the docs state a mean error of 20.1 % and a worst row of
+    37.0 % (what the model leaves out is listed there), every row fitting; this holds the model to that. The
+    all-to-all overlap row is within 10 %, priced as Megatron pairs an interleaved pipeline's tasks."""
     errors = []
     for path in MOE_VALIDATION:
         cfg, doc = run(path)
@@ -46,8 +47,10 @@ def test_moe_calibration_runs_within_their_stated_error():
         assert est.communication_s["expert_parallel"] > 0
         assert est.fits, doc["id"]  # these runs really ran
         errors.append(abs(est.step_time_s / doc["measured"]["step_time_s"] - 1))
+        if cfg.parallel.overlap == "fb-pair":
+            assert cfg.parallel.schedule == "interleaved" and errors[-1] <= 0.10, doc["id"]
     assert len(errors) == 4
-    assert sum(errors) / len(errors) <= 0.25
+    assert sum(errors) / len(errors) <= 0.21
     assert max(errors) <= 0.38
 
 
@@ -251,6 +254,8 @@ def test_gradient_dtype_halves_the_buffer_and_its_reduction():
     fsdp = ["parallel.fsdp=8", "parallel.data=1", "emulate.devices=8", "parallel.tensor=1", "train.dtype=bfloat16"]
     layer = lambda est: est.stages[0].parts[0].layer
     assert layer(predict([*fsdp, "train.grad_dtype=bfloat16"])).fsdp_scatter_s < layer(predict(fsdp)).fsdp_scatter_s
+    with pytest.raises(HyperjaxError, match=r"train\.grad_dtype='float16' is not one of \('float32', 'bfloat16'\)"):
+        load_config(None, ["train.grad_dtype=float16"])
 
 
 @pytest.mark.parametrize(("state", "master", "moments"), [("float32", 4, 8), ("remainders", 2, 8), ("bfloat16", 0, 4)])
@@ -264,6 +269,8 @@ def test_optimizer_state_sets_the_master_and_moments(state, master, moments):
     assert whole.memory["params"] - sharded.memory["params"] == pytest.approx(params * master)
     with pytest.raises(HyperjaxError, match=r"train.optimizer_state='remainders' .* train.dtype=float32"):
         load_config(None, ["train.optimizer_state=remainders"])
+    with pytest.raises(HyperjaxError, match=r"train\.optimizer_state='fp32' is not one of \('float32', 'remainders'"):
+        load_config(None, ["train.optimizer_state=fp32"])
 
 
 def test_fsdp_without_a_master_keeps_16_bit_weight_shards():

@@ -3,6 +3,7 @@ lane, the checks that refuse what cannot run, and the search choosing an overlap
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,40 @@ def test_paired_equal_stages_are_replayed_and_read_as_such():
     assert paired.step_time_s == pytest.approx(end + stage.data_parallel_exposed_s + stage.optimizer_s, rel=1e-9)
 
 
+def test_interleaved_pairs_join_a_stages_chunks_and_hide_their_all_to_all():
+    # 6 stages of 2 chunks: Megatron's combined 1F1B under virtual stages pairs a forward with the backward
+    # that follows it in the stage's order, often another chunk's
+    sets = ["parallel.schedule=interleaved", "parallel.virtual_stages=2"]
+    plain = priced(*sets)
+    est = priced(*sets, "parallel.overlap=fb-pair")
+    sched, seconds = est.schedule()
+    assert any(f.chunk != b.chunk for f, b in sched.pairs)
+    a = est.all_to_all
+    assert a["total_s"] == pytest.approx(plain.all_to_all["total_s"])
+    assert 0 < a["hidden_fraction"] < 1 and est.step_time_s < plain.step_time_s
+    assert sum(est.breakdown_s.values()) == pytest.approx(est.step_time_s)
+    end = max(e for _, _, e in replay(sched, seconds).values())
+    stage = est.stages[est.critical]
+    assert est.step_time_s == pytest.approx(end + stage.data_parallel_exposed_s + stage.optimizer_s, rel=1e-9)
+    # one chunk's forward more in the warm-up: 1 / v of a micro-batch more in flight, rounded up
+    assert est.in_flight[0] == math.ceil(6 * (1 + 5 / 12) + 1 / 2) and plain.in_flight[0] == math.ceil(6 * (1 + 5 / 12))
+    events = simulate(est)
+    assert {e["name"].split()[0] for e in events if e.get("tid") == 2} >= {"dispatch", "dispatch'"}
+
+
+def test_a_pair_of_a_dense_chunk_and_an_moe_chunk_saves_nothing():
+    from hyperjax.cost.overlap import Exchange, pair_exchange
+
+    est = priced("parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.overlap=fb-pair")
+    moe = next(c.exchange for s in est.stages for c in s.chunks if c.exchange.layers)
+    share = est.run.hardware.device.comm_compute_share
+    for f, b in ((Exchange(), moe), (moe, Exchange())):
+        pair = pair_exchange(f, b, share)
+        assert pair.saving_s == pytest.approx(0.0, abs=1e-12) and pair.hidden_s == pytest.approx(0.0, abs=1e-12)
+    both = pair_exchange(moe, moe, share)
+    assert both.saving_s > 0 and both.hidden_s > 0
+
+
 def test_the_trace_draws_the_all_to_all_lane(by_overlap):
     events = simulate(by_overlap["fb-pair"])
     lane = [e for e in events if e.get("tid") == 2]
@@ -110,6 +145,18 @@ def test_predict_json_reports_the_all_to_all_for_moe_only():
         ("moe-tiny", ["parallel.overlap=two-microbatch", "train.micro_batch=1"], "even number"),
         ("moe-tiny", ["parallel.overlap=fb-pair"], "parallel.pipeline > 1"),
         ("moe-tiny", ["parallel.overlap=fb-pair", "parallel.pipeline=2", "parallel.schedule=zero-bubble"], "1f1b"),
+        ("moe-tiny", ["parallel.overlap=fb-pair", "parallel.pipeline=2", "parallel.schedule=gpipe"], "interleaved"),
+        (
+            "moe-tiny",
+            [
+                "parallel.overlap=fb-pair",
+                "parallel.pipeline=2",
+                "parallel.schedule=interleaved",
+                "parallel.virtual_stages=2",
+                "train.microbatches=2",
+            ],
+            "warm-up of 5 forwards; set train.microbatches >= 4",
+        ),
         ("moe-tiny", ["parallel.overlap=fb-pair", "parallel.pipeline=2", "train.microbatches=2"], "microbatches >= 4"),
         ("moe-tiny", ["parallel.overlap=both"], "parallel.overlap='both' is not one of"),
     ],

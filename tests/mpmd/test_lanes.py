@@ -1,5 +1,5 @@
 """Overlap schedules as data: the lanes of a mixture of experts' exchanges, their checks and their replay,
-and the 1F1B grid whose forwards and backwards run in pairs (``fb-pair``)."""
+and the 1F1B and interleaved grids whose forwards and backwards run in pairs (``fb-pair``)."""
 
 import dataclasses
 
@@ -66,6 +66,21 @@ def test_a_pair_hides_part_of_both_passes_exchanges():
     assert pair.end_s < alone
 
 
+@pytest.mark.parametrize("counts", [(0, 2), (2, 0), (1, 3), (3, 1), (2, 3)])
+def test_a_pair_of_chunks_of_different_depths_hides_what_runs_together(counts):
+    sched = lane_schedule("fb-pair", counts, ("F", "B"))
+    validate_lanes(sched)  # every hidden exchange runs beside the compute it hides behind
+    assert len(sched.comm) == 2 * sum(counts)
+    together = 2 * min(counts)  # the shorter pass's exchanges and as many of the longer's can hide
+    assert 2 * together - 1 <= len(sched.hides) <= 2 * together + 1
+    # once the shorter pass has ended the longer runs alone: its remaining exchanges are exposed in full
+    alone = lane_timing(sched, _lengths(sched, 1.0, 0.5), share=0.0)
+    assert alone.exposed_s >= 0.5 * (2 * (max(counts) - min(counts)) - 1)
+    assert lane_schedule("fb-pair", (2, 2), ("F", "B")) == lane_schedule("fb-pair", 2, ("F", "B"))
+    with pytest.raises(ScheduleError, match="layer counts"):
+        lane_schedule("two-microbatch", (1, 2), ("F", "F"))
+
+
 def _broken(**changes):
     return dataclasses.replace(lane_schedule("two-microbatch", 2, ("F", "F")), **changes)
 
@@ -115,8 +130,13 @@ def test_paired_1f1b_grids_are_valid_and_as_long_as_1f1b(stages, microbatches):
     # every stage pairs each forward after its warm-up of 2(stages - s) - 1 with a backward, the last too
     for s in range(stages):
         assert sum(f.chunk == s for f, _ in paired.pairs) == max(0, microbatches - (2 * (stages - s) - 1))
-    # a pair is one program: both tasks' inputs are ready when it starts, its outputs when it ends
-    span = {}
+    assert_pairs_run_as_one_program(paired)
+
+
+def assert_pairs_run_as_one_program(paired) -> None:
+    """A pair is one program: both tasks' inputs are ready when it starts, its forward's output only when it
+    ends."""
+    chunks, span = paired.chunks, {}
     for row in paired.grid:
         for t, cell in enumerate(row):
             if cell is not None:
@@ -128,9 +148,30 @@ def test_paired_1f1b_grids_are_valid_and_as_long_as_1f1b(stages, microbatches):
         assert all(span[u][0] >= span[b][1] for u in users), (f, b)
 
 
-def test_pairs_only_on_1f1b_and_the_validator_checks_them():
-    with pytest.raises(ConfigError, match="1f1b"):
+@pytest.mark.parametrize(
+    ("stages", "microbatches", "virtual"), [(2, 4, 2), (2, 8, 3), (3, 6, 2), (4, 8, 2), (4, 16, 4), (8, 16, 2)]
+)
+def test_paired_interleaved_grids_pair_chunks_of_a_stage_and_are_as_long_as_interleaved(stages, microbatches, virtual):
+    paired = make_schedule("interleaved", stages, microbatches, virtual, pair=True)
+    plain = make_schedule("interleaved", stages, microbatches, virtual)
+    validate(paired)
+    assert paired.slots == plain.slots  # at nominal lengths pairing costs the grid nothing
+    for f, b in paired.pairs:
+        assert f.kind == "F" and b.kind == "B" and f.microbatch != b.microbatch
+        assert f.chunk % stages == b.chunk % stages  # one stage's chunks
+    assert any(f.chunk != b.chunk for f, b in paired.pairs)  # pairs across the stage's chunks
+    # Megatron's interleaved warm-up, 2(p - s - 1) + (v - 1) p forwards, and one more; then every forward pairs
+    for s in range(stages):
+        warm = 2 * (stages - s - 1) + (virtual - 1) * stages + 1
+        assert sum(f.chunk % stages == s for f, _ in paired.pairs) == microbatches * virtual - warm
+    assert_pairs_run_as_one_program(paired)
+
+
+def test_pairs_only_on_1f1b_and_interleaved_and_the_validator_checks_them():
+    with pytest.raises(ConfigError, match="1f1b and interleaved"):
         make_schedule("gpipe", 2, 4, pair=True)
+    with pytest.raises(ConfigError, match="1f1b and interleaved"):
+        make_schedule("zero-bubble", 2, 4, pair=True)
     good = make_schedule("1f1b", 2, 4, pair=True)
     (f, b), *rest = good.pairs
     same = next(t for _, _, t in good.starts() if t.kind == "B" and t.chunk == f.chunk and t.microbatch == f.microbatch)
@@ -139,3 +180,6 @@ def test_pairs_only_on_1f1b_and_the_validator_checks_them():
     far = next(t for _, _, t in good.starts() if t.kind == "B" and t.chunk == f.chunk and t not in (b, same))
     with pytest.raises(ScheduleError, match="back to back"):
         validate(dataclasses.replace(good, pairs=((f, far), *rest)))
+    elsewhere = next(t for _, _, t in good.starts() if t.kind == "B" and t.chunk != f.chunk)  # another stage's
+    with pytest.raises(ScheduleError, match="on one stage"):
+        validate(dataclasses.replace(good, pairs=((f, elsewhere), *rest)))

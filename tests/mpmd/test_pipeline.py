@@ -191,14 +191,19 @@ def test_split_backward_leaves_w_the_weight_gemms():
     jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-7), g_split, g_plain)
 
 
+INTERLEAVED = ["model.layers=4", "parallel.schedule=interleaved", "parallel.virtual_stages=2"]
+
+
 @pytest.mark.slow  # the pairs' losses are held in the fast tier by tests/train/test_moe_oracle.py
-def test_paired_tasks_run_as_one_program_in_the_grids_order():
+@pytest.mark.parametrize("schedule", [["model.layers=2"], INTERLEAVED], ids=["1f1b", "interleaved"])
+def test_paired_tasks_run_as_one_program_in_the_grids_order(schedule):
     """What the emulation can show of F-B pairing: each pair runs as one program (its two tasks share one
-    interval of the timeline) and the tasks run in the grid's order; the timing of a real overlap it cannot."""
+    interval of the timeline) and the tasks run in the grid's order; the timing of a real overlap it cannot.
+    Interleaved, a pair may join two of a stage's chunks."""
     from hyperjax import build_model
     from hyperjax.train import Batches, pipeline_runner, prepare
 
-    sets = ["model.layers=2", "parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4"]
+    sets = [*schedule, "parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4"]
     run = resolve(load_config(QUICKSTART.parent / "moe-tiny.yaml", [*sets, "parallel.overlap=fb-pair"]))
     t = run.config.train
     runner = pipeline_runner(prepare(run), build_model(run.config.model, seed=t.seed, overlap=run.overlap))
@@ -206,8 +211,12 @@ def test_paired_tasks_run_as_one_program_in_the_grids_order():
     timeline: list = []
     runner.step(runner.init_state(), data.batch(0), timeline=timeline)
     sched = runner.sched
-    # after a warm-up of 2(stages - s) - 1 forwards, every forward pairs with a backward: 1 on stage 0, 3 on 1
-    assert len(sched.pairs) == 4
+    # after a warm-up of 2(stages - s) - 1 forwards, every forward pairs with a backward: 1 on stage 0, 3 on 1;
+    # interleaved, of 2(p - s - 1) + (v - 1) p + 1: 3 on stage 0 and 5 on stage 1, some across chunks
+    if schedule == INTERLEAVED:
+        assert len(sched.pairs) == 8 and any(f.chunk != b.chunk for f, b in sched.pairs)
+    else:
+        assert len(sched.pairs) == 4
     spans = {task: (start, end) for _, task, start, end in timeline}
     assert set(spans) == {task for _, _, task in sched.starts()}
     for f, b in sched.pairs:

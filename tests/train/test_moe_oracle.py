@@ -79,8 +79,19 @@ LAYOUTS = [
         ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4", "parallel.overlap=two-microbatch"],
         marks=SLOW,
     ),
-    # ... and a pipeline's forwards and backwards of different micro-batches run as pairs (F-B pairing)
+    # ... and a pipeline's forwards and backwards of different micro-batches run as pairs (F-B pairing),
+    # under an interleaved schedule a chunk's forward with another chunk's backward (the end chunks hold only
+    # the embedding and the output layer: 4 chunks of the 2 blocks)
     ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4", "parallel.overlap=fb-pair"],
+    [
+        "parallel.expert=2",
+        "parallel.pipeline=2",
+        "parallel.schedule=interleaved",
+        "parallel.virtual_stages=2",
+        "parallel.stage_layers=[0,1,1,0]",
+        "train.microbatches=4",
+        "parallel.overlap=fb-pair",
+    ],
     pytest.param(
         ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=8", "parallel.overlap=fb-pair", FULL],
         marks=SLOW,

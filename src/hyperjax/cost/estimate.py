@@ -14,11 +14,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hyperjax.config import Run
 from hyperjax.cost.counts import count_params, model_flops_per_sequence
+from hyperjax.cost.overlap import Pair, pair_exchange
 from hyperjax.cost.pipeline import boundary_span, in_flight, peak_with, with_in_flight
 from hyperjax.cost.stage import ChunkCost, StageCore, StageCost, price_stage, stage_core
 from hyperjax.mpmd.schedules import Schedule, Task, run_schedule
@@ -155,16 +156,26 @@ class Estimate:
         sched = run_schedule(run)
         if self.closed_form:
             return sched, task_seconds(sched, *self.task_lengths())
-        return sched, chunk_task_seconds(sched, self.stages)
+        return sched, chunk_task_seconds(sched, self.stages, run.hardware.device.comm_compute_share)
 
 
-def chunk_task_seconds(sched: Schedule, stages: tuple[StageCost, ...]) -> dict[Task, float]:
+def chunk_task_seconds(sched: Schedule, stages: tuple[StageCost, ...], share: float) -> dict[Task, float]:
     """Every task of ``sched`` at its own chunk's predicted length, each pair (``fb-pair``) shortened by what
-    running its two tasks together saves."""
+    running its two tasks together saves, on a device whose exchanges hold ``share`` of its compute."""
     lengths = {c.chunk: c for s in stages for c in s.chunks}
     kind = {"F": "forward_s", "B": "backward_s", "W": "weight_s"}
     seconds = {task: getattr(lengths[task.chunk], kind[task.kind]) for _, _, task in sched.starts()}
-    return paired_seconds(sched, seconds, {n: c.exchange.pair_saving_s for n, c in lengths.items()})
+    return paired_seconds(sched, seconds, {k: p.saving_s for k, p in pair_costs(sched, stages, share).items()})
+
+
+def pair_costs(sched: Schedule, stages: tuple[StageCost, ...], share: float) -> dict[tuple[int, int], Pair]:
+    """Every pair of ``sched`` (``fb-pair``) priced, by its forward's and its backward's chunk."""
+    exchange = {c.chunk: c.exchange for s in stages for c in s.chunks}
+    out: dict[tuple[int, int], Pair] = {}
+    for f, b in sched.pairs:
+        if (f.chunk, b.chunk) not in out:
+            out[(f.chunk, b.chunk)] = pair_exchange(exchange[f.chunk], exchange[b.chunk], share)
+    return out
 
 
 def _fsdp_comm(run: Run, c: StageCost, m: int) -> float:
@@ -232,7 +243,7 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
     mine = with_in_flight(c, run.stages[critical], held[critical]).chunks  # its chunks, numbered as its own
     busy = m * c.per_microbatch_s
     equal = len({(s.devices, tuple(s.axes.items()), s.layers, s.modules) for s in run.stages}) == 1
-    paired: dict[int, int] = {}  # pairs per chunk (fb-pair)
+    paired: list[Pair] = []  # the slowest stage's pairs (fb-pair)
     if len(kind_of) == 1:
         idle = 0.0
     elif equal and run.overlap != "fb-pair":
@@ -240,11 +251,13 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
     else:
         sched = cached_schedule(run.schedule, len(kind_of), m, run.virtual_stages, run.overlap == "fb-pair")
         if sched.pairs:
-            for f, _ in sched.pairs:
-                paired[f.chunk] = paired.get(f.chunk, 0) + 1
+            share = hw.device.comm_compute_share
             stages = tuple(with_in_flight(kinds[k], st, h) for k, st, h in zip(kind_of, run.stages, held, strict=True))
-            busy -= sum(paired.get(t.chunk, 0) * t.exchange.pair_saving_s for t in mine)
-            end = max(e for _, _, e in replay(sched, chunk_task_seconds(sched, stages)).values())
+            costs = pair_costs(sched, stages, share)
+            here = set(run.stages[critical].chunks)
+            paired = [costs[(f.chunk, b.chunk)] for f, b in sched.pairs if f.chunk in here]
+            busy -= sum(p.saving_s for p in paired)
+            end = max(e for _, _, e in replay(sched, chunk_task_seconds(sched, stages, share)).values())
         else:
             lengths = {}
             for k, stage in zip(kind_of, run.stages, strict=True):
@@ -257,8 +270,8 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
     memory = dict(with_in_flight(kinds[kind_of[fullest]], run.stages[fullest], held[fullest]).memory)
     fits = memory["peak"] <= memory_budget(run)
     # a pair's exchange hidden, and its compute slowed, against the two tasks apart (fb-pair)
-    pair_hidden = sum(paired.get(t.chunk, 0) * (t.exchange.total_s - t.exchange.pair_exposed_s) for t in mine)
-    pair_slowdown = sum(paired.get(t.chunk, 0) * t.exchange.pair_slowdown_s for t in mine)
+    pair_hidden = sum(p.hidden_s for p in paired)
+    pair_slowdown = sum(p.slowdown_s for p in paired)
     flops = model_flops_per_sequence(run.config.model) * run.global_batch
     return Estimate(
         run=run,
@@ -297,14 +310,14 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
     )
 
 
-def _all_to_all(run: Run, chunks: tuple[ChunkCost, ...], m: int, paired: Mapping[int, int]) -> dict[str, float] | None:
+def _all_to_all(run: Run, chunks: tuple[ChunkCost, ...], m: int, paired: Sequence[Pair]) -> dict[str, float] | None:
     """The ``all_to_all`` of an estimate: the slowest stage's ``chunks``' exchanges per step, and what its
-    compute waits for (a paired task's exchange as the pair leaves it exposed)."""
+    compute waits for (the tasks of its ``paired`` pairs' exchanges as the pairs leave them exposed)."""
     if run.config.model.moe is None:
         return None
     total = m * sum(t.exchange.total_s for t in chunks)
     exposed = m * sum(t.exchange.exposed_s for t in chunks)
-    exposed -= sum(paired.get(t.chunk, 0) * (t.exchange.exposed_s - t.exchange.pair_exposed_s) for t in chunks)
+    exposed -= sum(p.unpaired_exposed_s - p.exposed_s for p in paired)
     hidden = total - exposed  # parts summed in another order than the whole: below 1e-9 of it is rounding
     return {
         "total_s": total,

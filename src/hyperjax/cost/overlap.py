@@ -13,8 +13,9 @@ lane waits for is exposed, and compute running beside an exchange is slowed by t
 half's tokens). What does not halve with the tokens (the exchanges' latency, the kernels' launch cost,
 the grouped products' padding to their tile) is halved too: a small overstatement of the gain, about
 1.5 % of the compute for DeepSeek-V3.
-Under ``fb-pair`` a forward and a backward of the chunk run interleaved: :attr:`Exchange.pair_s` is
-their time together, which the pipeline's paired tasks take instead of the two apart.
+Under ``fb-pair`` a forward and a backward run interleaved (:func:`pair_exchange`): of one chunk, or
+under an interleaved pipeline of two chunks of the stage, whose MoE layers may differ in number;
+:attr:`Pair.end_s` is their time together, which the pipeline's paired tasks take instead of the two apart.
 
 The dense blocks of a chunk and its output layer run before or after the MoE layers and hide nothing:
 they are outside the lanes.
@@ -38,11 +39,9 @@ class Exchange:
       forward_s, backward_s: every exchange of its ``F`` and ``B`` task.
       forward_exposed_s, backward_exposed_s: what its compute waits for under the schedule.
       forward_slowdown_s, backward_slowdown_s: what its compute loses to the exchanges beside it.
-      pair_s: under ``fb-pair``, the MoE layers' forward and backward interleaved (compute, exposed
-        exchange and slowdown); 0 otherwise.
-      pair_exposed_s: the exchange the paired compute waits for.
-      pair_slowdown_s: what the paired compute loses to the exchanges beside it.
-      unpaired_s: the MoE layers' forward and backward apart, exchanges exposed (what ``pair_s`` replaces).
+      forward_end_s, backward_end_s: its MoE layers' forward and backward, exchanges exposed (what a pair
+        replaces, :func:`pair_exchange`).
+      layers: its MoE layers, in model order.
     """
 
     forward_s: float = 0.0
@@ -51,10 +50,9 @@ class Exchange:
     backward_exposed_s: float = 0.0
     forward_slowdown_s: float = 0.0
     backward_slowdown_s: float = 0.0
-    pair_s: float = 0.0
-    pair_exposed_s: float = 0.0
-    pair_slowdown_s: float = 0.0
-    unpaired_s: float = 0.0
+    forward_end_s: float = 0.0
+    backward_end_s: float = 0.0
+    layers: tuple[LayerCost, ...] = ()
 
     @property
     def total_s(self) -> float:
@@ -71,18 +69,41 @@ class Exchange:
         """What the chunk's compute loses to the exchanges beside it, unpaired."""
         return self.forward_slowdown_s + self.backward_slowdown_s
 
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Pair:
+    """A forward's MoE layers and another micro-batch's backward's run interleaved (``fb-pair``): the same
+    chunk's, or under an interleaved pipeline two chunks of one stage (zero where neither has MoE layers).
+
+    Attributes:
+      end_s: the two together (compute, exposed exchange and slowdown).
+      exposed_s: the exchange the paired compute waits for.
+      slowdown_s: what the paired compute loses to the exchanges beside it.
+      hidden_s: the exchange of the two that the pair hides.
+      unpaired_s: the two apart, exchanges exposed (what ``end_s`` replaces).
+      unpaired_exposed_s: what the two apart wait for.
+    """
+
+    end_s: float = 0.0
+    exposed_s: float = 0.0
+    slowdown_s: float = 0.0
+    hidden_s: float = 0.0
+    unpaired_s: float = 0.0
+    unpaired_exposed_s: float = 0.0
+
     @property
-    def pair_saving_s(self) -> float:
-        """What running a forward and a backward as a pair saves over running them apart (negative where
-        the slowdown outweighs what it hides)."""
-        return self.unpaired_s - self.pair_s
+    def saving_s(self) -> float:
+        """What running the two as a pair saves over running them apart (negative where the slowdown
+        outweighs what it hides)."""
+        return self.unpaired_s - self.end_s
 
 
-def _seconds(sched: LaneSchedule, layers: Sequence[LayerCost], halves: int) -> dict[LaneTask, float]:
-    """Each task of ``sched`` at its layer's length (a ``1 / halves`` share of it)."""
+def _seconds(sched: LaneSchedule, layers: Sequence[Sequence[LayerCost]], halves: int) -> dict[LaneTask, float]:
+    """Each task of ``sched`` at its layer's length (a ``1 / halves`` share of it); ``layers[i]`` are the
+    MoE layers stream ``i`` passes through."""
     out = {}
-    for c, kind in zip(sched.chains, sched.kinds, strict=True):
-        lengths = _lengths(layers, kind)
+    for c, kind, mine in zip(sched.chains, sched.kinds, layers, strict=True):
+        lengths = _lengths(mine, kind)
         for t in c:
             out[t] = lengths[t.name] / halves
     return out
@@ -105,8 +126,10 @@ def _lengths(layers: Sequence[LayerCost], kind: Pass) -> dict[str, float]:
     return out
 
 
-def _timing(overlap: Overlap, layers: Sequence[LayerCost], kinds: tuple[Pass, ...], share: float) -> LaneTiming:
-    sched = lane_schedule(overlap, len(layers), kinds)
+def _timing(
+    overlap: Overlap, layers: Sequence[Sequence[LayerCost]], kinds: tuple[Pass, ...], share: float
+) -> LaneTiming:
+    sched = lane_schedule(overlap, tuple(len(x) for x in layers), kinds)
     return lane_timing(sched, _seconds(sched, layers, 2 if overlap == "two-microbatch" else 1), share)
 
 
@@ -116,39 +139,48 @@ def chunk_exchange(layers: Sequence[LayerCost], overlap: Overlap, share: float) 
     if not layers or not any(x.exchange_s for x in layers):
         return Exchange()
     if overlap == "two-microbatch":
-        f = _timing(overlap, layers, ("F", "F"), share)
-        b = _timing(overlap, layers, ("B", "B"), share)
+        f = _timing(overlap, (layers, layers), ("F", "F"), share)
+        b = _timing(overlap, (layers, layers), ("B", "B"), share)
     else:
-        f = _timing("none", layers, ("F",), share)
-        b = _timing("none", layers, ("B",), share)
-    out = Exchange(
+        f = _timing("none", (layers,), ("F",), share)
+        b = _timing("none", (layers,), ("B",), share)
+    return Exchange(
         forward_s=f.exchange_s,
         backward_s=b.exchange_s,
         forward_exposed_s=f.exposed_s,
         backward_exposed_s=b.exposed_s,
         forward_slowdown_s=f.slowdown_s,
         backward_slowdown_s=b.slowdown_s,
+        forward_end_s=f.end_s,
+        backward_end_s=b.end_s,
+        layers=tuple(layers),
     )
-    if overlap != "fb-pair":
-        return out
-    pair = _timing("fb-pair", layers, ("F", "B"), share)
-    return dataclasses.replace(
-        out,
-        pair_s=pair.end_s,
-        pair_exposed_s=pair.exposed_s,
-        pair_slowdown_s=pair.slowdown_s,
-        unpaired_s=f.end_s + b.end_s,
+
+
+def pair_exchange(forward: Exchange, backward: Exchange, share: float) -> Pair:
+    """The pair of ``forward``'s chunk's ``F`` and ``backward``'s chunk's ``B`` (``fb-pair``), both priced
+    unpaired (:func:`chunk_exchange` under ``fb-pair``)."""
+    if not forward.layers and not backward.layers:
+        return Pair()
+    pair = _timing("fb-pair", (forward.layers, backward.layers), ("F", "B"), share)
+    return Pair(
+        end_s=pair.end_s,
+        exposed_s=pair.exposed_s,
+        slowdown_s=pair.slowdown_s,
+        hidden_s=forward.forward_s + backward.backward_s - pair.exposed_s,
+        unpaired_s=forward.forward_end_s + backward.backward_end_s,
+        unpaired_exposed_s=forward.forward_exposed_s + backward.backward_exposed_s,
     )
 
 
 def lane_events(
-    layers: Sequence[LayerCost], overlap: Overlap, kinds: tuple[Pass, ...], share: float
+    layers: Sequence[Sequence[LayerCost]], overlap: Overlap, kinds: tuple[Pass, ...], share: float
 ) -> list[tuple[LaneTask, float, float]]:
     """The exchanges of one task (or a pair) as the lanes run them: ``(task, start, end)`` from the task's
-    start, communication lane only."""
-    if not layers or not any(x.exchange_s for x in layers):
+    start, communication lane only; ``layers[i]`` are the MoE layers pass ``kinds[i]`` goes through."""
+    if not any(x.exchange_s for mine in layers for x in mine):
         return []
-    sched = lane_schedule(overlap, len(layers), kinds)
+    sched = lane_schedule(overlap, tuple(len(x) for x in layers), kinds)
     seconds = _seconds(sched, layers, 2 if overlap == "two-microbatch" else 1)
     times = replay_lanes(sched, seconds, share)
     return [(t, s, e) for t, (s, e) in sorted(times.items(), key=lambda kv: kv[1]) if t.lane == "comm"]

@@ -34,16 +34,18 @@ def in_flight(run: Run, s: int) -> int:
     """Micro-batches whose activations stage ``s`` holds at its peak: all of them under GPipe; under 1F1B the
     first stage holds ``p`` and each later one one fewer; interleaving adds ``(p - 1) / (p v)`` (Korthikanti
     et al., 4.2.3). Pairing forwards with backwards (``fb-pair``) warms up with ``2(p - s) - 1`` forwards
-    and holds one more while its first pair runs: ``2(p - s)``."""
+    and holds one more while its first pair runs: ``2(p - s)``; interleaved, one chunk's forward more than
+    without pairs (:func:`hyperjax.mpmd.schedules.paired_warm_up`): ``1 / v`` of a micro-batch."""
     p, m, v = len(run.stages), run.microbatches, run.virtual_stages
     if p == 1:
         return 1
     if run.schedule == "gpipe":
         return m
-    if run.overlap == "fb-pair":
+    if run.overlap == "fb-pair" and v == 1:
         return min(m, 2 * (p - s))
     interleave = 1 + (p - 1) / (p * v) if v > 1 else 1.0
-    return min(m, math.ceil((p - s) * interleave))
+    paired = 1 / v if run.overlap == "fb-pair" else 0.0
+    return min(m, math.ceil((p - s) * interleave + paired))
 
 
 def boundary_span(hw: Hardware, first: int, second: int) -> AxisSpan:

@@ -81,11 +81,12 @@ def exchange_events(est: Estimate, times: dict[Task, tuple[int, float, float]], 
         if task.kind == "W" or (task in paired and task.kind == "B"):
             continue
         if task in partner:
-            kinds, overlap = ("F", "B"), "fb-pair"
+            kinds, overlap, streams = ("F", "B"), "fb-pair", (layers[task.chunk], layers[partner[task].chunk])
         else:
             kinds = (task.kind,) * (2 if run.overlap == "two-microbatch" else 1)
             overlap = "two-microbatch" if run.overlap == "two-microbatch" else "none"
-        for lane_task, s, e in lane_events(layers[task.chunk], overlap, kinds, share):
+            streams = (layers[task.chunk],) * len(kinds)
+        for lane_task, s, e in lane_events(streams, overlap, kinds, share):
             args = {"task": str(task), "lane task": str(lane_task)}
             events.append(_event(lane_task.name, start + s, e - s, pid + stage, ALL_TO_ALL, args))
     return events

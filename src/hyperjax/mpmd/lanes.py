@@ -100,8 +100,9 @@ class LaneSchedule:
 
 
 @functools.lru_cache(maxsize=256)
-def lane_schedule(overlap: Overlap, layers: int, kinds: tuple[Pass, ...]) -> LaneSchedule:
-    """The lane schedule of ``overlap`` for passes ``kinds`` through ``layers`` MoE layers.
+def lane_schedule(overlap: Overlap, layers: int | tuple[int, ...], kinds: tuple[Pass, ...]) -> LaneSchedule:
+    """The lane schedule of ``overlap`` for passes ``kinds`` through ``layers`` MoE layers (one count for every
+    pass, or one per pass: an F-B pair of an interleaved pipeline may join chunks of different depths).
 
     ``none`` takes one pass; ``two-microbatch`` two passes of the same kind (the halves);
     ``fb-pair`` a forward and a backward.
@@ -114,20 +115,25 @@ def lane_schedule(overlap: Overlap, layers: int, kinds: tuple[Pass, ...]) -> Lan
         raise ScheduleError(f"overlap {overlap!r} takes {expected} passes, not {kinds}")
     if overlap == "fb-pair" and sorted(kinds) != ["B", "F"]:
         raise ScheduleError(f"overlap 'fb-pair' pairs a forward with a backward, not {kinds}")
-    chains = tuple(chain(s, layers, k) for s, k in enumerate(kinds))
+    counts = (layers,) * len(kinds) if isinstance(layers, int) else layers
+    if len(counts) != len(kinds) or (overlap == "two-microbatch" and counts[0] != counts[1]):
+        raise ScheduleError(f"overlap {overlap!r}: layer counts {counts} for passes {kinds}")
+    chains = tuple(chain(s, n, k) for s, (n, k) in enumerate(zip(counts, kinds, strict=True)))
     compute, comm, hides = [], [], {}
     if len(chains) == 1:
         compute = [t for t in chains[0] if t.lane == "compute"]
         comm = [t for t in chains[0] if t.lane == "comm"]
     else:
-        # round robin: a's compute, b's compute, a's exchange beside b's compute, b's exchange beside a's next
+        # round robin: a's compute, b's compute, a's exchange beside b's compute, b's exchange beside a's next;
+        # once the shorter chain has ended, the longer one runs on alone, its exchanges hidden by nothing
         a, b = chains
-        for k in range(0, len(a), 2):
-            compute += [a[k], b[k]]
-            if k + 1 < len(a):
-                comm += [a[k + 1], b[k + 1]]
-                hides[a[k + 1]] = b[k]
-                hides[b[k + 1]] = a[k + 2]
+        for k in range(0, max(len(a), len(b)), 2):
+            compute += [x[k] for x in (a, b) if k < len(x)]
+            for x, y, ahead in ((a, b, 0), (b, a, 2)):
+                if k + 1 < len(x):
+                    comm.append(x[k + 1])
+                    if k + ahead < len(y):
+                        hides[x[k + 1]] = y[k + ahead]
     sched = LaneSchedule(
         overlap=overlap, kinds=kinds, chains=chains, compute=tuple(compute), comm=tuple(comm), hides=hides
     )

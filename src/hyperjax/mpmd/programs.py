@@ -1,5 +1,5 @@
-"""One pipeline chunk at run time: its jitted programs (forward, backward, a split backward's two halves, a
-forward paired with a backward) and where its arrays live."""
+"""One pipeline chunk at run time: its jitted programs (forward, backward, a split backward's two halves) and
+where its arrays live; a forward paired with a backward (:func:`pair_program`)."""
 
 from __future__ import annotations
 
@@ -32,9 +32,6 @@ class Programs:
       inputs: ``B``: the input gradient (with ``taps``: ``(acc, dx, product gradients)``).
       weights: ``W``: the weight gradients added to the accumulator.
       taps: whether the backward is split at the weight products (:mod:`hyperjax.models.taps`).
-      pair: ``(params, x, feeds, pullback, dy, acc) -> (forward's outputs, backward's outputs)``: one
-        micro-batch's forward and another's backward as one program (``parallel.overlap: fb-pair``), so
-        that each one's all-to-all can run beside the other's compute (plain backward only).
     """
 
     forward: Callable[..., Any]
@@ -42,7 +39,21 @@ class Programs:
     weights: Callable[..., Any]
     taps: bool
     backward: Callable[..., Any] | None = None
-    pair: Callable[..., Any] | None = None
+
+
+def pair_program(forward_of: Programs, backward_of: Programs) -> Callable[..., Any]:
+    """``(params, x, feeds, pullback, dy, acc) -> (forward's outputs, backward's outputs)``: one micro-batch's
+    forward through chunk ``forward_of`` and another's backward through chunk ``backward_of`` (the same chunk,
+    or under an interleaved schedule another chunk of the stage) as one program (``parallel.overlap:
+    fb-pair``), so that each one's all-to-all can run beside the other's compute. Plain backward only."""
+    forward, backward = forward_of.forward, backward_of.backward
+    if backward is None:
+        raise ValueError("a pair needs the plain backward, not a split one")
+
+    def pair(params: Any, x: jax.Array, fed: dict[str, jax.Array], pullback: Any, dy: Any, acc: Any) -> Any:
+        return forward(params, x, fed), backward(pullback, dy, acc)
+
+    return jax.jit(pair, donate_argnums=5)
 
 
 def chunk_programs(
@@ -149,12 +160,8 @@ def chunk_programs(
             taps=True,
         )
 
-    def pair(params: Any, x: jax.Array, fed: dict[str, jax.Array], pullback: Any, dy: Any, acc: Any) -> Any:
-        return forward(params, x, fed), backward(pullback, dy, acc)
-
     return Programs(
         forward=jax.jit(forward),
-        pair=jax.jit(pair, donate_argnums=5),
         backward=jax.jit(backward, donate_argnums=2),
         weights=jax.jit(weights, donate_argnums=2),
         inputs=jax.jit(inputs),

@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from hyperjax.config import Run
 from hyperjax.models.moe import MoE, update_router_biases
 from hyperjax.mpmd.chunks import Chunk
-from hyperjax.mpmd.programs import ChunkRuntime, chunk_programs
+from hyperjax.mpmd.programs import ChunkRuntime, chunk_programs, pair_program
 from hyperjax.mpmd.schedules import Task, run_schedule
 from hyperjax.mpmd.transfer import forget, scalar, split_devices, sum_over_processes, transfer
 from hyperjax.shard import Constrainer, Strategy, place
@@ -107,6 +107,7 @@ class PipelineRunner:
                 )
             )
         self.shapes: list[Any] | None = None  # each chunk's output, found at the first step
+        self._pairs: dict[tuple[int, int], Any] = {}  # (forward's chunk, backward's chunk) -> its pair program
         self.steps_done = 0
         self.handovers = 0  # hand-overs so far in this step
         self.published: list[str] = []  # keys this process wrote to the key-value store this step
@@ -377,27 +378,31 @@ class PipelineRunner:
         return grads[c]
 
     def _run_pair(self, f: Task, b: Task, params, grads, xs, dys, feeds, losses, routers) -> Any:
-        """Forward ``f`` and backward ``b`` (another micro-batch, same chunk) as one program; then ``f``'s
-        output is handed on and ``b``'s input gradient back, in that order on every process."""
-        c, ch = f.chunk, self.chunks[f.chunk]
-        last = c == len(self.chunks) - 1
+        """Forward ``f`` and backward ``b`` (another micro-batch; the same chunk, or another of the stage's
+        under an interleaved schedule) as one program; then ``f``'s output is handed on and ``b``'s input
+        gradient back, in that order on every process."""
+        cf, cb = f.chunk, b.chunk
+        ch, last = self.chunks[cf], len(self.chunks) - 1
         y = dx = None
         if ch.mine:
-            x, dy = xs.pop(("in", f.microbatch, c)), None if last else dys[(b.microbatch, c)]
-            forward, backward = ch.programs.pair(
-                params[c], x, feeds[(f.microbatch, c)], xs[(b.microbatch, c)], dy, grads[c]
+            x, dy = xs.pop(("in", f.microbatch, cf)), None if cb == last else dys[(b.microbatch, cb)]
+            program = self._pairs.get((cf, cb))
+            if program is None:
+                program = self._pairs[(cf, cb)] = pair_program(ch.programs, self.chunks[cb].programs)
+            forward, backward = program(params[cf], x, feeds[(f.microbatch, cf)], xs[(b.microbatch, cb)], dy, grads[cb])
+            y, xs[(f.microbatch, cf)], (ce, stats) = forward
+            grads[cb], dx = backward
+            _collect(cf, ce, stats, cf == last, losses, routers)
+        if cf != last:
+            xs[("in", f.microbatch, cf + 1)] = self._hand_over(
+                y, cf, cf + 1, self.chunks[cf + 1].act_sh, self.shapes[cf]
             )
-            y, xs[(f.microbatch, c)], (ce, stats) = forward
-            grads[c], dx = backward
-            _collect(c, ce, stats, last, losses, routers)
-        if not last:
-            xs[("in", f.microbatch, c + 1)] = self._hand_over(y, c, c + 1, self.chunks[c + 1].act_sh, self.shapes[c])
         if ch.mine:
-            self._send_back(b.microbatch, c, dx, dys)
-            self._forget(b.microbatch, c, xs, dys)
-            return grads[c]
-        if c > 0:
-            self._send_back(b.microbatch, c, None, dys)
+            self._send_back(b.microbatch, cb, dx, dys)
+            self._forget(b.microbatch, cb, xs, dys)
+            return grads[cb]
+        if cb > 0:
+            self._send_back(b.microbatch, cb, None, dys)
         return None
 
     def _send_back(self, j: int, c: int, dx: Any, dys: dict) -> Any:

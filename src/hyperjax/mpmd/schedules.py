@@ -26,6 +26,8 @@ from hyperjax.config import Run, ScheduleName, TaskKind, choices
 from hyperjax.errors import ConfigError
 
 SCHEDULES: tuple[ScheduleName, ...] = choices(ScheduleName)
+PAIRED: tuple[ScheduleName, ...] = ("1f1b", "interleaved")
+"""The schedules whose forwards and backwards ``parallel.overlap: fb-pair`` pairs."""
 _SLOTS = {"F": 1, "B": 2, "W": 1}  # slots per task; "B" is 1 slot when the backward is split
 
 
@@ -176,8 +178,10 @@ def _gpipe_order(stage: int, stages: int, m: int, v: int) -> list[Task]:
     return [Task("F", j, stage) for j in range(m)] + [Task("B", j, stage) for j in range(m)]
 
 
-def _one_f_one_b_order(stage: int, stages: int, m: int, v: int, *, backward: tuple[str, ...] = ("B",)) -> list[Task]:
-    warm = min(stages - stage - 1, m)
+def _one_f_one_b_order(
+    stage: int, stages: int, m: int, v: int, *, backward: tuple[str, ...] = ("B",), warm: int | None = None
+) -> list[Task]:
+    warm = min(stages - stage - 1 if warm is None else warm, m)
     order = [Task("F", j, stage) for j in range(warm)]
     f = warm
     for b in range(m):
@@ -189,18 +193,26 @@ def _one_f_one_b_order(stage: int, stages: int, m: int, v: int, *, backward: tup
 
 
 def _paired_order(stage: int, stages: int, m: int, v: int) -> list[Task]:
-    # 1F1B with 2(p - s) - 1 forwards in the warm-up: a pair starts only once its backward's gradient has
-    # come back and hands its output on only at its end, so the round trip through the later stages takes
-    # twice as long as 1F1B's, and the warm-up covers it (the last stage pairs too)
-    return _one_f_one_b_order(stage, 2 * stages - stage, m, v)
+    order = _interleaved_order if v > 1 else _one_f_one_b_order
+    return order(stage, stages, m, v, warm=paired_warm_up(stage, stages, m, v))
 
 
-def paired_warm_up(stage: int, stages: int, microbatches: int) -> int:
-    """Forwards stage ``stage`` runs before its first pair: ``2(p - s) - 1`` (at most the micro-batches)."""
-    return min(2 * (stages - stage) - 1, microbatches)
+def paired_warm_up(stage: int, stages: int, microbatches: int, virtual_stages: int = 1) -> int:
+    """Forwards stage ``stage`` runs before its first pair (at most every forward).
+
+    1F1B: ``2(p - s) - 1``, ``p - s`` more than without pairs. A pair starts only once its backward's
+    gradient has come back and hands its output on only at its end, so the round trip through the later
+    stages takes twice as long as 1F1B's, and the warm-up covers it (the last stage pairs too).
+    Interleaved: Megatron-LM's ``2(p - s - 1) + (v - 1) p`` and one more, as its combined 1F1B schedule
+    for interleaved pipelines warms up (``overlap_moe_expert_parallel_comm``). Its plain order already
+    counts each hand-over at the end of a step's forward and backward, so one forward is all a pair adds.
+    """
+    p, s, v = stages, stage, virtual_stages
+    warm = 2 * (p - s) - 1 if v == 1 else 2 * (p - s - 1) + (v - 1) * p + 1
+    return min(warm, microbatches * v)
 
 
-def _interleaved_order(stage: int, stages: int, m: int, v: int) -> list[Task]:
+def _interleaved_order(stage: int, stages: int, m: int, v: int, *, warm: int | None = None) -> list[Task]:
     # Megatron-LM's interleaved 1F1B: micro-batches advance in groups of `stages` through the chunks
     p, total = stages, m * v
 
@@ -212,7 +224,7 @@ def _interleaved_order(stage: int, stages: int, m: int, v: int) -> list[Task]:
         group, k = divmod(i, p * v)
         return Task("B", group * p + k % p, (v - 1 - k // p) * p + stage)
 
-    warm = min((p - stage - 1) * 2 + (v - 1) * p, total)
+    warm = min((p - stage - 1) * 2 + (v - 1) * p if warm is None else warm, total)
     order = [forward(i) for i in range(warm)]
     f = warm
     for b in range(total):
@@ -242,24 +254,26 @@ def make_schedule(
 ) -> Schedule:
     """The grid of schedule ``name`` for ``stages`` stages and ``microbatches`` micro-batches.
 
-    With ``pair`` (1F1B only), stage ``s`` warms up with ``2(p - s) - 1`` forwards, and every later forward
-    runs as one program with the backward after it in the stage's order (:attr:`Schedule.pairs`): the pair
-    starts once both tasks' inputs are ready and hands both outputs on at its end
-    (:func:`pair_dependencies`).
+    With ``pair`` (1F1B or interleaved), stage ``s`` warms up with :func:`paired_warm_up` forwards, and every
+    later forward runs as one program with the backward after it in the stage's order (:attr:`Schedule.pairs`,
+    under interleaving possibly of another of the stage's chunks): the pair starts once both tasks' inputs are
+    ready and hands both outputs on at its end (:func:`pair_dependencies`).
 
     Raises:
       ConfigError: an unknown schedule or sizes it cannot take, naming the config key.
     """
     check_sizes(name, stages, microbatches, virtual_stages)
-    if pair and name != "1f1b":
-        raise ConfigError(f"parallel.overlap='fb-pair' pairs tasks of the 1f1b schedule, not of {name!r}")
+    if pair and name not in PAIRED:
+        raise ConfigError(
+            f"parallel.overlap='fb-pair' pairs tasks of the {' and '.join(PAIRED)} schedules, not of {name!r}"
+        )
     split = name == "zero-bubble"
     order_of = _paired_order if pair else _ORDERS[name]
     orders = [order_of(s, stages, microbatches, virtual_stages) for s in range(stages)]
     partner: dict[Task, Task] = {}
     if pair:  # each forward after the warm-up with the backward that follows it
         for s, order in enumerate(orders):
-            warm = paired_warm_up(s, stages, microbatches)
+            warm = paired_warm_up(s, stages, microbatches, virtual_stages)
             for f, b in zip(order[warm:], order[warm + 1 :], strict=False):
                 if f.kind == "F" and b.kind == "B" and f not in partner and b not in partner:
                     partner[f], partner[b] = b, f
@@ -390,9 +404,10 @@ def validate(sched: Schedule) -> None:
     if missing:
         raise ScheduleError(f"schedule {sched.name!r}: {min(missing)} never runs ({len(missing)} tasks missing)")
     for f, b in sched.pairs:  # a pair: F, then at once B (the dependencies below hold its inputs to its start)
-        if f.kind != "F" or b.kind != "B" or f.microbatch == b.microbatch or f.chunk != b.chunk:
+        same = sched.stage_of(f.chunk) == sched.stage_of(b.chunk)
+        if f.kind != "F" or b.kind != "B" or f.microbatch == b.microbatch or not same:
             raise ScheduleError(
-                f"schedule {sched.name!r}: a pair is a forward and a backward of one chunk and two micro-batches, "
+                f"schedule {sched.name!r}: a pair is a forward and a backward of two micro-batches on one stage, "
                 f"not {f} and {b}"
             )
         if span[b][0] != span[f][1]:

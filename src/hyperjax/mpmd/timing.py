@@ -119,14 +119,17 @@ def cached_schedule(name: str, stages: int, microbatches: int, virtual_stages: i
     return make_schedule(name, stages, microbatches, virtual_stages, pair=pair)
 
 
-def paired_seconds(sched: Schedule, seconds: dict[Task, float], saving: dict[int, float]) -> dict[Task, float]:
-    """``seconds`` with every pair of ``sched`` shortened by its chunk's ``saving`` (running its forward and
-    backward together instead of apart), shared between the two in proportion to their lengths."""
+def paired_seconds(
+    sched: Schedule, seconds: dict[Task, float], saving: dict[tuple[int, int], float]
+) -> dict[Task, float]:
+    """``seconds`` with every pair of ``sched`` shortened by the ``saving`` of its forward's and backward's
+    chunks (running the two together instead of apart), shared between the two in proportion to their
+    lengths."""
     out = dict(seconds)
     for f, b in sched.pairs:
         whole = seconds[f] + seconds[b]
         if whole > 0:
-            cut = saving.get(f.chunk, 0.0)
+            cut = saving.get((f.chunk, b.chunk), 0.0)
             out[f] = seconds[f] - cut * seconds[f] / whole
             out[b] = seconds[b] - cut * seconds[b] / whole
     return out

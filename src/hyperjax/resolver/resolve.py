@@ -16,7 +16,7 @@ from hyperjax.config import Config, ModelConfig, Run, Stage
 from hyperjax.config.run import replica_axes, spans_processes
 from hyperjax.emulate import plan_processes
 from hyperjax.errors import ConfigError, EmulationError, ShardingError
-from hyperjax.mpmd.schedules import check_sizes
+from hyperjax.mpmd.schedules import PAIRED, check_sizes, paired_warm_up
 from hyperjax.resolver.checks import check_stage
 from hyperjax.resolver.stages import mpmd_stages, pipeline_axes, pipeline_sizes, pipeline_stages, spmd_stage
 from hyperjax.shard import strategy_for
@@ -213,16 +213,17 @@ def _check_overlap(cfg: Config, stages: tuple[Stage, ...], rows: int, microbatch
                     "replicas); use an even number (a larger global batch or fewer micro-batches)"
                 )
     if overlap == "fb-pair":
-        if len(stages) < 2 or cfg.mpmd.submeshes or p.schedule != "1f1b":
+        if len(stages) < 2 or cfg.mpmd.submeshes or p.schedule not in PAIRED:
             raise ConfigError(
                 f"parallel.overlap='fb-pair' pairs a pipeline's forward and backward tasks in 1F1B's steady state; "
-                f"it needs parallel.pipeline > 1 and parallel.schedule: 1f1b (got pipeline={p.pipeline}, "
-                f"schedule={p.schedule!r}{', mpmd submeshes' if cfg.mpmd.submeshes else ''})"
+                f"it needs parallel.pipeline > 1 and parallel.schedule: 1f1b or interleaved (got pipeline="
+                f"{p.pipeline}, schedule={p.schedule!r}{', mpmd submeshes' if cfg.mpmd.submeshes else ''})"
             )
         if microbatches < 2 * len(stages):
             raise ConfigError(
                 f"parallel.overlap='fb-pair' with {microbatches} micro-batches on {len(stages)} stages leaves the "
-                f"first stage no forward to pair after its warm-up of {2 * len(stages) - 1}; set "
+                f"first stage no forward to pair after its warm-up of "
+                f"{paired_warm_up(0, len(stages), microbatches * 2, p.virtual_stages)} forwards; set "
                 f"train.microbatches >= {2 * len(stages)}"
             )
 

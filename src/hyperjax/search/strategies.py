@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from hyperjax.config import Config, SubmeshConfig
+from hyperjax.mpmd.schedules import PAIRED
 from hyperjax.topology import Hardware
 
 CLEARED: dict[str, Any] = {
@@ -108,7 +109,7 @@ def strategies(cfg: Config, devices: int, *, accumulate: bool = False) -> Iterat
                         overlaps = ["none"]
                         if exchanged and not vision and m.moe.capacity_factor is None and rows % 2 == 0:
                             overlaps.append("two-microbatch")
-                        if exchanged and pipeline > 1 and schedule == "1f1b" and per_replica // rows >= 2 * pipeline:
+                        if exchanged and pipeline > 1 and schedule in PAIRED and per_replica // rows >= 2 * pipeline:
                             overlaps.append("fb-pair")
                         # sequence parallelism moves the same bytes as plain tensor parallelism and
                         # stores less, so it is never worse: only the sequence-parallel variant is priced
