@@ -73,6 +73,7 @@ def test_a_pair_of_chunks_of_different_depths_hides_what_runs_together(counts):
     assert len(sched.comm) == 2 * sum(counts)
     together = 2 * min(counts)  # the shorter pass's exchanges and as many of the longer's can hide
     assert 2 * together - 1 <= len(sched.hides) <= 2 * together + 1
+    assert bool(sched.hides) == (min(counts) > 0)  # a pass through no MoE layer hides nothing
     # once the shorter pass has ended the longer runs alone: its remaining exchanges are exposed in full
     alone = lane_timing(sched, _lengths(sched, 1.0, 0.5), share=0.0)
     assert alone.exposed_s >= 0.5 * (2 * (max(counts) - min(counts)) - 1)

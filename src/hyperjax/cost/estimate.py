@@ -156,16 +156,19 @@ class Estimate:
         sched = run_schedule(run)
         if self.closed_form:
             return sched, task_seconds(sched, *self.task_lengths())
-        return sched, chunk_task_seconds(sched, self.stages, run.hardware.device.comm_compute_share)
+        pairs = pair_costs(sched, self.stages, run.hardware.device.comm_compute_share)
+        return sched, chunk_task_seconds(sched, self.stages, pairs)
 
 
-def chunk_task_seconds(sched: Schedule, stages: tuple[StageCost, ...], share: float) -> dict[Task, float]:
+def chunk_task_seconds(
+    sched: Schedule, stages: tuple[StageCost, ...], pairs: Mapping[tuple[int, int], Pair]
+) -> dict[Task, float]:
     """Every task of ``sched`` at its own chunk's predicted length, each pair (``fb-pair``) shortened by what
-    running its two tasks together saves, on a device whose exchanges hold ``share`` of its compute."""
+    running its two tasks together saves (``pairs``: :func:`pair_costs`)."""
     lengths = {c.chunk: c for s in stages for c in s.chunks}
     kind = {"F": "forward_s", "B": "backward_s", "W": "weight_s"}
     seconds = {task: getattr(lengths[task.chunk], kind[task.kind]) for _, _, task in sched.starts()}
-    return paired_seconds(sched, seconds, {k: p.saving_s for k, p in pair_costs(sched, stages, share).items()})
+    return paired_seconds(sched, seconds, {k: p.saving_s for k, p in pairs.items()})
 
 
 def pair_costs(sched: Schedule, stages: tuple[StageCost, ...], share: float) -> dict[tuple[int, int], Pair]:
@@ -257,7 +260,7 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
             here = set(run.stages[critical].chunks)
             paired = [costs[(f.chunk, b.chunk)] for f, b in sched.pairs if f.chunk in here]
             busy -= sum(p.saving_s for p in paired)
-            end = max(e for _, _, e in replay(sched, chunk_task_seconds(sched, stages, share)).values())
+            end = max(e for _, _, e in replay(sched, chunk_task_seconds(sched, stages, costs)).values())
         else:
             lengths = {}
             for k, stage in zip(kind_of, run.stages, strict=True):

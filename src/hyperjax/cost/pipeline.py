@@ -4,7 +4,6 @@ memory, and the tier its hand-overs to a neighbouring stage cross."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from hyperjax.config import Run, Stage
 from hyperjax.cost.stage import StageCost
@@ -32,20 +31,21 @@ def peak_with(cost: StageCost, held: int) -> float:
 
 def in_flight(run: Run, s: int) -> int:
     """Micro-batches whose activations stage ``s`` holds at its peak: all of them under GPipe; under 1F1B the
-    first stage holds ``p`` and each later one one fewer; interleaving adds ``(p - 1) / (p v)`` (Korthikanti
-    et al., 4.2.3). Pairing forwards with backwards (``fb-pair``) warms up with ``2(p - s) - 1`` forwards
-    and holds one more while its first pair runs: ``2(p - s)``; interleaved, one chunk's forward more than
-    without pairs (:func:`hyperjax.mpmd.schedules.paired_warm_up`): ``1 / v`` of a micro-batch."""
+    first stage holds ``p`` and each later one one fewer. Interleaved, what Megatron's order holds: its
+    warm-up of ``2(p - s - 1) + (v - 1) p`` chunk forwards and the one in flight, ``v`` chunks a micro-batch
+    (at the first stage Korthikanti et al.'s ``p (1 + (p - 1) / (p v))``, 4.2.3; later stages hold more
+    than that rule scaled by ``p - s``). Pairing forwards with backwards (``fb-pair``) warms up with
+    ``2(p - s) - 1`` forwards under 1F1B and holds one more while its first pair runs: ``2(p - s)``;
+    interleaved, with one chunk forward more (:func:`hyperjax.mpmd.schedules.paired_warm_up`)."""
     p, m, v = len(run.stages), run.microbatches, run.virtual_stages
     if p == 1:
         return 1
     if run.schedule == "gpipe":
         return m
-    if run.overlap == "fb-pair" and v == 1:
-        return min(m, 2 * (p - s))
-    interleave = 1 + (p - 1) / (p * v) if v > 1 else 1.0
-    paired = 1 / v if run.overlap == "fb-pair" else 0.0
-    return min(m, math.ceil((p - s) * interleave + paired))
+    if v > 1:
+        chunks = 2 * (p - s - 1) + (v - 1) * p + 1 + (run.overlap == "fb-pair")
+        return min(m, -(-chunks // v))
+    return min(m, 2 * (p - s) if run.overlap == "fb-pair" else p - s)
 
 
 def boundary_span(hw: Hardware, first: int, second: int) -> AxisSpan:

@@ -125,14 +125,15 @@ def lane_schedule(overlap: Overlap, layers: int | tuple[int, ...], kinds: tuple[
         comm = [t for t in chains[0] if t.lane == "comm"]
     else:
         # round robin: a's compute, b's compute, a's exchange beside b's compute, b's exchange beside a's next;
-        # once the shorter chain has ended, the longer one runs on alone, its exchanges hidden by nothing
+        # once the shorter chain has ended, the longer one runs on alone, its exchanges hidden by nothing (a
+        # pass through no MoE layer hides nothing)
         a, b = chains
         for k in range(0, max(len(a), len(b)), 2):
             compute += [x[k] for x in (a, b) if k < len(x)]
             for x, y, ahead in ((a, b, 0), (b, a, 2)):
                 if k + 1 < len(x):
                     comm.append(x[k + 1])
-                    if k + ahead < len(y):
+                    if k + ahead < len(y) and len(y) > 1:
                         hides[x[k + 1]] = y[k + ahead]
     sched = LaneSchedule(
         overlap=overlap, kinds=kinds, chains=chains, compute=tuple(compute), comm=tuple(comm), hides=hides

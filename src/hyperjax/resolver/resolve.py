@@ -223,7 +223,7 @@ def _check_overlap(cfg: Config, stages: tuple[Stage, ...], rows: int, microbatch
             raise ConfigError(
                 f"parallel.overlap='fb-pair' with {microbatches} micro-batches on {len(stages)} stages leaves the "
                 f"first stage no forward to pair after its warm-up of "
-                f"{paired_warm_up(0, len(stages), microbatches * 2, p.virtual_stages)} forwards; set "
+                f"{paired_warm_up(0, len(stages), 2 * len(stages), p.virtual_stages)} forwards; set "
                 f"train.microbatches >= {2 * len(stages)}"
             )
 
