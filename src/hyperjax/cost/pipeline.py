@@ -7,6 +7,7 @@ import dataclasses
 
 from hyperjax.config import Run, Stage
 from hyperjax.cost.stage import StageCost
+from hyperjax.mpmd.schedules import warm_up
 from hyperjax.topology import AxisSpan, Hardware
 
 
@@ -30,22 +31,19 @@ def peak_with(cost: StageCost, held: int) -> float:
 
 
 def in_flight(run: Run, s: int) -> int:
-    """Micro-batches whose activations stage ``s`` holds at its peak: all of them under GPipe; under 1F1B the
-    first stage holds ``p`` and each later one one fewer. Interleaved, what Megatron's order holds: its
-    warm-up of ``2(p - s - 1) + (v - 1) p`` chunk forwards and the one in flight, ``v`` chunks a micro-batch
-    (at the first stage Korthikanti et al.'s ``p (1 + (p - 1) / (p v))``, 4.2.3; later stages hold more
-    than that rule scaled by ``p - s``). Pairing forwards with backwards (``fb-pair``) warms up with
-    ``2(p - s) - 1`` forwards under 1F1B and holds one more while its first pair runs: ``2(p - s)``;
-    interleaved, with one chunk forward more (:func:`hyperjax.mpmd.schedules.paired_warm_up`)."""
+    """Micro-batches whose activations stage ``s`` holds at its peak: all of them under GPipe; else its
+    warm-up's forwards and the one in flight (:func:`hyperjax.mpmd.schedules.warm_up`), ``v`` chunk
+    forwards a micro-batch when interleaved. Under 1F1B the first stage holds ``p`` and each later one one
+    fewer; interleaved, the first holds Korthikanti et al.'s ``p (1 + (p - 1) / (p v))`` (4.2.3), and later
+    stages more than that rule scaled by ``p - s``. Pairing forwards with backwards (``fb-pair``) holds
+    ``2(p - s)`` under 1F1B, and one chunk forward more interleaved."""
     p, m, v = len(run.stages), run.microbatches, run.virtual_stages
     if p == 1:
         return 1
     if run.schedule == "gpipe":
         return m
-    if v > 1:
-        chunks = 2 * (p - s - 1) + (v - 1) * p + 1 + (run.overlap == "fb-pair")
-        return min(m, -(-chunks // v))
-    return min(m, 2 * (p - s) if run.overlap == "fb-pair" else p - s)
+    chunks = warm_up(s, p, v, paired=run.overlap == "fb-pair") + 1
+    return min(m, -(-chunks // v))
 
 
 def boundary_span(hw: Hardware, first: int, second: int) -> AxisSpan:

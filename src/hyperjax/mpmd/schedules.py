@@ -179,9 +179,9 @@ def _gpipe_order(stage: int, stages: int, m: int, v: int) -> list[Task]:
 
 
 def _one_f_one_b_order(
-    stage: int, stages: int, m: int, v: int, *, backward: tuple[str, ...] = ("B",), warm: int | None = None
+    stage: int, stages: int, m: int, v: int, *, backward: tuple[str, ...] = ("B",), paired: bool = False
 ) -> list[Task]:
-    warm = min(stages - stage - 1 if warm is None else warm, m)
+    warm = min(warm_up(stage, stages, paired=paired), m)
     order = [Task("F", j, stage) for j in range(warm)]
     f = warm
     for b in range(m):
@@ -194,25 +194,27 @@ def _one_f_one_b_order(
 
 def _paired_order(stage: int, stages: int, m: int, v: int) -> list[Task]:
     order = _interleaved_order if v > 1 else _one_f_one_b_order
-    return order(stage, stages, m, v, warm=paired_warm_up(stage, stages, m, v))
+    return order(stage, stages, m, v, paired=True)
 
 
-def paired_warm_up(stage: int, stages: int, microbatches: int, virtual_stages: int = 1) -> int:
-    """Forwards stage ``stage`` runs before its first pair (at most every forward).
+def warm_up(stage: int, stages: int, virtual_stages: int = 1, *, paired: bool = False) -> int:
+    """Forwards (chunk forwards when interleaved) stage ``stage`` runs before its first backward, however few
+    the micro-batches; ``paired``: before its first F-B pair (``parallel.overlap: fb-pair``).
 
-    1F1B: ``2(p - s) - 1``, ``p - s`` more than without pairs. A pair starts only once its backward's
-    gradient has come back and hands its output on only at its end, so the round trip through the later
-    stages takes twice as long as 1F1B's, and the warm-up covers it (the last stage pairs too).
-    Interleaved: Megatron-LM's ``2(p - s - 1) + (v - 1) p`` and one more, as its combined 1F1B schedule
+    1F1B: ``p - s - 1``; paired ``2(p - s) - 1``. A pair starts only once its backward's gradient has come
+    back and hands its output on only at its end, so the round trip through the later stages takes twice as
+    long as 1F1B's, and the warm-up covers it (the last stage pairs too).
+    Interleaved: Megatron-LM's ``2(p - s - 1) + (v - 1) p``; paired one more, as its combined 1F1B schedule
     for interleaved pipelines warms up (``overlap_moe_expert_parallel_comm``). Its plain order already
     counts each hand-over at the end of a step's forward and backward, so one forward is all a pair adds.
     """
     p, s, v = stages, stage, virtual_stages
-    warm = 2 * (p - s) - 1 if v == 1 else 2 * (p - s - 1) + (v - 1) * p + 1
-    return min(warm, microbatches * v)
+    if v == 1:
+        return 2 * (p - s) - 1 if paired else p - s - 1
+    return 2 * (p - s - 1) + (v - 1) * p + paired
 
 
-def _interleaved_order(stage: int, stages: int, m: int, v: int, *, warm: int | None = None) -> list[Task]:
+def _interleaved_order(stage: int, stages: int, m: int, v: int, *, paired: bool = False) -> list[Task]:
     # Megatron-LM's interleaved 1F1B: micro-batches advance in groups of `stages` through the chunks
     p, total = stages, m * v
 
@@ -224,7 +226,7 @@ def _interleaved_order(stage: int, stages: int, m: int, v: int, *, warm: int | N
         group, k = divmod(i, p * v)
         return Task("B", group * p + k % p, (v - 1 - k // p) * p + stage)
 
-    warm = min((p - stage - 1) * 2 + (v - 1) * p if warm is None else warm, total)
+    warm = min(warm_up(stage, p, v, paired=paired), total)
     order = [forward(i) for i in range(warm)]
     f = warm
     for b in range(total):
@@ -254,7 +256,7 @@ def make_schedule(
 ) -> Schedule:
     """The grid of schedule ``name`` for ``stages`` stages and ``microbatches`` micro-batches.
 
-    With ``pair`` (1F1B or interleaved), stage ``s`` warms up with :func:`paired_warm_up` forwards, and every
+    With ``pair`` (1F1B or interleaved), stage ``s`` warms up with :func:`warm_up` forwards, and every
     later forward runs as one program with the backward after it in the stage's order (:attr:`Schedule.pairs`,
     under interleaving possibly of another of the stage's chunks): the pair starts once both tasks' inputs are
     ready and hands both outputs on at its end (:func:`pair_dependencies`).
@@ -273,7 +275,7 @@ def make_schedule(
     partner: dict[Task, Task] = {}
     if pair:  # each forward after the warm-up with the backward that follows it
         for s, order in enumerate(orders):
-            warm = paired_warm_up(s, stages, microbatches, virtual_stages)
+            warm = warm_up(s, stages, virtual_stages, paired=True)
             for f, b in zip(order[warm:], order[warm + 1 :], strict=False):
                 if f.kind == "F" and b.kind == "B" and f not in partner and b not in partner:
                     partner[f], partner[b] = b, f

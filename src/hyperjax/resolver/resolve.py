@@ -16,7 +16,7 @@ from hyperjax.config import Config, ModelConfig, Run, Stage
 from hyperjax.config.run import replica_axes, spans_processes
 from hyperjax.emulate import plan_processes
 from hyperjax.errors import ConfigError, EmulationError, ShardingError
-from hyperjax.mpmd.schedules import PAIRED, check_sizes, paired_warm_up
+from hyperjax.mpmd.schedules import PAIRED, check_sizes, warm_up
 from hyperjax.resolver.checks import check_stage
 from hyperjax.resolver.stages import mpmd_stages, pipeline_axes, pipeline_sizes, pipeline_stages, spmd_stage
 from hyperjax.shard import strategy_for
@@ -223,7 +223,7 @@ def _check_overlap(cfg: Config, stages: tuple[Stage, ...], rows: int, microbatch
             raise ConfigError(
                 f"parallel.overlap='fb-pair' with {microbatches} micro-batches on {len(stages)} stages leaves the "
                 f"first stage no forward to pair after its warm-up of "
-                f"{paired_warm_up(0, len(stages), 2 * len(stages), p.virtual_stages)} forwards; set "
+                f"{warm_up(0, len(stages), p.virtual_stages, paired=True)} forwards; set "
                 f"train.microbatches >= {2 * len(stages)}"
             )
 
