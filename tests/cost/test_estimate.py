@@ -9,6 +9,7 @@ from hyperjax import HyperjaxError, estimate, load_hardware, resolve
 from hyperjax.cli.main import main
 from hyperjax.config import Config, build, load_config
 from hyperjax.cost import count_params, model_flops_per_sequence
+from hyperjax.cost.compute import LOSS_PASSES
 from hyperjax.cost.layer import EAGER_ELEMENTWISE, eager_ratio
 
 ROOT = Path(__file__).parents[2]
@@ -84,13 +85,14 @@ def test_tpu_and_torchtitan_rows_within_their_stated_error():
 
 
 def test_fp8_and_torchtitan_rows_ran_and_are_priced_within_their_stated_error():
-    """NeMo's FP8 rows (docs: 7.8 % mean; every row fits with NeMo's gradient and optimizer dtypes) and
-    torchtitan's times on the 500 W preset (docs: 1.8 % mean, worst 4.4 %; the eager rows eager)."""
+    """NeMo's FP8 rows (docs: 7.5 % mean; every row fits with NeMo's gradient and optimizer dtypes) and
+    torchtitan's times on the 500 W preset (docs: 3.0 % mean, worst 5.8 %; the eager rows eager, and every
+    row's loss eager, outside the compiled blocks)."""
     fp8 = priced("fp8")
     assert [doc["id"] for doc, est in fp8 if not est.fits] == []  # these runs really ran
     assert len(fp8) == 12 and sum(time_error(*row) for row in fp8) / 12 <= 0.08
     titan = {doc["id"]: time_error(doc, est) for doc, est in priced("torchtitan")}
-    assert len(titan) == 6 and max(titan.values()) <= 0.05 and sum(titan.values()) / 6 <= 0.025
+    assert len(titan) == 6 and max(titan.values()) <= 0.06 and sum(titan.values()) / 6 <= 0.035
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
@@ -106,6 +108,26 @@ def test_eager_elementwise_work_costs_the_measured_ratio_more(family):
     assert eager.step_time_s > fused.step_time_s
     with pytest.raises(HyperjaxError, match=r"train\.elementwise"):
         load_config(None, ["train.elementwise=compiled"])
+
+
+def test_the_loss_streams_its_logits_as_its_implementation_does():
+    """``train.cross_entropy`` changes the output layer's element-wise work alone: each micro-batch of the one
+    stage pays the bytes its implementation streams per logit over the fused loss's, at the HBM's rate."""
+    sets = ["model.vocab=128256", "train.micro_batch=2", "parallel.data=8", "parallel.tensor=1"]
+    runs = {kind: predict([*sets, f"train.cross_entropy={kind}"]) for kind in LOSS_PASSES}
+    fused = runs["fused"]
+    d = fused.run.hardware.device
+    logits = 2 * 2048 * 128256  # one micro-batch's, on one device
+    micro = fused.run.microbatches
+    for kind in ("jit", "eager"):
+        (extra, kernels), (base, base_kernels) = LOSS_PASSES[kind], LOSS_PASSES["fused"]
+        per_micro = logits * (extra - base) / (d.hbm_bandwidth * d.memory_efficiency)
+        per_micro += (kernels - base_kernels) * d.kernel_overhead
+        assert runs[kind].step_time_s - fused.step_time_s == pytest.approx(micro * per_micro, rel=1e-6)
+        assert runs[kind].stages[0].parts[0].layer == fused.stages[0].parts[0].layer
+    assert fused.step_time_s < runs["jit"].step_time_s < runs["eager"].step_time_s
+    with pytest.raises(HyperjaxError, match=r"train\.cross_entropy='liger' is not one of"):
+        load_config(None, ["train.cross_entropy=liger"])
 
 
 def test_fsdp_materialises_its_unit():

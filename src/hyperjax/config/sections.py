@@ -15,6 +15,7 @@ from hyperjax.config.model import ModelConfig
 from hyperjax.config.types import (
     ACTIVATIONS,
     Activation,
+    CrossEntropy,
     DataSource,
     Dispatcher,
     DpOverlap,
@@ -91,6 +92,7 @@ class TrainConfig:
     grad_dtype: DType = "float32"  # the gradient buffer and its reduction (priced): float32 or bfloat16
     optimizer_state: OptimizerState = "float32"  # AdamW's master and moments (priced): float32, remainders, bfloat16
     elementwise: Elementwise = "fused"  # the blocks' element-wise work (priced): fused (compiled) or eager
+    cross_entropy: CrossEntropy = "fused"  # the loss over the logits (priced): fused, jit or eager
     fp8: Fp8Config | None = None  # FP8 products of the blocks' linear layers (null: none); see Fp8Config
     recompute: Recompute = "none"  # activation recomputation per block: none, selective or full
     recompute_modules: tuple[Activation, ...] | None = None  # what selective recomputes; null: attn_core

@@ -66,6 +66,13 @@ emulated step is compiled by XLA): fused into few kernels that read and write ea
 ``torch.compile``), or one kernel per operation through HBM, in float32 where the model upcasts (eager
 PyTorch: torchtitan's ``compile = false``)."""
 
+CrossEntropy = Literal["fused", "jit", "eager"]
+"""How the loss's element-wise work over the logits runs (priced; the emulated step is compiled by XLA): one
+fused loss (XLA; Transformer Engine's cross-entropy kernels, Megatron's ``cross_entropy_fusion_impl: te``), a
+few jit-fused functions over float32 logits (Megatron's ``cross_entropy_loss_fusion`` with its ``native``
+implementation), or one kernel per operation in float32 (Megatron's vocab-parallel cross entropy unfused;
+PyTorch's ``cross_entropy`` of upcast logits, torchtitan's)."""
+
 OptimizerState = Literal["float32", "remainders", "bfloat16"]
 """What AdamW keeps per parameter beside the weights (priced; the emulated step keeps float32): a float32
 master copy and float32 moments (Megatron's distributed optimizer, PyTorch's AdamW); the master's low 16

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from hyperjax.config import ModelConfig, Run, Stage
 from hyperjax.cost.collectives import collective_time
-from hyperjax.cost.compute import gemm_time, stream_time
+from hyperjax.cost.compute import gemm_time, loss_time, stream_time
 from hyperjax.cost.counts import Tensor, decoder_tensors, encoder_tensors
 from hyperjax.cost.fp8 import cast_time
 from hyperjax.cost.layer import LayerCost, price_layer
@@ -405,7 +405,7 @@ def _part(
             bytes_per_element=1 if low else e,
             dtype="fp8" if low else run.dtype,
             hardware=hw,
-        ) + stream_time(tokens * vocab / tp * 4 * 3, ops=6, hardware=hw)
+        ) + loss_time(tokens, vocab / tp, kind=run.config.train.cross_entropy, hardware=hw)
         if low:  # its input, its output's gradient and its weight cast to FP8
             head_s += cast_time(fp8, e, tokens, block.d_model, vocab / tp, hw)
         head_bytes = tokens * vocab / tp * 4 * 2
