@@ -15,24 +15,31 @@ import math
 from hyperjax.config import CrossEntropy
 from hyperjax.topology import Hardware
 
-LOSS_PASSES: dict[str, tuple[int, int]] = {"fused": (12, 3), "jit": (28, 4), "eager": (52, 9)}
-"""Bytes the loss streams through HBM per logit, forward and backward together, and its kernels, by
-``train.cross_entropy``, counted from the code that runs it (the products that make the logits and take their
-gradient are priced apart):
+LOSS_PASSES: dict[str, tuple[int, int, int, int]] = {
+    "fused": (4, 8, 1, 2),
+    "jit": (22, 10, 3, 1),
+    "eager": (38, 14, 6, 3),
+}
+"""Bytes the loss streams through HBM per logit in the forward and in the backward, and its kernels in each,
+by ``train.cross_entropy``, counted from the code that runs it (the products that make the logits and take
+their gradient are priced apart):
 
-- ``fused`` 12: float32-wide logits read once forward (maximum and sum in one pass), read and their gradient
-  written backward: XLA's fused loss; Transformer Engine's kernels read 16-bit logits for the softmax's
-  statistics, read them again writing the gradient in place, and scale it by the per-token loss gradient
-  backward (10 bytes; ``transformer_engine/pytorch/triton/cross_entropy.py``);
-- ``jit`` 28: Megatron's ``cross_entropy_loss_fusion`` with the ``native`` implementation
-  (``megatron/core/fusions/fused_cross_entropy.py``), four fused functions: the upcast with the maximum (read 2,
-  write 4), the shift, exponential and sum (read 4, write 4), the normalisation (read 4, write 4), and backward the
-  gradient cast to 16 bits (read 4, write 2);
-- ``eager`` 52: Megatron's vocab-parallel cross entropy unfused (``megatron/core/tensor_parallel/cross_entropy.py``),
-  one kernel an operation over float32 logits: the upcast 6, the maximum 4, the in-place shift 8, the
-  exponential 8, the sum 4, the normalisation 8, backward the scaling 8 and the cast back 6. PyTorch's
-  ``cross_entropy`` of upcast logits (torchtitan's loss, outside its compiled blocks) moves 48: the upcast 6,
-  ``log_softmax`` 16 and its backward 16, ``nll_loss``'s backward 4, the cast back 6.
+- ``fused`` 4 + 8: float32-wide logits read once forward (maximum and sum in one pass), read and their
+  gradient written backward (XLA's fused loss). Transformer Engine's kernels of the published runs' time read
+  16-bit logits for the softmax's statistics, read them again writing the gradient in place (6 bytes forward)
+  and scale it by the per-token loss gradient backward (4) (``transformer_engine/pytorch/triton/cross_entropy.py``;
+  later releases write a float32 gradient);
+- ``jit`` 22 + 10: Megatron's ``cross_entropy_loss_fusion`` with the ``native`` implementation
+  (``megatron/core/fusions/fused_cross_entropy.py``, functions compiled by ``jit_fuser``): the upcast with the
+  maximum (read 2, write 4), the shift, exponential and sum (read 4, write 4), the normalisation (read 4,
+  write 4); backward the saved softmax scaled in place, written back, and cast to 16 bits (read 4, write 4
+  and 2);
+- ``eager`` 38 + 14: Megatron's vocab-parallel cross entropy unfused
+  (``megatron/core/tensor_parallel/cross_entropy.py``), one kernel an operation over float32 logits: the upcast 6,
+  the maximum 4, the in-place shift 8, the exponential 8, the sum 4, the normalisation 8; backward the target's
+  entries (a scatter), the scaling 8 and the cast back 6. PyTorch's ``cross_entropy`` of upcast logits
+  (torchtitan's loss, outside its compiled blocks) moves 48 (the upcast 6, ``log_softmax`` 16 and its
+  backward 16, ``nll_loss``'s backward 4, the cast back 6) and is priced as ``eager``: 4 bytes a logit more.
 """
 
 
@@ -77,8 +84,12 @@ def grouped_gemm_time(
     return gemm_time(per_group, n, k, count=active, bytes_per_element=bytes_per_element, dtype=dtype, hardware=hardware)
 
 
-def loss_time(tokens: float, vocab: float, *, kind: CrossEntropy, hardware: Hardware) -> float:
+def loss_time(tokens: float, vocab: float, *, kind: CrossEntropy, hardware: Hardware) -> tuple[float, float]:
     """Seconds of the loss's element-wise work over ``tokens x vocab`` logits on one device, forward and
     backward (:data:`LOSS_PASSES`)."""
-    nbytes, kernels = LOSS_PASSES[kind]
-    return stream_time(tokens * vocab * nbytes, ops=kernels, hardware=hardware)
+    forward, backward, forward_kernels, backward_kernels = LOSS_PASSES[kind]
+    logits = tokens * vocab
+    return (
+        stream_time(logits * forward, ops=forward_kernels, hardware=hardware),
+        stream_time(logits * backward, ops=backward_kernels, hardware=hardware),
+    )

@@ -43,6 +43,8 @@ class PartCost:
       moe: whether its blocks' MLPs are mixtures of experts.
       head_s: the output layer's forward and backward (logits and loss, or the encoder's projection);
         0 where the part does not end the module.
+      head_forward_s: the forward's share of ``head_s`` (the product and the loss's forward).
+      head_weight_s: the weight-gradient product's share of ``head_s`` (its ``W`` part).
       head_bytes: the output layer's activations kept for the backward.
       held_params: parameters outside the blocks that this device holds (embedding, norms, head).
       trained_params: those of them its optimizer updates (a tied head's copy is updated where the
@@ -59,6 +61,8 @@ class PartCost:
     trained_params: float
     boundary_bytes: float
     moe: bool = False
+    head_forward_s: float = 0.0
+    head_weight_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -281,11 +285,12 @@ def stage_core(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: AxisS
     for i, (c, ps) in enumerate(zip(stage.chunks, chunk_parts, strict=True)):
         half = (layer_comm[i] + first_gather / len(stage.chunks) + hand_over[i]) / 2
         ex = exchanges[i]
-        fwd = sum(p.layers * p.layer.forward_s + p.head_s / 3 for p in ps) + half
+        fwd = sum(p.layers * p.layer.forward_s + p.head_forward_s for p in ps) + half
         fwd += ex.forward_exposed_s + ex.forward_slowdown_s
-        bwd = sum(p.layers * (p.layer.backward_s + p.layer.recompute_s) + 2 * p.head_s / 3 for p in ps) + half
+        bwd = sum(p.layers * (p.layer.backward_s + p.layer.recompute_s) + p.head_s - p.head_forward_s for p in ps)
+        bwd += half
         bwd += ex.backward_exposed_s + ex.backward_slowdown_s
-        weight = sum(p.layers * p.layer.weight_s + p.head_s / 3 for p in ps)
+        weight = sum(p.layers * p.layer.weight_s + p.head_weight_s for p in ps)
         tasks.append((c, fwd, bwd, weight, 2 * half + ex.exposed_s, ex))
     return StageCore(
         parts=tuple(parts),
@@ -393,21 +398,24 @@ def _part(
     e = 2 if run.dtype == "bfloat16" else 4
     hw = run.hardware
     tokens = micro * block.seq_len / cp
-    head_s = head_bytes = 0.0
+    head_s = head_forward_s = head_weight_s = head_bytes = 0.0
     if ends and outside:
         vocab = block.vocab
         fp8 = run.config.train.fp8
         low = fp8 is not None and fp8.output_layer and module != "encoder"
-        head_s = 3 * gemm_time(
+        product = gemm_time(
             tokens,
             vocab / tp,
             block.d_model,
             bytes_per_element=1 if low else e,
             dtype="fp8" if low else run.dtype,
             hardware=hw,
-        ) + loss_time(tokens, vocab / tp, kind=run.config.train.cross_entropy, hardware=hw)
-        if low:  # its input, its output's gradient and its weight cast to FP8
-            head_s += cast_time(fp8, e, tokens, block.d_model, vocab / tp, hw)
+        )
+        loss_fwd, loss_bwd = loss_time(tokens, vocab / tp, kind=run.config.train.cross_entropy, hardware=hw)
+        cast = cast_time(fp8, e, tokens, block.d_model, vocab / tp, hw) if low else 0.0  # input, gradient, weight
+        head_s = 3 * product + loss_fwd + loss_bwd + cast
+        head_forward_s = product + loss_fwd + cast / 3
+        head_weight_s = product + cast / 3
         head_bytes = tokens * vocab / tp * 4 * 2
     held = trained = 0.0
     for t in _outside(module, block, m) if outside else ():
@@ -428,6 +436,8 @@ def _part(
         layers=layers,
         layer=layer,
         head_s=head_s,
+        head_forward_s=head_forward_s,
+        head_weight_s=head_weight_s,
         head_bytes=head_bytes,
         held_params=held,
         trained_params=trained,
