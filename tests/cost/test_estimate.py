@@ -376,6 +376,10 @@ def test_predict_cli_json(capsys):
             ["hardware=dgx-h100", "model.attention_kernel=flash", "model.attention_impl=flash3"],
             r"model.attention_impl='flash3' is not a fused attention kernel of preset .* lists \['cudnn', 'flash2'\]",
         ),
+        (
+            ["train.cross_entropy=eagr"],
+            r"train.cross_entropy='eagr' is not one of \('fused', 'jit', 'eager'\); did you mean 'eager'\?",
+        ),
     ],
 )
 def test_predict_errors_exit_2(capsys, sets, pattern):
