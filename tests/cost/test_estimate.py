@@ -10,7 +10,7 @@ from hyperjax import HyperjaxError, estimate, load_hardware, resolve
 from hyperjax.cli.main import main
 from hyperjax.config import Config, CrossEntropy, build, load_config
 from hyperjax.cost import count_params, model_flops_per_sequence
-from hyperjax.cost.compute import LOSS_PASSES
+from hyperjax.cost.compute import LOSS_PASSES, gemm_time
 from hyperjax.cost.layer import EAGER_ELEMENTWISE, eager_ratio
 
 ROOT = Path(__file__).parents[2]
@@ -132,6 +132,27 @@ def test_the_loss_streams_its_logits_as_its_implementation_does():
         assert head(runs[kind]).layer == head(fused).layer
     with pytest.raises(HyperjaxError, match=r"train\.cross_entropy='liger' is not one of"):
         load_config(None, ["train.cross_entropy=liger"])
+
+
+def test_an_encoders_projection_pays_its_product_and_no_loss():
+    """A vision encoder ends in a projection into the language model, whole on every device of its submesh:
+    three products of it (forward, input and weight gradients), no loss over logits and no logits kept, whatever
+    ``train.cross_entropy`` says; the language model's head pays the loss."""
+    # the encoder's submesh tensor-parallel too: its projection's axes (None, "embed") leave it whole
+    meshes = "mpmd.submeshes=[{name: vision, modules: [encoder], devices: 2, tensor: 2}, " + (
+        "{name: language, modules: [language_model], devices: 6, tensor: 2}]"
+    )
+    cfg = lambda kind: load_config(ROOT / "configs/vlm-tiny-mpmd.yaml", [meshes, f"train.cross_entropy={kind}"])
+    for kind in ("fused", "eager"):
+        est = estimate(resolve(cfg(kind)))
+        encoder = next(p for s in est.stages for p in s.parts if p.module == "encoder")
+        v, run = cfg(kind).model.vision, est.run
+        tokens = run.micro_batch * v.patches
+        product = gemm_time(tokens, 128, v.d_model, bytes_per_element=4, dtype=run.dtype, hardware=run.hardware)
+        assert encoder.head_s == pytest.approx(3 * product)
+        assert (encoder.head_forward_s, encoder.head_weight_s, encoder.head_bytes) == (product, product, 0.0)
+        lm = next(p for s in est.stages for p in s.parts if p.module == "language_model")
+        assert lm.head_bytes > 0 and lm.head_s > 3 * lm.head_weight_s  # the loss's streams besides its products
 
 
 def test_the_validation_rows_say_how_their_loss_ran():

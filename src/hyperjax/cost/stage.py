@@ -45,7 +45,8 @@ class PartCost:
         0 where the part does not end the module.
       head_forward_s: the forward's share of ``head_s`` (the product and the loss's forward).
       head_weight_s: the weight-gradient product's share of ``head_s`` (its ``W`` part).
-      head_bytes: the output layer's activations kept for the backward.
+      head_bytes: the output layer's float32 logits kept for the backward (none for an encoder's projection,
+        which keeps no logits).
       held_params: parameters outside the blocks that this device holds (embedding, norms, head).
       trained_params: those of them its optimizer updates (a tied head's copy is updated where the
         embedding lives).
@@ -399,10 +400,13 @@ def _part(
     hw = run.hardware
     tokens = micro * block.seq_len / cp
     head_s = head_forward_s = head_weight_s = head_bytes = 0.0
-    if ends and outside:
+    if ends and outside and module == "encoder":  # the projection into the language model, whole on each device
+        product = gemm_time(tokens, block.vocab, block.d_model, bytes_per_element=e, dtype=run.dtype, hardware=hw)
+        head_s, head_forward_s, head_weight_s = 3 * product, product, product
+    elif ends and outside:  # the output layer, its loss and the float32 logits it keeps
         vocab = block.vocab
         fp8 = run.config.train.fp8
-        low = fp8 is not None and fp8.output_layer and module != "encoder"
+        low = fp8 is not None and fp8.output_layer
         product = gemm_time(
             tokens,
             vocab / tp,
