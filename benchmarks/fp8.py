@@ -27,6 +27,7 @@ HERE = Path(__file__).parent
 RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
 LLAMA3 = ["model.family=llama", "model.vocab=128256", "model.rope_theta=500000.0", "model.seq_len=8192"]
 LLAMA3 += ["model.attention_kernel=flash", "model.kv_heads=8", "train.dtype=bfloat16", "hardware=dgx-h100"]
+LLAMA3 += ["parallel.context_impl=ring"]  # NeMo's context parallelism: Megatron-Core's ring
 CASES = {
     "Llama 3 8B": {
         "layout": "8 GPUs: data 4 x context 2, 128 x 8192 tokens, micro-batch 1, ZeRO-1",

@@ -189,6 +189,33 @@ def test_fsdp_over_context_shards_the_state_over_both_and_reduces_over_neither_a
     assert apart.communication_s["data_parallel"] > 0 == both.communication_s["data_parallel"]
 
 
+def test_a_ring_runs_shorter_attention_kernels_and_hides_its_exchange():
+    """``parallel.context_impl: ring`` (Transformer Engine's ``p2p``): the busiest device's causal block over
+    s / cp keys, then cp - 1 blocks of as many scores over half a block's keys, each at the fused kernel's rate
+    for its keys; each block's output folded into the output (16-bit, 6 bytes an element, and a zeroing); the
+    ring's transfers beside the kernels but the backward's last, one block of the gather's."""
+    sets = ["hardware=dgx-h100", "model.attention_kernel=flash", "model.seq_len=8192", "model.kv_heads=8"]
+    sets += ["parallel.context=2", "parallel.data=4", "parallel.tensor=1", "emulate.devices=8", "train.micro_batch=1"]
+    gathered, ring = predict(sets), predict([*sets, "parallel.context_impl=ring"])
+    d = ring.run.hardware.device
+    k, peak = d.attention_kernels["cudnn"], 989e12
+    rate = lambda keys: peak * k.forward * keys / (keys + k.seq_half)
+    scores, hd = 32 * 4096 * 8192 / 2, 128  # one sequence's local 4,096 queries over 8,192 keys, causal
+    one_kernel = scores * 4 * hd / rate(8192) + d.kernel_overhead
+    out = 4096 * 32 * hd  # the local output's elements
+    folds = 14 * out / (d.hbm_bandwidth * d.memory_efficiency) + 4 * d.kernel_overhead
+    two_blocks = scores / 2 * 4 * hd * (1 / rate(4096) + 1 / rate(2048)) + 2 * d.kernel_overhead + folds
+    layer = lambda est: est.stages[0].parts[0].layer
+    assert layer(gathered).core_s == pytest.approx(one_kernel)
+    assert layer(ring).core_s == pytest.approx(two_blocks)
+    assert layer(ring).core_s > 1.15 * layer(gathered).core_s  # 8,192 keys at 92 % of the long rate; 4,096 at 86
+    # gathered: forward and backward each wait for the gather; the ring waits for the last gradient block only
+    assert layer(ring).context_comm_s == pytest.approx(layer(gathered).context_comm_s / 2)
+    assert ring.step_time_s > gathered.step_time_s
+    with pytest.raises(HyperjaxError, match=r"parallel.context_impl=ring .* model.attention_kernel='materialized'"):
+        big([*sets[:1], *sets[2:], "parallel.context_impl=ring"])
+
+
 def test_fsdp_kept_gathered_trades_memory_for_gathers():
     sets = ["parallel.fsdp=4", "parallel.pipeline=2", "parallel.data=1", "emulate.devices=8", "train.micro_batch=2"]
     freed, kept = predict(sets), predict([*sets, "parallel.fsdp_reshard=false"])

@@ -15,6 +15,7 @@ from hyperjax.config.model import ModelConfig
 from hyperjax.config.types import (
     ACTIVATIONS,
     Activation,
+    ContextImpl,
     CrossEntropy,
     DataSource,
     Dispatcher,
@@ -150,6 +151,7 @@ class ParallelConfig:
     tensor: int = 1  # Megatron tensor parallelism (attention heads and MLP columns)
     sequence_parallel: bool = False  # shard the residual stream's sequence over the tensor axis
     context: int = 1  # context parallelism: the sequence sharded over an axis for attention
+    context_impl: ContextImpl = "allgather"  # how keys and values reach the queries (priced): allgather or ring
     pipeline: int = 1  # pipeline stages
     virtual_stages: int = 1  # model chunks per pipeline stage (interleaved schedule when > 1)
     schedule: ScheduleName = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved or zero-bubble
@@ -371,6 +373,12 @@ class Config:
                     f"{ep * p.tensor} (parallel.expert_tensor=1 spreads experts over both); choose degrees that "
                     f"divide {moe.experts}"
                 )
+        if p.context_impl == "ring" and p.context > 1 and self.model.attention_kernel != "flash":
+            raise ConfigError(
+                f"parallel.context_impl=ring runs a fused attention kernel a block of keys, but "
+                f"model.attention_kernel={self.model.attention_kernel!r} materialises the scores; set "
+                "model.attention_kernel: flash, or parallel.context_impl: allgather"
+            )
         if moe is not None and moe.experts % ep:
             raise ConfigError(
                 f"model.moe.experts={moe.experts} is not divisible by parallel.expert={ep}; choose an expert "

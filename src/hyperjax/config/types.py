@@ -41,6 +41,13 @@ weight-gradient products (Megatron's bulk ``tp_comm_overlap``), or split into ch
 chunks of their products in every pass (Transformer Engine's pipelined userbuffers, torchtitan's async
 TP, XLA's collective matmul on TPU)."""
 
+ContextImpl = Literal["allgather", "ring"]
+"""How context parallelism meets keys and values (priced; the emulated step gathers them): gathered whole
+before one attention kernel over the local queries (hyperjax's own step, MaxText; Transformer Engine's
+``all_gather``), or passed round a ring, one block a step beside the attention of the block before, over
+two chunks a device for causal balance (Transformer Engine's ``p2p``, Megatron-Core's default
+``cp_comm_type``; torchtitan's ring attention): ``context`` shorter kernels a pass."""
+
 DpOverlap = Literal["none", "backward", "full"]
 """How the data-parallel gradient reduction (and ZeRO's parameter gather) meets compute (priced): after
 the backward, exposed; beside the last micro-batch's backward as its gradients are ready (PyTorch DDP,

@@ -170,6 +170,7 @@ def estimate_inference(run: Run) -> InferenceEstimate:
                 moe=moe,
                 expert_tensor=run.expert_tensor_split,
                 dispatcher=run.config.parallel.dispatcher,
+                context_impl=run.config.parallel.context_impl,
             )
             full = price_layer(dataclasses.replace(block, seq_len=prompt), micro=local, **kw)
             prefill += count * (

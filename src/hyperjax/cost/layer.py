@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from hyperjax.config import (
     ACTIVATIONS,
     Activation,
+    ContextImpl,
     Dispatcher,
     DType,
     Elementwise,
@@ -157,6 +158,7 @@ def price_layer(
     grad_dtype: DType = "float32",
     elementwise: Elementwise = "fused",
     dispatcher: Dispatcher = "deepep",
+    context_impl: ContextImpl = "allgather",
 ) -> LayerCost:
     """Price one block of ``m`` for ``micro`` sequences on one device of a mesh with ``axes``.
 
@@ -184,6 +186,7 @@ def price_layer(
       elementwise: the element-wise work fused (compiled) or eager, one kernel per operation
         (``train.elementwise``; :func:`eager_ratio`).
       dispatcher: how a mixture of experts' tokens reach their experts (``parallel.dispatcher``).
+      context_impl: how context parallelism meets keys and values (``parallel.context_impl``).
     """
     return _price_layer(
         m,
@@ -203,6 +206,7 @@ def price_layer(
         grad_dtype,
         elementwise,
         dispatcher,
+        context_impl,
     )
 
 
@@ -235,6 +239,7 @@ def _price_layer(
     grad_dtype: DType,
     elementwise: Elementwise,
     dispatcher: Dispatcher,
+    context_impl: ContextImpl,
 ) -> LayerCost:
     axes, spans = dict(axes_items), dict(span_items)
     tp, cp, fsdp, ep = axes["tensor"], axes["context"], axes["fsdp"], axes.get("expert", 1)
@@ -290,12 +295,24 @@ def _price_layer(
     rope = m.rope_head_dim if m.attention == "mla" else 0
     flash = m.attention_kernel == "flash"
     if flash:  # one fused kernel at its own measured rates (the device's, over the keys), not a GEMM's
-        forward, backward = hardware.device.attention_rates(m.attention_impl, s, hd + rope / 2)
         scores = micro * a / tp * (s / cp) * s * 0.5  # a causal kernel skips the masked half
         peak = hardware.matmul_flops(dtype)
-        # per score: forward QK (hd + rope wide) and PV (hd); backward recomputes QK, then dV, dP, dQ and dK
-        core = scores * (4 * hd + 2 * rope) / (peak * forward) + hardware.device.kernel_overhead
-        core_bwd = scores * (10 * hd + 6 * rope) / (peak * backward) + hardware.device.kernel_overhead
+        # (share of the scores, keys) of each kernel a pass: one over all keys; round a ring, the local block
+        # (causal, s / cp keys) then cp - 1 blocks of the same scores, each against half a block's keys on the
+        # busiest device (the last: every block from before it meets both its query chunks)
+        ring = context_impl == "ring" and cp > 1
+        kernels = [(1 / cp, s / cp)] + [(1 / cp, s / (2 * cp))] * (cp - 1) if ring else [(1.0, s)]
+        core = core_bwd = 0.0
+        for share, keys in kernels:
+            forward, backward = hardware.device.attention_rates(m.attention_impl, keys, hd + rope / 2)
+            # per score: forward QK (hd + rope wide) and PV (hd); backward recomputes QK, then dV, dP, dQ and dK
+            core += share * scores * (4 * hd + 2 * rope) / (peak * forward) + hardware.device.kernel_overhead
+            core_bwd += share * scores * (10 * hd + 6 * rope) / (peak * backward) + hardware.device.kernel_overhead
+        if ring:  # each block's output folded into the output (6 bytes an element, after a zeroing 2); backward,
+            # each block's query and key-value gradients added into theirs (6 bytes an element), in 16 bits
+            out, kv = micro * (s / cp) * a / tp * hd, 2 * micro * (s / cp) * m.kv_heads / tp * hd
+            core += stream_time((6 * cp + 2) * out * e / 2, ops=2 * cp, hardware=hardware)
+            core_bwd += stream_time(6 * (cp - 1) * (out + kv) * e / 2, ops=2 * (cp - 1), hardware=hardware)
     else:  # scores over the query-key width and attention-weighted values, one batched product each
         core = gemm(s / cp, s, hd + rope, count=micro * a / tp) + gemm(s / cp, hd, s, count=micro * a / tp)
         core_bwd = 2.0 * core
@@ -360,7 +377,16 @@ def _price_layer(
     if fp8 is not None and fp8.recipe == "tensorwise":  # each current amax agreed over the tensor group
         tensor_comm += amaxes * passes * collective_time("all_reduce", 4, spans["tensor"], hardware)
     kv_bytes = 2 * micro * s * m.kv_heads * hd * e / tp
-    context_comm = passes * collective_time("all_gather", kv_bytes, spans["context"], hardware)
+    kv_gather = collective_time("all_gather", kv_bytes, spans["context"], hardware)
+    if context_impl == "ring" and cp > 1 and flash:
+        # the ring moves the gather's bytes, one block a step beside the kernel of the block before: hidden
+        # behind all kernels but the last; the backward passes the blocks' gradients round too, its last
+        # block returned to its owner after the last kernel
+        hide = (cp - 1) / cp
+        ahead = [max(0.0, kv_gather - hide * core), max(0.0, 2 * kv_gather - hide * core_bwd) + kv_gather / (cp - 1)]
+        context_comm = ahead[0] + ahead[1] + (ahead[0] if passes == 3 else 0.0)
+    else:
+        context_comm = passes * kv_gather
     expert_comm = one = 0.0
     if routed is not None:  # dispatch and combine in each pass, the busiest device's receive deciding
         exchange = spans["+".join(routed.exchange)]

@@ -260,6 +260,7 @@ def stage_core(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: AxisS
                 grad_dtype=run.config.train.grad_dtype,
                 elementwise=run.config.train.elementwise,
                 dispatcher=run.config.parallel.dispatcher,
+                context_impl=run.config.parallel.context_impl,
             )
             ends = module != "decoder" or c == last
             starts = module != "decoder" or c == 0

@@ -95,6 +95,7 @@ def lower_bound(cfg: Config, overrides: dict[str, Any], hardware: Hardware, budg
                 grad_dtype=cfg.train.grad_dtype,
                 elementwise=cfg.train.elementwise,
                 dispatcher=cfg.parallel.dispatcher,
+                context_impl=cfg.parallel.context_impl,
             )
             for moe in kinds
         ]
