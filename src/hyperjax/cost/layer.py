@@ -297,11 +297,14 @@ def _price_layer(
     if flash:  # one fused kernel at its own measured rates (the device's, over the keys), not a GEMM's
         scores = micro * a / tp * (s / cp) * s * 0.5  # a causal kernel skips the masked half
         peak = hardware.matmul_flops(dtype)
-        # (share of the scores, keys) of each kernel a pass: one over all keys; round a ring, the local block
-        # (causal, s / cp keys) then cp - 1 blocks of the same scores, each against half a block's keys on the
-        # busiest device (the last: every block from before it meets both its query chunks)
+        # each kernel a pass, as (share of the scores, keys it is rated at): a kernel's rate ramps with the keys
+        # each block of queries visits (``seq_half``, measured on causal kernels, whose blocks visit half their
+        # keys on average). One kernel over all keys; or, round a ring, the local causal block over s / cp keys
+        # and cp - 1 blocks of as many scores, unmasked over half a block's keys on the busiest device (the
+        # last: every block from before it meets both its query chunks): each visits s / 2cp keys, as a causal
+        # kernel over s / cp does
         ring = context_impl == "ring" and cp > 1
-        kernels = [(1 / cp, s / cp)] + [(1 / cp, s / (2 * cp))] * (cp - 1) if ring else [(1.0, s)]
+        kernels = [(1 / cp, s / cp)] * cp if ring else [(1.0, s)]
         core = core_bwd = 0.0
         for share, keys in kernels:
             forward, backward = hardware.device.attention_rates(m.attention_impl, keys, hd + rope / 2)
