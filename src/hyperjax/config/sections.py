@@ -375,7 +375,7 @@ class Config:
                 )
         if p.context_impl == "ring" and p.context > 1 and self.model.attention_kernel != "flash":
             raise ConfigError(
-                f"parallel.context_impl=ring runs a fused attention kernel a block of keys, but "
+                f"parallel.context_impl=ring runs a fused attention kernel per block of keys, but "
                 f"model.attention_kernel={self.model.attention_kernel!r} materialises the scores; set "
                 "model.attention_kernel: flash, or parallel.context_impl: allgather"
             )

@@ -46,7 +46,7 @@ ContextImpl = Literal["allgather", "ring"]
 before one attention kernel over the local queries (hyperjax's own step, MaxText; Transformer Engine's
 ``all_gather``), or passed round a ring, one block a step beside the attention of the block before, over
 two chunks a device for causal balance (Transformer Engine's ``p2p``, Megatron-Core's default
-``cp_comm_type``; torchtitan's ring attention): ``context`` shorter kernels a pass."""
+``cp_comm_type``): ``context`` shorter kernels a pass."""
 
 DpOverlap = Literal["none", "backward", "full"]
 """How the data-parallel gradient reduction (and ZeRO's parameter gather) meets compute (priced): after

@@ -174,7 +174,7 @@ def estimate_inference(run: Run) -> InferenceEstimate:
             )
             full = price_layer(dataclasses.replace(block, seq_len=prompt), micro=local, **kw)
             prefill += count * (
-                full.forward_s + full.tensor_comm_s / 2 + full.context_comm_s / 2 + 2 * full.exchange_s
+                full.forward_s + full.tensor_comm_s / 2 + full.context_forward_s + 2 * full.exchange_s
             ) + count * (full.fsdp_gather_s if axes["fsdp"] > 1 else 0.0)
             one = price_layer(dataclasses.replace(block, seq_len=1), micro=local, **kw)
             heads = m.heads / tp

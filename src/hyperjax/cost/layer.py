@@ -81,7 +81,9 @@ class LayerCost:
       backward_s: the backward pass (twice the forward).
       recompute_s: what ``recompute`` adds to the backward.
       tensor_comm_s: tensor-parallel collectives of forward, backward and recomputation.
-      context_comm_s: context-parallel key/value gathers.
+      context_comm_s: context-parallel key/value gathers (or a ring's transfers), what waits of them in forward,
+        backward and recomputation.
+      context_forward_s: what waits of them in one forward.
       expert_comm_s: a mixture of experts' dispatch and combine all-to-alls of forward, backward and
         recomputation (0 for a dense block).
       exchange_s: one of those all-to-alls (a dispatch, or a combine).
@@ -111,6 +113,7 @@ class LayerCost:
     recompute_s: float
     tensor_comm_s: float
     context_comm_s: float
+    context_forward_s: float
     fsdp_gather_s: float
     fsdp_scatter_s: float
     fsdp_exposed_s: float
@@ -315,7 +318,8 @@ def _price_layer(
             # each block's query and key-value gradients added into theirs (6 bytes an element), in 16 bits
             out, kv = micro * (s / cp) * a / tp * hd, 2 * micro * (s / cp) * m.kv_heads / tp * hd
             core += stream_time((6 * cp + 2) * out * e / 2, ops=2 * cp, hardware=hardware)
-            core_bwd += stream_time(6 * (cp - 1) * (out + kv) * e / 2, ops=2 * (cp - 1), hardware=hardware)
+            # (the busiest device's blocks from before it meet half its key-value buffer: half of it is added to)
+            core_bwd += stream_time(6 * (cp - 1) * (out + kv / 2) * e / 2, ops=2 * (cp - 1), hardware=hardware)
     else:  # scores over the query-key width and attention-weighted values, one batched product each
         core = gemm(s / cp, s, hd + rope, count=micro * a / tp) + gemm(s / cp, hd, s, count=micro * a / tp)
         core_bwd = 2.0 * core
@@ -386,10 +390,15 @@ def _price_layer(
         # behind all kernels but the last; the backward passes the blocks' gradients round too, its last
         # block returned to its owner after the last kernel
         hide = (cp - 1) / cp
-        ahead = [max(0.0, kv_gather - hide * core), max(0.0, 2 * kv_gather - hide * core_bwd) + kv_gather / (cp - 1)]
-        context_comm = ahead[0] + ahead[1] + (ahead[0] if passes == 3 else 0.0)
+        hidden = [min(kv_gather, hide * core), min(2 * kv_gather, hide * core_bwd)]
+        context_forward = kv_gather - hidden[0]
+        context_comm = 2 * context_forward if passes == 3 else context_forward
+        context_comm += 2 * kv_gather - hidden[1] + kv_gather / (cp - 1)
+        # what hides slows the kernels beside it by the share of the device the transfers hold
+        fwd += hidden[0] * hardware.device.comm_compute_share
+        bwd += (hidden[1] + (hidden[0] if passes == 3 else 0.0)) * hardware.device.comm_compute_share
     else:
-        context_comm = passes * kv_gather
+        context_forward, context_comm = kv_gather, passes * kv_gather
     expert_comm = one = 0.0
     if routed is not None:  # dispatch and combine in each pass, the busiest device's receive deciding
         exchange = spans["+".join(routed.exchange)]
@@ -413,6 +422,7 @@ def _price_layer(
         recompute_s=extra,
         tensor_comm_s=tensor_comm,
         context_comm_s=context_comm,
+        context_forward_s=context_forward,
         expert_comm_s=expert_comm,
         exchange_s=one,
         fsdp_gather_s=gather,
