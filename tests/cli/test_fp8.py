@@ -111,6 +111,7 @@ def test_blockwise_tiles_split_across_devices_exit_2(capsys):
     assert "parallel.expert_tensor: 1" in err
 
 
+@pytest.mark.slow  # a learning run; the FP8 oracle holds the fast tier
 def test_train_with_fp8_learns(capsys, tmp_path):
     sets = ["hardware=dgx-h100", "train.fp8.recipe=tensorwise", "model.layers=2", "train.steps=12"]
     metrics = tmp_path / "m.jsonl"

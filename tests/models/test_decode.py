@@ -22,7 +22,8 @@ CONFIGS = Path(__file__).parents[2] / "configs"
         ("quickstart", []),  # GPT: learned positions, tied head
         ("quickstart", ["model.family=llama", "model.kv_heads=2"]),  # RoPE, grouped KV heads
         pytest.param("moe-tiny", ["model.layers=2"], marks=pytest.mark.slow),  # experts (mla-grouped has them too)
-        ("moe-tiny", ["model.layers=2", *DEEPSEEK_PARTS]),  # a cache of the latent and one rotary key
+        # a cache of the latent and one rotary key
+        pytest.param("moe-tiny", ["model.layers=2", *DEEPSEEK_PARTS], marks=pytest.mark.slow),
     ],
     ids=["gpt", "llama-gqa", "moe", "mla-grouped"],
 )

@@ -42,6 +42,7 @@ def test_mpmd_matches_spmd(spmd, sets):
     np.testing.assert_allclose(got, spmd, rtol=1e-4, atol=0)
 
 
+@pytest.mark.slow  # the fast tier holds the VLM's MPMD program to its SPMD one
 def test_spmd_vlm_matches_one_device():
     one = train(resolve(load_config(VLM, [*STEPS, "mpmd.submeshes=[]"]), 1), log=io.StringIO()).losses
     many = losses(["mpmd.submeshes=[]", "parallel.data=4", "parallel.tensor=2", "train.microbatches=1"])

@@ -55,12 +55,15 @@ def reference() -> list[float]:
         ["offload.policy=auto", "offload.device_memory_gib=0.02"],
         pytest.param(["offload.policy=greedy", "offload.device_memory_gib=0.02", "train.micro_batch=2"], marks=SLOW),
         # host gradients accumulated inside each replica, then summed in buckets
-        [
-            "offload.policy=greedy",
-            "offload.device_memory_gib=0.02",
-            "train.micro_batch=2",
-            "parallel.gradient_buckets=true",
-        ],
+        pytest.param(
+            [
+                "offload.policy=greedy",
+                "offload.device_memory_gib=0.02",
+                "train.micro_batch=2",
+                "parallel.gradient_buckets=true",
+            ],
+            marks=SLOW,
+        ),
     ],
     ids=["auto", "greedy-accumulating", "greedy-accumulating-buckets"],
 )

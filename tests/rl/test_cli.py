@@ -12,6 +12,7 @@ COLOCATED = ["--set", "rl.placement=colocated", "--set", "rl.rollout.devices=nul
 COLOCATED += ["--set", "rl.rollout.parallel={tensor: 2, data: 4}", "--set", "rl.learner.parallel.fsdp=8"]
 
 
+@pytest.mark.slow  # a learning run: the oracle tests hold the fast tier's RL
 def test_grpo_tiny_reward_rises(capsys, tmp_path: Path):
     metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
     args = ["train", GRPO, "--steps", "12", "--metrics-out", str(metrics), "--out-dir", str(tmp_path)]

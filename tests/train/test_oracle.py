@@ -161,9 +161,7 @@ def reference(name: str) -> tuple[float, ...]:
 @pytest.mark.parametrize(
     ("name", "layout"),
     [
-        pytest.param(
-            name, layout, marks=() if (name, layout) in {("parallel-block", 0), ("head-dim-apart", 1)} else SLOW
-        )
+        pytest.param(name, layout, marks=() if (name, layout) in {("parallel-block", 0)} else SLOW)
         for name in ARCHITECTURES
         for layout in range(len(SHARDED))
     ],
