@@ -297,23 +297,20 @@ def _price_layer(
         weight_cast = stream_time(weights8 * casts.weight, ops=amaxes, hardware=hardware)
     rope = m.rope_head_dim if m.attention == "mla" else 0
     flash = m.attention_kernel == "flash"
+    ring = context_impl == "ring" and cp > 1 and flash
     if flash:  # one fused kernel at its own measured rates (the device's, over the keys), not a GEMM's
         scores = micro * a / tp * (s / cp) * s * 0.5  # a causal kernel skips the masked half
         peak = hardware.matmul_flops(dtype)
-        # each kernel a pass, as (share of the scores, keys it is rated at): a kernel's rate ramps with the keys
-        # each block of queries visits (``seq_half``, measured on causal kernels, whose blocks visit half their
-        # keys on average). One kernel over all keys; or, round a ring, the local causal block over s / cp keys
-        # and cp - 1 blocks of as many scores, unmasked over half a block's keys on the busiest device (the
-        # last: every block from before it meets both its query chunks): each visits s / 2cp keys, as a causal
-        # kernel over s / cp does
-        ring = context_impl == "ring" and cp > 1
-        kernels = [(1 / cp, s / cp)] * cp if ring else [(1.0, s)]
-        core = core_bwd = 0.0
-        for share, keys in kernels:
-            forward, backward = hardware.device.attention_rates(m.attention_impl, keys, hd + rope / 2)
-            # per score: forward QK (hd + rope wide) and PV (hd); backward recomputes QK, then dV, dP, dQ and dK
-            core += share * scores * (4 * hd + 2 * rope) / (peak * forward) + hardware.device.kernel_overhead
-            core_bwd += share * scores * (10 * hd + 6 * rope) / (peak * backward) + hardware.device.kernel_overhead
+        # a kernel's rate ramps with the keys each block of queries visits (``seq_half``, measured on causal
+        # kernels, whose blocks visit half their keys on average). One kernel over all keys; or, round a ring,
+        # the local causal block over s / cp keys and cp - 1 blocks of as many scores, unmasked over half a
+        # block's keys on the busiest device (the last: every block from before it meets both its query
+        # chunks): each visits s / 2cp keys, as a causal kernel over s / cp does, so all cp run at its rate
+        keys, kernels = (s / cp, cp) if ring else (s, 1)
+        forward, backward = hardware.device.attention_rates(m.attention_impl, keys, hd + rope / 2)
+        # per score: forward QK (hd + rope wide) and PV (hd); backward recomputes QK, then dV, dP, dQ and dK
+        core = scores * (4 * hd + 2 * rope) / (peak * forward) + kernels * hardware.device.kernel_overhead
+        core_bwd = scores * (10 * hd + 6 * rope) / (peak * backward) + kernels * hardware.device.kernel_overhead
         if ring:  # each block's output folded into the output (6 bytes an element, after a zeroing 2); backward,
             # each block's query and key-value gradients added into theirs (6 bytes an element), in 16 bits
             out, kv = micro * (s / cp) * a / tp * hd, 2 * micro * (s / cp) * m.kv_heads / tp * hd
@@ -385,7 +382,7 @@ def _price_layer(
         tensor_comm += amaxes * passes * collective_time("all_reduce", 4, spans["tensor"], hardware)
     kv_bytes = 2 * micro * s * m.kv_heads * hd * e / tp
     kv_gather = collective_time("all_gather", kv_bytes, spans["context"], hardware)
-    if context_impl == "ring" and cp > 1 and flash:
+    if ring:
         # the ring moves the gather's bytes, one block a step beside the kernel of the block before: hidden
         # behind all kernels but the last; the backward passes the blocks' gradients round too, its last
         # block returned to its owner after the last kernel
