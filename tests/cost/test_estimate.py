@@ -451,6 +451,15 @@ def test_predict_cli_json(capsys):
             ["train.cross_entropy=eagr"],
             r"train.cross_entropy='eagr' is not one of \('fused', 'jit', 'eager'\); did you mean 'eager'\?",
         ),
+        (
+            ["parallel.context_impl=rings"],
+            r"parallel.context_impl='rings' is not one of \('allgather', 'ring'\); did you mean 'ring'\?",
+        ),
+        (
+            ["parallel.context=2", "parallel.tensor=1", "parallel.context_impl=ring"],
+            r"parallel.context_impl=ring runs a fused attention kernel per block of keys, but "
+            r"model.attention_kernel='materialized' .* set model.attention_kernel: flash, or parallel.context_impl",
+        ),
     ],
 )
 def test_predict_errors_exit_2(capsys, sets, pattern):
