@@ -1,4 +1,5 @@
 import json
+import os
 import re
 import subprocess
 import sys
@@ -86,8 +87,11 @@ def test_missing_config_from_the_shell():
     assert "config file 'nope.yaml' does not exist" in result.stderr and "Traceback" not in result.stderr
 
 
-def train_losses(config: str, *args: str, tmp_path: Path, name: str = "m") -> tuple[list[float], str]:
-    """Run ``hyperjax train`` in a subprocess; return the per-step losses and its stdout."""
+def train_losses(
+    config: str, *args: str, tmp_path: Path, name: str = "m", env: dict[str, str] | None = None
+) -> tuple[list[float], str]:
+    """Run ``hyperjax train`` in a subprocess (``env`` added to its environment); return the per-step losses and
+    its stdout and stderr."""
     metrics = tmp_path / f"{name}.jsonl"
     result = subprocess.run(
         [
@@ -105,9 +109,10 @@ def train_losses(config: str, *args: str, tmp_path: Path, name: str = "m") -> tu
         capture_output=True,
         text=True,
         timeout=900,
+        env={**os.environ, **(env or {})},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()], result.stdout
+    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()], result.stdout + result.stderr
 
 
 @pytest.mark.slow  # a 50-step run
@@ -180,12 +185,23 @@ def test_moe_cm384_spreads_experts_over_the_supernode(tmp_path: Path):
 
 @pytest.mark.multiprocess
 def test_two_processes_give_the_same_losses(tmp_path: Path):
-    def run(processes: int) -> list[float]:
+    def run(processes: int, env: dict[str, str] | None = None) -> tuple[list[float], str]:
         args = ("--steps", "3", "--set", f"emulate.processes={processes}")
-        return train_losses(QUICK, *args, tmp_path=tmp_path, name=f"m{processes}")[0]
+        return train_losses(QUICK, *args, tmp_path=tmp_path, name=f"m{processes}", env=env)
 
-    two = run(2)  # data=4 over two processes: the replicas sum their gradients in buckets, inside processes first
-    assert two == pytest.approx(run(1), rel=1e-6)  # against XLA's reductions in one process
+    # JAX's compiler log, over a cache of the test's own (no program found compiled); a process waiting for a
+    # program that never comes fails within two minutes, not twenty
+    log = {
+        "JAX_DEBUG_LOG_MODULES": "jax._src.compiler",
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla"),
+        "JAX_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS": "120000",
+    }
+    two, out = run(2, log)  # data=4 over two processes: the replicas sum their gradients in buckets, inside processes
+    assert two == pytest.approx(run(1)[0], rel=1e-6)  # against XLA's reductions in one process
+    # the step spans both processes: process 0 compiles it and hands it over; process 1 compiles nothing of it
+    assert re.search(r"\[p0\].*compiling and sharing module: jit_step\b", out), out[-3000:]
+    assert re.search(r"\[p1\].*Waiting for module: jit_step from process 0", out), out[-3000:]
+    assert not re.search(r"\[p1\].*compiling and sharing module", out)
 
 
 @pytest.mark.multiprocess

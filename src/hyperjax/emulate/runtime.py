@@ -180,6 +180,8 @@ def start_devices(local_devices: int, cluster: Cluster | None = None, *, platfor
         except RuntimeError:
             pass  # backend already started (e.g. inside a test session); the count is checked below
     if cluster is not None:
+        if platform == "cpu":
+            _compile_once(jax)
         jax.distributed.initialize(
             coordinator_address=cluster.coordinator,
             num_processes=cluster.num_processes,
@@ -192,6 +194,35 @@ def start_devices(local_devices: int, cluster: Cluster | None = None, *, platfor
             f"the JAX backend already runs with {held} local devices, not the "
             f"{local_devices} asked for; start the devices before any other JAX call"
         )
+
+
+def _compile_once(jax) -> None:
+    """Compile each program spanning several processes once, in its first process, which hands the executable
+    to the others through the coordinator (JAX's ``jax_share_binary_between_hosts``).
+
+    Without it every emulating process compiles the same program at once on the same cores: 12 processes for
+    384 devices. Sharing needs equal cache keys in every process, and JAX keys a CPU program by its process's
+    own topology, different in each, so the key here hashes the program's devices as the job sees them (id,
+    process, kind). The key needs a compilation-cache directory; when none is configured, one that nothing is
+    written to (no compile is slow enough) and with XLA's own caches off, whose paths would enter the key.
+    """
+    import tempfile
+
+    from jax._src import cache_key
+
+    if not hasattr(cache_key, "_hash_accelerator_config"):
+        return  # another JAX: every process compiles for itself, as without sharing
+
+    def devices_key(hash_obj, devices) -> None:
+        for d in devices.flat:
+            cache_key._hash_string(hash_obj, f"{d.id}:{d.process_index}:{d.device_kind}")
+
+    cache_key._hash_accelerator_config = devices_key
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "hyperjax-shared-compiles"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+        jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
+    jax.config.update("jax_share_binary_between_hosts", True)
 
 
 def _silence_native_stdout() -> None:
