@@ -88,10 +88,12 @@ def test_missing_config_from_the_shell():
 
 
 def train_losses(
-    config: str, *args: str, tmp_path: Path, name: str = "m", env: dict[str, str] | None = None
+    config: str, *args: str, tmp_path: Path, name: str = "m", env: dict[str, str | None] | None = None
 ) -> tuple[list[float], str]:
-    """Run ``hyperjax train`` in a subprocess (``env`` added to its environment); return the per-step losses and
-    its stdout and stderr."""
+    """Run ``hyperjax train`` in a subprocess (``env`` set in its environment, ``None`` values removed); return
+    the per-step losses and its stdout and stderr."""
+    changes = env or {}
+    environment = {k: v for k, v in {**os.environ, **changes}.items() if v is not None}
     metrics = tmp_path / f"{name}.jsonl"
     result = subprocess.run(
         [
@@ -109,7 +111,7 @@ def train_losses(
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, **(env or {})},
+        env=environment,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()], result.stdout + result.stderr
@@ -185,15 +187,15 @@ def test_moe_cm384_spreads_experts_over_the_supernode(tmp_path: Path):
 
 @pytest.mark.multiprocess
 def test_two_processes_give_the_same_losses(tmp_path: Path):
-    def run(processes: int, env: dict[str, str] | None = None) -> tuple[list[float], str]:
+    def run(processes: int, env: dict[str, str | None] | None = None) -> tuple[list[float], str]:
         args = ("--steps", "3", "--set", f"emulate.processes={processes}")
         return train_losses(QUICK, *args, tmp_path=tmp_path, name=f"m{processes}", env=env)
 
-    # JAX's compiler log, over a cache of the test's own (no program found compiled); a process waiting for a
+    # JAX's compiler log, without the session's compilation cache, as a user runs it; a process waiting for a
     # program that never comes fails within two minutes, not twenty
     log = {
         "JAX_DEBUG_LOG_MODULES": "jax._src.compiler",
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla"),
+        "JAX_COMPILATION_CACHE_DIR": None,
         "JAX_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS": "120000",
     }
     two, out = run(2, log)  # data=4 over two processes: the replicas sum their gradients in buckets, inside processes
@@ -229,6 +231,11 @@ def test_mpmd_across_processes_gives_the_same_losses(tmp_path: Path, config: str
 def test_vlm_cm384_trains_mpmd_across_processes(tmp_path: Path):
     # one step of the shipped config: its two micro-batches cross from the encoder's 4 processes to the language
     # model's 8 and back; later steps across processes are the 2-process MPMD oracle's (test below)
-    losses, out = train_losses(str(CONFIGS / "vlm-cm384.yaml"), "--steps", "1", tmp_path=tmp_path)
+    log = {"JAX_DEBUG_LOG_MODULES": "jax._src.compiler"}
+    losses, out = train_losses(str(CONFIGS / "vlm-cm384.yaml"), "--steps", "1", tmp_path=tmp_path, env=log)
     assert "384 emulated cloudmatrix384 devices (12 process(es))" in out and "mpmd vision: 128 devices" in out
     assert len(losses) == 1 and 0 < losses[0] < 10
+    # each submesh's programs are compiled by its first process alone: process 0 for the encoder's 0-3, process 4
+    # for the language model's 4-11
+    sharing = set(re.findall(r"\[p(\d+)\].*compiling and sharing module", out))
+    assert sharing == {"0", "4"}, sharing

@@ -180,8 +180,8 @@ def start_devices(local_devices: int, cluster: Cluster | None = None, *, platfor
         except RuntimeError:
             pass  # backend already started (e.g. inside a test session); the count is checked below
     if cluster is not None:
-        if platform == "cpu":
-            _compile_once(jax)
+        if platform == "cpu" and cluster.coordinator.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
+            _compile_once()  # processes of one host
         jax.distributed.initialize(
             coordinator_address=cluster.coordinator,
             num_processes=cluster.num_processes,
@@ -196,18 +196,19 @@ def start_devices(local_devices: int, cluster: Cluster | None = None, *, platfor
         )
 
 
-def _compile_once(jax) -> None:
-    """Compile each program spanning several processes once, in its first process, which hands the executable
-    to the others through the coordinator (JAX's ``jax_share_binary_between_hosts``).
+def _compile_once() -> None:
+    """Compile each program spanning several processes of this host once, in the first of them (the one
+    holding its lowest device), which hands the executable to the others through the coordinator (JAX's
+    ``jax_share_binary_between_hosts``).
 
     Without it every emulating process compiles the same program at once on the same cores: 12 processes for
-    384 devices. Sharing needs equal cache keys in every process, and JAX keys a CPU program by its process's
-    own topology, different in each, so the key here hashes the program's devices as the job sees them (id,
-    process, kind). The key needs a compilation-cache directory; when none is configured, one that nothing is
-    written to (no compile is slow enough) and with XLA's own caches off, whose paths would enter the key.
+    384 devices. Sharing needs equal cache keys in every process. JAX keys a CPU program by its own process's
+    topology, different in each, so the key here hashes the program's devices as the job sees them (id,
+    process, kind); the processes share one host, so one machine's CPU features. XLA's own caches are off:
+    their folders enter the key (they serve GPUs only). A compilation-cache folder, where one is configured,
+    must be the same for every process, as the launcher's children inherit it.
     """
-    import tempfile
-
+    import jax
     from jax._src import cache_key
 
     if not hasattr(cache_key, "_hash_accelerator_config"):
@@ -218,10 +219,7 @@ def _compile_once(jax) -> None:
             cache_key._hash_string(hash_obj, f"{d.id}:{d.process_index}:{d.device_kind}")
 
     cache_key._hash_accelerator_config = devices_key
-    if not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "hyperjax-shared-compiles"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
-        jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
+    jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
     jax.config.update("jax_share_binary_between_hosts", True)
 
 
