@@ -1,6 +1,8 @@
 """Pipeline training gives the losses of one SPMD program (fp32, 1e-4), for every schedule and split."""
 
 import io
+import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +61,20 @@ CASES += [
     for m in (4, 8)
 ]
 CASES += [["parallel.pipeline=2", "parallel.tensor=2", "train.microbatches=4"]]  # tensor parallel inside stages
+# each stage's data replicas accumulate their own gradients, summed once per step (gradient buckets)
+BUCKETS = "parallel.gradient_buckets=true"
+CASES += [
+    ["parallel.pipeline=2", "parallel.tensor=2", "train.microbatches=4", "parallel.sequence_parallel=true", BUCKETS]
+]
+CASES += [
+    pytest.param(["parallel.pipeline=2", "train.microbatches=4", f"parallel.schedule={s}", *more, BUCKETS], marks=SLOW)
+    for s, more in (
+        ("zero-bubble", ()),
+        ("zero-bubble", ("train.recompute=full",)),  # a split backward without taps
+        ("interleaved", ("parallel.virtual_stages=2",)),
+        ("1f1b", ("parallel.fsdp=2", "parallel.zero_stage=1")),
+    )
+]
 
 
 @pytest.mark.parametrize("sets", CASES, ids=lambda s: ",".join(x.split("=")[-1] for x in s))
@@ -74,11 +90,15 @@ def test_zero_bubble_over_rematerialised_blocks_matches_spmd(spmd, recompute):
     np.testing.assert_allclose(losses([*sets, f"train.recompute={recompute}"]), spmd, rtol=1e-4, atol=0)
 
 
-@pytest.mark.parametrize("schedule", [pytest.param(s, marks=SLOW) for s in ("gpipe", "1f1b", "zero-bubble")])
+@pytest.mark.parametrize(
+    "schedule", [pytest.param(s, marks=SLOW) for s in ("gpipe", "1f1b", "zero-bubble", "1f1b+buckets")]
+)
 def test_unequal_stages_match_spmd(spmd48, schedule):
     # 2 + 6 devices: micro-batches of 12 sequences split 2 and 6 ways
     sets = ["train.global_batch=48", "parallel.pipeline=2", "parallel.stage_devices=[2,6]", "train.microbatches=4"]
-    np.testing.assert_allclose(losses([*sets, f"parallel.schedule={schedule}"]), spmd48, rtol=1e-4, atol=0)
+    schedule, *more = schedule.split("+")  # buckets: replicas of 2 and 6 ways summed once per step
+    sets += [f"parallel.schedule={schedule}", *([BUCKETS] if more else [])]
+    np.testing.assert_allclose(losses(sets), spmd48, rtol=1e-4, atol=0)
 
 
 @pytest.mark.slow
@@ -224,3 +244,53 @@ def test_paired_tasks_run_as_one_program_in_the_grids_order(schedule):
     later = {b for _, b in sched.pairs}  # a pair's backward runs with its forward, at the forward's place
     ran = [task for _, task, _, _ in timeline if task not in later]
     assert ran == [task for _, _, task in sched.starts() if task not in later]
+
+
+@pytest.mark.parametrize("buckets", [True, False])
+def test_gradient_buckets_sum_a_stages_replicas_once_per_step(buckets):
+    """With buckets, no backward program reduces over the data replicas; one sum per step does, of every
+    gradient at once. Without, every micro-batch's backward reduces each gradient."""
+    import jax
+    import jax.numpy as jnp
+
+    from hyperjax import build_model
+    from hyperjax.shard import place
+    from hyperjax.train import Batches, pipeline_runner, prepare
+
+    sets = ["parallel.pipeline=2", "train.microbatches=4", f"parallel.gradient_buckets={str(buckets).lower()}"]
+    run = resolve(load_config(QUICKSTART, [*BASE, *sets]))
+    runner = pipeline_runner(prepare(run), build_model(run.config.model, seed=0))
+    t = run.config.train
+    data = Batches(source=t.data, global_batch=t.global_batch, seq_len=run.config.model.seq_len, vocab=256, seed=0)
+    params = runner.init_state()["params"][0]
+    ch = runner.chunks[0]
+    assert ch.manual == (("data",) if buckets else ())
+    tokens = data.batch(0)["inputs"][: t.global_batch // 4]
+    y, pullback, _ = ch.programs.forward(params, place(tokens, runner._batch_sharding(0, 2)), {})
+    dy = jax.device_put(jnp.ones_like(y), ch.act_sh)
+    acc = ch.zeros(params)
+    backward = reductions(ch.programs.backward, pullback, dy, acc)
+    if buckets:
+        assert backward == []
+        assert jax.tree.leaves(acc)[0].shape[0] == 4  # one accumulator per replica, each on its own devices
+        assert reductions(ch.reduce, acc) == [1]  # every gradient of the chunk in one flat buffer
+    else:  # XLA combines them into one instruction, which its CPU backend runs one tensor at a time
+        assert backward == [len(jax.tree.leaves(params))]
+
+
+def reductions(fn, *args) -> list[int]:
+    """The tensors each all-reduce of ``fn``'s compiled program sums over more than one device."""
+    found = []
+    for line in fn.lower(*args).compile().as_text().splitlines():
+        match = re.search(r"= (\(.*?\)|\S+) all-reduce\(.*?replica_groups=(\{\{.*?\}\}|mesh\[.*?\] \{.*?\})", line)
+        if match is None:
+            continue
+        groups = match.group(2)
+        if groups.startswith("mesh"):  # mesh['axis_0'=4,...] {'axis_0'}: groups along the named axes
+            sizes = dict(re.findall(r"'(\w+)'=(\d+)", groups))
+            wide = math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", groups.split("] ")[1])) > 1
+        else:  # {{0,1},{2,3}}
+            wide = "," in groups.split("},{")[0]
+        if wide:
+            found.append(len(re.findall(r"\w+\[[\d,]*\]", match.group(1))))
+    return found

@@ -157,9 +157,35 @@ def test_gradient_buckets_over_the_expert_axis_of_the_supernode():
     ("sets", "match"),
     [
         (["parallel.gradient_buckets=true", "parallel.data=1", "parallel.tensor=8"], "needs data-parallel replicas"),
-        (["parallel.gradient_buckets=true", "parallel.pipeline=2"], "pipeline and MPMD stages"),
+        (
+            ["parallel.gradient_buckets=true", "parallel.pipeline=2", "parallel.data=1", "parallel.tensor=4"],
+            "needs data",
+        ),
     ],
 )
 def test_gradient_buckets_that_cannot_be_honoured_are_refused(sets, match):
     with pytest.raises(ConfigError, match=match):
         resolve(load_config(CONFIGS / "quickstart.yaml", sets))
+
+
+def test_a_pipelined_mixture_of_experts_keeps_its_reductions():
+    sets = ["parallel.pipeline=2", "parallel.expert=2", "emulate.processes=2"]
+    assert not resolve(load_config(CONFIGS / "moe-tiny.yaml", sets)).gradient_buckets
+    with pytest.raises(
+        ConfigError, match=r"gradient_buckets=true: the pipeline or MPMD stages of a mixture of experts"
+    ):
+        resolve(load_config(CONFIGS / "moe-tiny.yaml", [*sets, "parallel.gradient_buckets=true"]))
+
+
+@pytest.mark.parametrize(
+    ("sets", "buckets"),
+    [
+        (["parallel.pipeline=2"], False),  # one process
+        (["parallel.pipeline=2", "emulate.processes=2"], False),  # each stage in its own process
+        (["parallel.pipeline=2", "emulate.processes=4"], True),  # each stage's data=2 over two processes
+        (["parallel.pipeline=2", "parallel.gradient_buckets=true"], True),
+    ],
+)
+def test_pipeline_stages_sum_their_replicas_once_where_they_span_processes(sets, buckets):
+    run = resolve(load_config(CONFIGS / "quickstart.yaml", [*sets, "parallel.data=2", "parallel.tensor=2"]))
+    assert run.gradient_buckets is buckets

@@ -11,8 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from hyperjax import ShardingError, Strategy, make_mesh
 from hyperjax.config.run import spans_processes as config_spans
-from hyperjax.shard.replicas import bucket_sum, host_blocks, manual_part
-from hyperjax.train.step import check_replicas
+from hyperjax.shard.replicas import bucket_sum, check_replicas, host_blocks, manual_part
 
 
 @dataclasses.dataclass(frozen=True)

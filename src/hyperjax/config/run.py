@@ -153,8 +153,12 @@ class Run:
     @property
     def replica_axes(self) -> tuple[str, ...]:
         """The mesh axes whose replicas sum their gradients in buckets (empty unless ``gradient_buckets``):
-        see :func:`replica_axes`."""
-        return replica_axes(self.axes) if self.gradient_buckets else ()
+        see :func:`replica_axes`; a pipeline's stages split out ``data`` alone, where any stage has it)."""
+        if not self.gradient_buckets:
+            return ()
+        if len(self.stages) > 1:
+            return ("data",) if any(s.axes["data"] > 1 for s in self.stages) else ()
+        return replica_axes(self.axes)
 
     @property
     def chunks(self) -> int:

@@ -4,19 +4,29 @@ where its arrays live; a forward paired with a backward (:func:`pair_program`)."
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec as P
 
 from hyperjax.config import MoEConfig, Recompute
 from hyperjax.models.layers import Constrain, cross_entropy
 from hyperjax.models.moe import aux_term
 from hyperjax.models.taps import output_shapes, split, weights_only
 from hyperjax.shard import Strategy
+from hyperjax.shard.replicas import bucket_sum, host_blocks
+from hyperjax.shard.strategy import spec_entry
+
+Kind = Literal["whole", "rows", "stacked"]
+"""How a program's argument or result meets the replicas of :func:`per_replica`: ``whole`` (the same on
+every replica: parameters), ``rows`` (the replicas' rows of a batch-major array, split along its first
+axis) or ``stacked`` (each replica's own value, stacked along a new first axis: residuals, gradients)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,6 +75,8 @@ def chunk_programs(
     m: int,
     taps: bool,
     moe: MoEConfig | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    manual: tuple[str, ...] = (),
 ) -> Programs:
     """The jitted programs of one chunk.
 
@@ -82,7 +94,14 @@ def chunk_programs(
     of the parameters used outside products. ``weights`` (``W``) is the weight GEMMs alone
     (:func:`hyperjax.models.taps.weights_only`). Without ``taps``, both halves read the plain pullback:
     ``B`` drops the weight half and ``W`` the input half, so ``W`` re-runs the activation-gradient chain.
+
+    With ``manual`` axes of ``mesh`` (the stage's data-parallel replicas, ``constrain`` made manual over
+    them), every program runs per replica (:func:`per_replica`): the accumulator holds each replica's own
+    gradients, stacked, and no program sums over the replicas; the runner sums them once per step. The
+    last chunk's loss is then its replica's share of the micro-batch's mean (its rows' mean over the
+    replicas), so the replicas' gradients sum to the micro-batch's.
     """
+    replicas = math.prod(mesh.shape[a] for a in manual) if manual else 1
 
     def apply(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
         feeds = {k: v for k, v in fed.items() if k != "targets"}
@@ -90,8 +109,8 @@ def chunk_programs(
 
     def loss(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
         logits, stats = apply(params, x, fed)
-        ce = cross_entropy(logits, fed["targets"]).mean() / m
-        return ce + aux_term(moe, stats) / m, (ce, stats)
+        ce = cross_entropy(logits, fed["targets"]).mean() / (m * replicas)
+        return ce + aux_term(moe, stats) / (m * replicas), (ce, stats)
 
     def hidden(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> tuple[Any, Any]:
         y, stats = apply(params, x, fed)
@@ -152,20 +171,65 @@ def chunk_programs(
         (dparams,) = jax.vjp(products, params)[1](douts)
         return jax.tree.map(jnp.add, acc, dparams)
 
+    each = functools.partial(per_replica, mesh=mesh, manual=manual)
+    out = "stacked" if last else "rows"  # the last chunk's output is its loss
     if taps:
         return Programs(
-            forward=jax.jit(forward_split),
-            inputs=jax.jit(inputs_split, donate_argnums=2),
-            weights=jax.jit(weights_split, donate_argnums=5),
+            forward=jax.jit(each(forward_split, ("whole", "rows", "rows"), (out, "stacked", "stacked"))),
+            inputs=jax.jit(
+                each(inputs_split, ("stacked", "rows", "stacked"), ("stacked", "rows", "stacked")), donate_argnums=2
+            ),
+            weights=jax.jit(
+                each(weights_split, ("whole", "stacked", "rows", "stacked", "rows", "stacked"), "stacked"),
+                donate_argnums=5,
+            ),
             taps=True,
         )
 
     return Programs(
-        forward=jax.jit(forward),
-        backward=jax.jit(backward, donate_argnums=2),
-        weights=jax.jit(weights, donate_argnums=2),
-        inputs=jax.jit(inputs),
+        forward=jax.jit(each(forward, ("whole", "rows", "rows"), (out, "stacked", "stacked"))),
+        backward=jax.jit(each(backward, ("stacked", "rows", "stacked"), ("stacked", "rows")), donate_argnums=2),
+        weights=jax.jit(each(weights, ("stacked", "rows", "stacked"), "stacked"), donate_argnums=2),
+        inputs=jax.jit(each(inputs, ("stacked", "rows"), "rows")),
         taps=False,
+    )
+
+
+def per_replica(
+    fn: Callable[..., Any],
+    ins: Sequence[Kind],
+    outs: Sequence[Kind] | Kind,
+    *,
+    mesh: jax.sharding.Mesh | None,
+    manual: tuple[str, ...],
+) -> Callable[..., Any]:
+    """``fn`` run by each replica along the ``manual`` axes of ``mesh`` apart (``jax.shard_map`` over them; the
+    other axes stay SPMD), its arguments and results of the kinds ``ins`` and ``outs`` (:data:`Kind`, one
+    per argument and per element of the result tuple, or one for a single result). ``fn`` itself when no
+    axis is manual."""
+    if not manual:
+        return fn
+    split = P(spec_entry(manual))
+    single = isinstance(outs, str)
+    kinds = (outs,) if single else tuple(outs)
+
+    def body(*args: Any) -> Any:
+        args = [jax.tree.map(lambda a: a[0], x) if k == "stacked" else x for x, k in zip(args, ins, strict=True)]
+        result = fn(*args)
+        parts = [
+            jax.tree.map(lambda a: a[None], r) if k == "stacked" else r
+            for r, k in zip((result,) if single else result, kinds, strict=True)
+        ]
+        return parts[0] if single else tuple(parts)
+
+    specs = lambda ks: tuple(P() if k == "whole" else split for k in ks)
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=specs(ins),
+        out_specs=specs(kinds)[0] if single else specs(kinds),
+        axis_names=set(manual),
+        check_vma=False,
     )
 
 
@@ -182,13 +246,17 @@ class ChunkRuntime:
       lead: ... and is the one that reports the chunk's values.
       local: ... all of them.
       strategy: the SPMD rules on the submesh, with a pattern per parameter path.
-      constrain: the activation constraint the chunk is called with.
+      constrain: the activation constraint the chunk is called with (outside its programs).
+      manual: the mesh axes whose replicas compute their gradients apart, summed once per step (gradient
+        buckets; empty: XLA reduces each micro-batch's gradients in its backward program).
       param_sh, opt_sh: where its parameters and optimizer state live.
       host_params: its initial parameters on the host.
       act_sh: where its output (and its output's gradient) lives.
       scalar_sh: a replicated scalar on the submesh.
       programs: its jitted programs (built once the runner knows the schedule).
-      zeros, sumsq, update: a zero gradient accumulator, the squared gradient norm, the optimizer update.
+      zeros, reduce, sumsq, update: a zero gradient accumulator, its sum over the replicas, the squared
+        gradient norm, the optimizer update.
+      total: the step's loss from the last chunk's per-replica shares (with ``manual`` axes).
       moe: the model's mixture of experts (``None`` when dense).
       moe_layers: the chunk's MoE layers.
       rebias: moves the chunk's routing biases by its step's load (``balance: bias``).
@@ -202,6 +270,7 @@ class ChunkRuntime:
     local: bool
     strategy: Strategy
     constrain: Any
+    manual: tuple[str, ...]
     param_sh: Any
     host_params: Any
     act_sh: NamedSharding
@@ -209,8 +278,34 @@ class ChunkRuntime:
     opt_sh: Any
     programs: Programs | None = None
     zeros: Any = None
+    reduce: Any = None
+    total: Any = None
     sumsq: Any = None
     update: Any = None
     moe: MoEConfig | None = None
     moe_layers: int = 0
     rebias: Any = None
+
+
+def replica_sum(param_sh: Any, mesh: jax.sharding.Mesh, manual: tuple[str, ...]) -> tuple[Any, Any]:
+    """A chunk's zero gradient accumulator and what sums it once per step: with ``manual`` replica axes the
+    accumulator stacks each replica's gradients (``P(manual, *spec)``) and the sum runs in flat buffers
+    (:func:`hyperjax.shard.replicas.bucket_sum`, inside each process first); without, it is laid out as
+    the parameters, XLA reducing each micro-batch's gradients in its backward program, and the sum is
+    the identity."""
+    if not manual:
+        return jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=param_sh), lambda g: g
+    n = math.prod(mesh.shape[a] for a in manual)
+    stacked = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(manual, *s.spec)), param_sh)
+    zeros = jax.jit(lambda p: jax.tree.map(lambda a: jnp.zeros((n, *a.shape), a.dtype), p), out_shardings=stacked)
+    specs, tree = jax.tree.flatten(
+        jax.tree.map(lambda s: s.spec, param_sh), is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+    hosts = host_blocks(mesh, manual)
+
+    def total(acc: Any) -> Any:
+        leaves = jax.tree.leaves(acc)
+        summed = bucket_sum(leaves, mesh=mesh, specs=specs, over=[manual] * len(leaves), hosts=hosts)
+        return jax.tree.unflatten(tree, summed)
+
+    return zeros, jax.jit(total, out_shardings=param_sh)

@@ -18,6 +18,7 @@ Gradient clipping uses the global norm over every stage.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -34,10 +35,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from hyperjax.config import Run
 from hyperjax.models.moe import MoE, update_router_biases
 from hyperjax.mpmd.chunks import Chunk
-from hyperjax.mpmd.programs import ChunkRuntime, chunk_programs, pair_program
+from hyperjax.mpmd.programs import ChunkRuntime, chunk_programs, pair_program, replica_sum
 from hyperjax.mpmd.schedules import Task, run_schedule
 from hyperjax.mpmd.transfer import forget, scalar, split_devices, sum_over_processes, transfer
 from hyperjax.shard import Constrainer, Strategy, place
+from hyperjax.shard.replicas import check_replicas
 from hyperjax.topology import make_mesh
 
 
@@ -87,6 +89,10 @@ class PipelineRunner:
             strat = strategy.with_param_axes(state)
             params = nnx.to_pure_dict(state)
             owners = {d.process_index for d in mesh.devices.flat}
+            replicas = ("data",) if run.gradient_buckets and mesh.shape["data"] > 1 else ()
+            manual = check_replicas(strat, params, mesh, replicas)
+            if manual and any(isinstance(node, MoE) for _, node in nnx.iter_graph(part)):
+                raise ValueError("gradient buckets in a pipeline are for dense models (the resolver says so)")
             self.chunks.append(
                 ChunkRuntime(
                     graphdef=graphdef,
@@ -97,6 +103,7 @@ class PipelineRunner:
                     local=owners == {jax.process_index()},
                     strategy=strat,
                     constrain=Constrainer(strategy=strat, mesh=mesh),
+                    manual=manual,
                     param_sh=strat.shardings(params, mesh),
                     host_params=jax.tree.map(np.asarray, params),
                     act_sh=NamedSharding(mesh, strat.spec(("batch", "res_seq", "act_embed"))),
@@ -162,16 +169,19 @@ class PipelineRunner:
             last = c == len(self.chunks) - 1
             ch.programs = chunk_programs(
                 ch.graphdef,
-                ch.constrain,
+                dataclasses.replace(ch.constrain, manual=ch.manual),
                 first=c == 0,
                 last=last,
                 m=m,
                 taps=taps,
                 moe=ch.moe if ch.moe_layers else None,
+                mesh=ch.mesh,
+                manual=ch.manual,
             )
             if ch.moe_layers and ch.moe.balance == "bias":
                 ch.rebias = jax.jit(functools.partial(update_router_biases, rate=ch.moe.bias_update_rate))
-            ch.zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=ch.param_sh)
+            ch.zeros, ch.reduce = replica_sum(ch.param_sh, ch.mesh, ch.manual)
+            ch.total = jax.jit(lambda xs: sum(jnp.sum(x) for x in xs), out_shardings=ch.scalar_sh)
             ch.sumsq = jax.jit(lambda g: optax.tree.norm(g, squared=True))
 
             def update(params: Any, opt_state: Any, grads: Any, scale: jax.Array) -> tuple[Any, Any]:
@@ -233,6 +243,8 @@ class PipelineRunner:
                 end = time.perf_counter() - origin
                 for t in (task, partner[task]) if task in partner else (task,):
                     timeline.append((s, t, start - origin, end))
+        # per-replica gradients (gradient buckets) summed once, in flat buffers
+        grads = [ch.reduce(g) if g is not None else None for ch, g in zip(chunks, grads, strict=True)]
         if self.tied:  # the head's gradient joins the embedding's, on the first stage
             table = jax.ShapeDtypeStruct(chunks[0].host_params["embed"].shape, np.float32)
             g_head = grads[last]["head"] if chunks[last].mine else None
@@ -263,6 +275,8 @@ class PipelineRunner:
             head = self._hand_over(embed, 0, last, chunks[last].param_sh["head"], table)
             if chunks[last].mine:
                 new_params[last] = {**new_params[last], "head": head}
+        if chunks[last].mine and chunks[last].manual:  # each replica's share of each micro-batch's loss
+            losses = [chunks[last].total(losses)]
         loss = sum_over_processes(sum(scalar(x) for x in losses) if chunks[last].lead else 0.0)
         # every process has passed the gather above, so every hand-over of this step has been read
         forget(self.published)

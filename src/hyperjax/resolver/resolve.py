@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from hyperjax.config import Config, ModelConfig, Run, Stage
 from hyperjax.config.run import replica_axes, spans_processes
@@ -127,7 +127,7 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
     first = stages[0].axes
     pipelined = len(stages) > 1
     _check_overlap(config, stages, rows, microbatches, split)
-    buckets = _gradient_buckets(config, first, pipelined, n // (processes or 1))
+    buckets = _gradient_buckets(config, [s.axes for s in stages], n // (processes or 1))
     return Run(
         config=config,
         hardware=hw,
@@ -228,25 +228,37 @@ def _check_overlap(cfg: Config, stages: tuple[Stage, ...], rows: int, microbatch
             )
 
 
-def _gradient_buckets(cfg: Config, axes: Mapping[str, int], pipelined: bool, per_process: int) -> bool:
+def _gradient_buckets(cfg: Config, stages: Sequence[Mapping[str, int]], per_process: int) -> bool:
     """``parallel.gradient_buckets``, or when null: whether the replicas span the emulating processes (there a
     collective costs the same whatever its size, and XLA's CPU backend runs one per tensor).
 
+    A pipeline's (or MPMD run's) stages split out their ``data`` replicas alone: each replica accumulates
+    its own gradients over the micro-batches, and they are summed once per step rather than in every
+    micro-batch's backward program.
+
     Raises:
-      ConfigError: buckets asked for where the step has no replicas to sum, or for a pipeline.
+      ConfigError: buckets asked for where the step has no replicas to sum, or for a pipelined mixture of
+        experts (its stages reduce their gradients in their own programs).
     """
-    asked, replicas = cfg.parallel.gradient_buckets, replica_axes(axes)
+    asked, pipelined = cfg.parallel.gradient_buckets, len(stages) > 1
+    replicas = [("data",) if a["data"] > 1 else () for a in stages] if pipelined else [replica_axes(stages[0])]
     if asked is None:  # off where a `shard` override moves any logical axis onto or off a replica axis
-        return not pipelined and not _overrides_touch(cfg, replicas) and spans_processes(axes, replicas, per_process)
-    if asked and pipelined:
-        raise ConfigError(
-            "parallel.gradient_buckets=true: pipeline and MPMD stages reduce their gradients in their own "
-            "programs; set it to null or false"
+        return (
+            not (pipelined and cfg.model.moe is not None)
+            and not any(_overrides_touch(cfg, r) for r in replicas)
+            and any(spans_processes(a, r, per_process) for a, r in zip(stages, replicas, strict=True))
         )
-    if asked and not replicas:
+    if asked and pipelined and cfg.model.moe is not None:
         raise ConfigError(
-            f"parallel.gradient_buckets=true needs data-parallel replicas to sum: data > 1, or expert > 1 with "
-            f"fsdp 1 (the mesh is {dict(axes)}); set it to null or false"
+            "parallel.gradient_buckets=true: the pipeline or MPMD stages of a mixture of experts reduce their "
+            "gradients in their own programs; set it to null or false"
+        )
+    if asked and not any(replicas):
+        needs = "data > 1 on some stage" if pipelined else "data > 1, or expert > 1 with fsdp 1"
+        meshes = " | ".join(str(dict(a)) for a in stages)
+        raise ConfigError(
+            f"parallel.gradient_buckets=true needs data-parallel replicas to sum: {needs} (the mesh is {meshes}); "
+            "set it to null or false"
         )
     return asked
 

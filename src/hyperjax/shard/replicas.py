@@ -20,14 +20,16 @@ machine a collective's cost grows with the ranks in its group, so two small grou
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from hyperjax.errors import ShardingError
 from hyperjax.shard.constrainer import without
-from hyperjax.shard.strategy import entry_axes, spec_entry
+from hyperjax.shard.strategy import Strategy, entry_axes, spec_entry
 
 
 def manual_part(spec: P, manual: Sequence[str]) -> P:
@@ -82,6 +84,42 @@ def bucket_sum(
     out_specs = tuple(_split_spec(s, hosts) for s in specs)
     split = _split_mesh(mesh, hosts)
     return list(jax.shard_map(body, mesh=split, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*values))
+
+
+def check_replicas(
+    strategy: Strategy, params: Any, mesh: jax.sharding.Mesh, replicas: tuple[str, ...]
+) -> tuple[str, ...]:
+    """``replicas`` (a run's :attr:`hyperjax.Run.replica_axes`), checked against the strategy: they must be the
+    leading axes of ``batch`` (those of size 1 aside) and store no parameter, except the routed experts'
+    weights over ``expert`` (a mixture of experts reaches those through its own exchange, so each replica
+    along ``expert`` computes its own experts' gradients from every replica's tokens).
+
+    Raises:
+      ShardingError: a replica axis out of order or storing a parameter, naming the axis, tensor and fix.
+    """
+    batch = tuple(a for a in strategy.mesh_axes("batch") if mesh.shape[a] > 1)
+    if batch[: len(replicas)] != replicas:
+        raise ShardingError(
+            f"gradient buckets over mesh axes {replicas}: they must lead the batch's mesh axes {batch}; map "
+            "'batch' to them first or set parallel.gradient_buckets: false"
+        )
+    logical = strategy.logical_axes(params)
+    shardings = strategy.shardings(params, mesh)
+    for (path, sharding), axes in zip(
+        jax.tree_util.tree_flatten_with_path(shardings)[0],
+        jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple) or x is None),
+        strict=True,
+    ):
+        routed = bool(axes) and axes[0] == "experts"
+        stored = [a for a in replicas if a in axes_in(sharding.spec) and not (a == "expert" and routed)]
+        if stored:
+            name = jax.tree_util.keystr(path, simple=True, separator="/")
+            raise ShardingError(
+                f"gradient buckets over mesh axes {replicas}: tensor {name!r} "
+                f"is stored over {stored[0]!r} ({sharding.spec}), so its replicas do not hold it whole; set "
+                "parallel.gradient_buckets: false or store it elsewhere"
+            )
+    return replicas
 
 
 def host_blocks(mesh: jax.sharding.Mesh, axes: Sequence[str]) -> dict[str, int]:

@@ -18,14 +18,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hyperjax.config import MoEConfig, TrainConfig
-from hyperjax.errors import ShardingError
 from hyperjax.models.layers import cross_entropy
 from hyperjax.models.moe import RouterStats, aux_term, update_router_biases
 from hyperjax.offload import Placement
 from hyperjax.offload.apply import DEVICE, HOST, on_device, place_kinds, to_kind
 from hyperjax.shard import Constrainer, Strategy, place
 from hyperjax.shard.constrainer import without
-from hyperjax.shard.replicas import axes_in, bucket_sum, host_blocks, manual_part
+from hyperjax.shard.replicas import axes_in, bucket_sum, check_replicas, host_blocks, manual_part
 from hyperjax.shard.strategy import spec_entry
 
 
@@ -244,42 +243,6 @@ def build_train_step(
     return TrainStep(
         fn=fn, state_shardings=state_sh, batch_sharding=batch_sh, microbatches=microbatches, batch_shardings=batch_shs
     )
-
-
-def check_replicas(
-    strategy: Strategy, params: Any, mesh: jax.sharding.Mesh, replicas: tuple[str, ...]
-) -> tuple[str, ...]:
-    """``replicas`` (a run's :attr:`hyperjax.Run.replica_axes`), checked against the strategy: they must be the
-    leading axes of ``batch`` (those of size 1 aside) and store no parameter, except the routed experts'
-    weights over ``expert`` (a mixture of experts reaches those through its own exchange, so each replica
-    along ``expert`` computes its own experts' gradients from every replica's tokens).
-
-    Raises:
-      ShardingError: a replica axis out of order or storing a parameter, naming the axis, tensor and fix.
-    """
-    batch = tuple(a for a in strategy.mesh_axes("batch") if mesh.shape[a] > 1)
-    if batch[: len(replicas)] != replicas:
-        raise ShardingError(
-            f"gradient buckets over mesh axes {replicas}: they must lead the batch's mesh axes {batch}; map "
-            "'batch' to them first or set parallel.gradient_buckets: false"
-        )
-    logical = strategy.logical_axes(params)
-    shardings = strategy.shardings(params, mesh)
-    for (path, sharding), axes in zip(
-        jax.tree_util.tree_flatten_with_path(shardings)[0],
-        jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple) or x is None),
-        strict=True,
-    ):
-        routed = bool(axes) and axes[0] == "experts"
-        stored = [a for a in replicas if a in axes_in(sharding.spec) and not (a == "expert" and routed)]
-        if stored:
-            name = jax.tree_util.keystr(path, simple=True, separator="/")
-            raise ShardingError(
-                f"gradient buckets over mesh axes {replicas}: tensor {name!r} "
-                f"is stored over {stored[0]!r} ({sharding.spec}), so its replicas do not hold it whole; set "
-                "parallel.gradient_buckets: false or store it elsewhere"
-            )
-    return replicas
 
 
 def inside(shardings: Any, manual: Sequence[str]) -> Any:
