@@ -10,10 +10,15 @@ with every gradient reduction left to XLA (``parallel.gradient_buckets=false``) 
 gradients summed in buckets (the default there), each for ``--steps-384`` steps, the last one profiled
 (``hyperjax train --profile``). It prints the per-collective breakdown of a step (count, arrays, devices
 per group, processes per group, bytes, seconds) for both, the median step times (the compiling first step
-and the profiled last one left out) and how far the losses moved. Writes
-``benchmarks/results/emulation.json``.
+and the profiled last one left out) and how far the losses moved.
 
-    python benchmarks/emulation.py [--steps 10] [--rounds 3] [--with-384] [--steps-384 6]
+With ``--with-vlm-384`` it trains ``configs/vlm-cm384.yaml`` (the VLM's encoder and language model as
+MPMD submeshes of 128 and 256 devices, 12 processes) for ``--steps-vlm`` steps, once with each micro-batch's
+gradients reduced over the data replicas inside its backward programs and once with the replicas'
+gradients summed once per step in buckets (the default there), and prints the median step times (the
+compiling first step left out) and how far the losses moved. Writes ``benchmarks/results/emulation.json``.
+
+    python benchmarks/emulation.py [--steps 10] [--rounds 3] [--with-384] [--steps-384 6] [--with-vlm-384]
 """
 
 from __future__ import annotations
@@ -226,6 +231,29 @@ def run_384(steps: int, *, buckets: bool) -> dict:
     }
 
 
+def run_vlm_384(steps: int, *, buckets: bool) -> dict:
+    """Train vlm-cm384 for ``steps`` steps; ``buckets=False`` reduces every micro-batch's gradients in its
+    backward programs."""
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "m.jsonl"
+        start = time.perf_counter()
+        command = [sys.executable, "-m", "hyperjax", "train", str(ROOT / "configs/vlm-cm384.yaml")]
+        command += ["--steps", str(steps), "--metrics-out", str(metrics), "--out-dir", tmp]
+        command += ["--set", f"parallel.gradient_buckets={str(buckets).lower()}"]
+        proc = subprocess.run(command, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            return {"error": (proc.stdout + proc.stderr)[-3000:], "wall_s": wall}
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {
+        "gradient_buckets": buckets,
+        "wall_s": wall,
+        "losses": [r["loss"] for r in rows],
+        "step_times_s": [r["step_time_s"] for r in rows],
+        "median_step_s": statistics.median(r["step_time_s"] for r in rows[1:]),  # the compiling step left out
+    }
+
+
 def breakdown_table(title: str, r: dict) -> Table:
     table = Table(title=title)
     for col in ("collective", "devices per group", "processes per group", "count", "arrays", "KiB", "s", "share"):
@@ -253,6 +281,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--with-384", action="store_true", help="also train gpt-tiny-cm384, without and with buckets")
     parser.add_argument("--steps-384", type=int, default=6, help="steps of each 384-device run (at least 3)")
+    parser.add_argument("--with-vlm-384", action="store_true", help="also train vlm-cm384, without and with buckets")
+    parser.add_argument("--steps-vlm", type=int, default=3, help="steps of each vlm-cm384 run (at least 2)")
     parser.add_argument("--out", type=Path, default=RESULTS / "emulation.json")
     args = parser.parse_args()
 
@@ -323,6 +353,24 @@ def main() -> None:
             steps.add_row(name, f"{r['median_step_s']:.2f}", str(len(r["losses"])), losses)
         steps.caption = f"largest relative difference between the two runs' losses: {drift:.1e}"
         console.print(steps)
+    if args.with_vlm_384:
+        if args.steps_vlm < 2:
+            raise SystemExit(f"--steps-vlm {args.steps_vlm}: at least 2 (the first step compiles)")
+        before, after = run_vlm_384(args.steps_vlm, buckets=False), run_vlm_384(args.steps_vlm, buckets=True)
+        for r in (before, after):
+            if "error" in r:
+                raise SystemExit(f"vlm-cm384 failed: {r['error']}")
+        drift = max(abs(a - b) / abs(a) for a, b in zip(before["losses"], after["losses"], strict=True))
+        result["vlm_cm384"] = {"reduced_per_microbatch": before, "gradient_buckets": after}
+        result["vlm_cm384"]["max_relative_loss_difference"] = drift
+        vlm = Table(title="vlm-cm384, MPMD submeshes of 128 + 256 devices in 12 processes: median step")
+        for col in ("data-parallel reduction", "median step s", "run s", "steps", "losses"):
+            vlm.add_column(col, justify="right" if col in ("median step s", "run s", "steps") else "left")
+        for name, r in (("every micro-batch, one per tensor", before), ("once per step, buckets", after)):
+            losses = ", ".join(f"{x:.6f}" for x in r["losses"])
+            vlm.add_row(name, f"{r['median_step_s']:.1f}", f"{r['wall_s']:.0f}", str(len(r["losses"])), losses)
+        vlm.caption = f"largest relative difference between the two runs' losses: {drift:.1e}"
+        console.print(vlm)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

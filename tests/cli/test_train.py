@@ -65,8 +65,8 @@ def test_explain(capsys):
             r"parallel.gradient_buckets=true needs data-parallel replicas .* set it to null or false",
         ),
         (
-            ["--set", "parallel.gradient_buckets=true", "--set", "parallel.pipeline=2", "--set", "model.moe.experts=4"],
-            r"parallel.gradient_buckets=true: the pipeline or MPMD stages of a mixture of experts .* null or false",
+            ["--set", "parallel.gradient_buckets=true", "--set", "parallel.pipeline=2", "--set", "parallel.tensor=4"],
+            r"parallel.gradient_buckets=true needs data-parallel replicas to sum: data > 1 on some stage .* null",
         ),
         (
             ["--profile", "--steps", "1", "--set", "parallel.pipeline=2", "--set", "parallel.tensor=1"],

@@ -168,13 +168,12 @@ def test_gradient_buckets_that_cannot_be_honoured_are_refused(sets, match):
         resolve(load_config(CONFIGS / "quickstart.yaml", sets))
 
 
-def test_a_pipelined_mixture_of_experts_keeps_its_reductions():
-    sets = ["parallel.pipeline=2", "parallel.expert=2", "emulate.processes=2"]
-    assert not resolve(load_config(CONFIGS / "moe-tiny.yaml", sets)).gradient_buckets
-    with pytest.raises(
-        ConfigError, match=r"gradient_buckets=true: the pipeline or MPMD stages of a mixture of experts"
-    ):
-        resolve(load_config(CONFIGS / "moe-tiny.yaml", [*sets, "parallel.gradient_buckets=true"]))
+def test_a_pipelined_mixture_of_experts_sums_its_replicas_once_too():
+    sets = ["parallel.pipeline=2", "parallel.expert=2"]
+    resolved = lambda *more: resolve(load_config(CONFIGS / "moe-tiny.yaml", [*sets, *more]))
+    assert not resolved("emulate.processes=2").gradient_buckets  # each stage in one process
+    run = resolved("emulate.processes=4")  # each stage's data=2 x expert=2 over two processes
+    assert run.gradient_buckets and run.replica_axes == ("data",)  # a stage's experts keep their exchange
 
 
 @pytest.mark.parametrize(

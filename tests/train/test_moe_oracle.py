@@ -32,6 +32,7 @@ def single_device() -> list[float]:
 
 
 OVERLAP, FULL = "parallel.overlap=two-microbatch", "train.recompute=full"
+BUCKETS = "parallel.gradient_buckets=true"
 SLOW = pytest.mark.slow  # the rest of the sweep: `pytest -m slow`
 LAYOUTS = [
     ["parallel.expert=2"],
@@ -100,6 +101,16 @@ LAYOUTS = [
         ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=8", "parallel.overlap=fb-pair", FULL],
         marks=SLOW,
     ),
+    # each stage's data replicas (2) accumulate their own gradients and balancing losses, summed once per step
+    ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4", BUCKETS],
+    pytest.param(
+        ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4", "parallel.overlap=fb-pair", BUCKETS],
+        marks=SLOW,
+    ),
+    pytest.param(
+        ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4", "parallel.schedule=zero-bubble", BUCKETS],
+        marks=SLOW,
+    ),
 ]
 
 
@@ -148,6 +159,17 @@ def reference(model: str) -> tuple[float, ...]:
 def test_moe_parts_match_single_device(model, sets):
     sharded, _ = run_moe([*MODELS[model], "parallel.expert=4", "parallel.tensor=2", *sets])
     np.testing.assert_allclose(sharded, reference(model), rtol=1e-4, atol=0)
+
+
+def test_a_pipelines_replicas_report_the_micro_batches_router_stats():
+    """With gradient buckets, each replica of a pipeline stage reports its own router stats; the step's are
+    the replicas' (expert loads, balancing loss), and the loss-free bias moves by them, as without."""
+    sets = [*MODELS["deepseek-router"], "parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4"]
+    apart, buckets = run_moe([*sets, "parallel.gradient_buckets=false"]), run_moe([*sets, BUCKETS])
+    np.testing.assert_allclose(buckets[0], apart[0], rtol=1e-5, atol=0)
+    for a, b in zip(apart[1], buckets[1], strict=True):
+        for key in ("aux_loss", "expert_load_max_over_mean", "dropped_fraction"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
 
 
 CAPACITY = ["model.moe.capacity_factor=0.75"]

@@ -99,7 +99,8 @@ def chunk_programs(
     them), every program runs per replica (:func:`per_replica`): the accumulator holds each replica's own
     gradients, stacked, and no program sums over the replicas; the runner sums them once per step. The
     last chunk's loss is then its replica's share of the micro-batch's mean (its rows' mean over the
-    replicas), so the replicas' gradients sum to the micro-batch's.
+    replicas), and each replica's balancing loss its share of the replicas' mean, so the replicas'
+    gradients sum to the micro-batch's; the router stats come back stacked, one entry per replica.
     """
     replicas = math.prod(mesh.shape[a] for a in manual) if manual else 1
 
@@ -114,7 +115,7 @@ def chunk_programs(
 
     def hidden(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> tuple[Any, Any]:
         y, stats = apply(params, x, fed)
-        return (y, aux_term(moe, stats) / m), (jnp.zeros((), jnp.float32), stats)
+        return (y, aux_term(moe, stats) / (m * replicas)), (jnp.zeros((), jnp.float32), stats)
 
     f = loss if last else hidden
 
@@ -257,6 +258,8 @@ class ChunkRuntime:
       zeros, reduce, sumsq, update: a zero gradient accumulator, its sum over the replicas, the squared
         gradient norm, the optimizer update.
       total: the step's loss from the last chunk's per-replica shares (with ``manual`` axes).
+      unstack: the step's router stats from each replica's (with ``manual`` axes): the replicas' mean (the
+        expert loads are the micro-batch's on every replica; the balancing loss is each replica's own).
       moe: the model's mixture of experts (``None`` when dense).
       moe_layers: the chunk's MoE layers.
       rebias: moves the chunk's routing biases by its step's load (``balance: bias``).
@@ -280,6 +283,7 @@ class ChunkRuntime:
     zeros: Any = None
     reduce: Any = None
     total: Any = None
+    unstack: Any = None
     sumsq: Any = None
     update: Any = None
     moe: MoEConfig | None = None

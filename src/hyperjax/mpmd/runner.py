@@ -91,8 +91,6 @@ class PipelineRunner:
             owners = {d.process_index for d in mesh.devices.flat}
             replicas = ("data",) if run.gradient_buckets and mesh.shape["data"] > 1 else ()
             manual = check_replicas(strat, params, mesh, replicas)
-            if manual and any(isinstance(node, MoE) for _, node in nnx.iter_graph(part)):
-                raise ValueError("gradient buckets in a pipeline are for dense models (the resolver says so)")
             self.chunks.append(
                 ChunkRuntime(
                     graphdef=graphdef,
@@ -182,6 +180,7 @@ class PipelineRunner:
                 ch.rebias = jax.jit(functools.partial(update_router_biases, rate=ch.moe.bias_update_rate))
             ch.zeros, ch.reduce = replica_sum(ch.param_sh, ch.mesh, ch.manual)
             ch.total = jax.jit(lambda xs: sum(jnp.sum(x) for x in xs), out_shardings=ch.scalar_sh)
+            ch.unstack = jax.jit(lambda s: jax.tree.map(lambda a: a.mean(0), s), out_shardings=ch.scalar_sh)
             ch.sumsq = jax.jit(lambda g: optax.tree.norm(g, squared=True))
 
             def update(params: Any, opt_state: Any, grads: Any, scale: jax.Array) -> tuple[Any, Any]:
@@ -243,7 +242,8 @@ class PipelineRunner:
                 end = time.perf_counter() - origin
                 for t in (task, partner[task]) if task in partner else (task,):
                     timeline.append((s, t, start - origin, end))
-        # per-replica gradients (gradient buckets) summed once, in flat buffers
+        # per-replica gradients (gradient buckets) summed once, in flat buffers; router stats of the replicas
+        routers = [ch.unstack(r) if ch.manual and r is not None else r for ch, r in zip(chunks, routers, strict=True)]
         grads = [ch.reduce(g) if g is not None else None for ch, g in zip(chunks, grads, strict=True)]
         if self.tied:  # the head's gradient joins the embedding's, on the first stage
             table = jax.ShapeDtypeStruct(chunks[0].host_params["embed"].shape, np.float32)

@@ -237,21 +237,13 @@ def _gradient_buckets(cfg: Config, stages: Sequence[Mapping[str, int]], per_proc
     micro-batch's backward program.
 
     Raises:
-      ConfigError: buckets asked for where the step has no replicas to sum, or for a pipelined mixture of
-        experts (its stages reduce their gradients in their own programs).
+      ConfigError: buckets asked for where the step has no replicas to sum.
     """
     asked, pipelined = cfg.parallel.gradient_buckets, len(stages) > 1
     replicas = [("data",) if a["data"] > 1 else () for a in stages] if pipelined else [replica_axes(stages[0])]
     if asked is None:  # off where a `shard` override moves any logical axis onto or off a replica axis
-        return (
-            not (pipelined and cfg.model.moe is not None)
-            and not any(_overrides_touch(cfg, r) for r in replicas)
-            and any(spans_processes(a, r, per_process) for a, r in zip(stages, replicas, strict=True))
-        )
-    if asked and pipelined and cfg.model.moe is not None:
-        raise ConfigError(
-            "parallel.gradient_buckets=true: the pipeline or MPMD stages of a mixture of experts reduce their "
-            "gradients in their own programs; set it to null or false"
+        return not any(_overrides_touch(cfg, r) for r in replicas) and any(
+            spans_processes(a, r, per_process) for a, r in zip(stages, replicas, strict=True)
         )
     if asked and not any(replicas):
         needs = "data > 1 on some stage" if pipelined else "data > 1, or expert > 1 with fsdp 1"
