@@ -157,7 +157,7 @@ class Run:
         if not self.gradient_buckets:
             return ()
         if len(self.stages) > 1:
-            return ("data",) if any(s.axes["data"] > 1 for s in self.stages) else ()
+            return next(filter(None, (stage_replica_axes(s.axes) for s in self.stages)), ())
         return replica_axes(self.axes)
 
     @property
@@ -237,6 +237,13 @@ def replica_axes(axes: Mapping[str, int]) -> tuple[str, ...]:
     if axes.get("expert", 1) > 1 and axes["fsdp"] == 1:
         out.append("expert")
     return tuple(out)
+
+
+def stage_replica_axes(axes: Mapping[str, int]) -> tuple[str, ...]:
+    """The mesh axes a pipeline or MPMD stage splits into replicas that sum their gradients in buckets:
+    ``data`` alone, where it has more than one replica (a mixture of experts keeps its exchange over
+    ``expert`` inside each replica)."""
+    return ("data",) if axes["data"] > 1 else ()
 
 
 def spans_processes(axes: Mapping[str, int], of: tuple[str, ...], devices_per_process: int) -> bool:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hyperjax.config import MoEConfig, Recompute
@@ -300,11 +300,9 @@ def replica_sum(param_sh: Any, mesh: jax.sharding.Mesh, manual: tuple[str, ...])
     if not manual:
         return jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=param_sh), lambda g: g
     n = math.prod(mesh.shape[a] for a in manual)
-    stacked = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(manual, *s.spec)), param_sh)
+    stacked = jax.tree.map(lambda s: NamedSharding(mesh, P(manual, *s.spec)), param_sh)
     zeros = jax.jit(lambda p: jax.tree.map(lambda a: jnp.zeros((n, *a.shape), a.dtype), p), out_shardings=stacked)
-    specs, tree = jax.tree.flatten(
-        jax.tree.map(lambda s: s.spec, param_sh), is_leaf=lambda x: isinstance(x, PartitionSpec)
-    )
+    specs, tree = jax.tree.flatten(jax.tree.map(lambda s: s.spec, param_sh), is_leaf=lambda x: isinstance(x, P))
     hosts = host_blocks(mesh, manual)
 
     def total(acc: Any) -> Any:

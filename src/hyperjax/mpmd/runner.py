@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hyperjax.config import Run
+from hyperjax.config.run import stage_replica_axes
 from hyperjax.models.moe import MoE, update_router_biases
 from hyperjax.mpmd.chunks import Chunk
 from hyperjax.mpmd.programs import ChunkRuntime, chunk_programs, pair_program, replica_sum
@@ -89,7 +90,7 @@ class PipelineRunner:
             strat = strategy.with_param_axes(state)
             params = nnx.to_pure_dict(state)
             owners = {d.process_index for d in mesh.devices.flat}
-            replicas = ("data",) if run.gradient_buckets and mesh.shape["data"] > 1 else ()
+            replicas = stage_replica_axes(mesh.shape) if run.gradient_buckets else ()
             manual = check_replicas(strat, params, mesh, replicas)
             self.chunks.append(
                 ChunkRuntime(

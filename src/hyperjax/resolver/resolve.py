@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from hyperjax.config import Config, ModelConfig, Run, Stage
-from hyperjax.config.run import replica_axes, spans_processes
+from hyperjax.config.run import replica_axes, spans_processes, stage_replica_axes
 from hyperjax.emulate import plan_processes
 from hyperjax.errors import ConfigError, EmulationError, ShardingError
 from hyperjax.mpmd.schedules import PAIRED, check_sizes, warm_up
@@ -240,7 +240,7 @@ def _gradient_buckets(cfg: Config, stages: Sequence[Mapping[str, int]], per_proc
       ConfigError: buckets asked for where the step has no replicas to sum.
     """
     asked, pipelined = cfg.parallel.gradient_buckets, len(stages) > 1
-    replicas = [("data",) if a["data"] > 1 else () for a in stages] if pipelined else [replica_axes(stages[0])]
+    replicas = [stage_replica_axes(a) for a in stages] if pipelined else [replica_axes(stages[0])]
     if asked is None:  # off where a `shard` override moves any logical axis onto or off a replica axis
         return not any(_overrides_touch(cfg, r) for r in replicas) and any(
             spans_processes(a, r, per_process) for a, r in zip(stages, replicas, strict=True)
