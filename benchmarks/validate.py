@@ -59,7 +59,7 @@ def torchtitan_flops(cfg: Config) -> float:
 
 def kind_of(cfg: Config, path: Path) -> str:
     """Which table a run belongs to: the folder it lies in, else dense or MoE."""
-    if path.parent.name in ("fp8", "torchtitan", "tpu"):
+    if path.parent.name in ("fp8", "torchtitan", "tpu", "bridge"):
         return path.parent.name
     return "moe" if cfg.model.moe is not None else "dense"
 
@@ -149,6 +149,7 @@ TABLES = (
     ("fp8", "FP8 (delayed scaling): cost model vs NeMo 24.07's published runs (DGX H100)"),
     ("torchtitan", "torchtitan Llama 3.1 8B, BF16 and Float8 (tensorwise), 500 W 96 GB H100: time and memory"),
     ("tpu", "MaxText's 2023 decoders, 16B-128B on 1-32 TPU v5e pods (2-D torus ICI, DCN between pods)"),
+    ("bridge", "Megatron Bridge's Qwen3-30B-A3B, 16 H100, HybridEP: expert-parallel overlap off and on (added rows)"),
 )
 
 
@@ -200,6 +201,7 @@ def main() -> int:
         *sorted((HERE / "validation" / "fp8").glob("*.yaml")),
         *sorted((HERE / "validation" / "torchtitan").glob("*.yaml")),
         *sorted((HERE / "validation" / "tpu").glob("*.yaml")),
+        *sorted((HERE / "validation" / "bridge").glob("*.yaml")),
     ]
     rows = [row(path) for path in found]
     console = Console(width=170)

@@ -87,8 +87,15 @@ def test_topology_says_how_float32_products_run(capsys):
             r"parallel.overlap='two-microbatch' hides a mixture of experts' all-to-all, but the model has no MoE",
         ),
         (
-            ["train", str(CONFIGS / "moe-tiny.yaml"), "--set", "parallel.overlap=fb-pair"],
-            r"parallel.overlap='fb-pair' .* needs parallel.pipeline > 1",
+            [
+                "train",
+                str(CONFIGS / "moe-tiny.yaml"),
+                "--set",
+                "parallel.overlap=fb-pair",
+                "--set",
+                "train.microbatches=1",
+            ],
+            r"parallel.overlap='fb-pair' without a pipeline .* 1 micro-batch; set train.microbatches >= 2",
         ),
     ],
 )

@@ -81,6 +81,29 @@ def test_bad_input_exits_2(capsys, args, pattern):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        (
+            ["--profile", "--steps", "1"],
+            r"--profile: .* paired forward and backward programs of parallel.overlap=fb-pair",
+        ),
+        (
+            ["--set", "offload.policy=manual", "--set", "offload.manual={layers.1.optimizer: host}"],
+            r"offload.policy='manual': .* paired forwards and backwards \(parallel.overlap: fb-pair\)",
+        ),
+    ],
+)
+def test_paired_steps_refuse_what_needs_one_program(capsys, args, pattern):
+    """Without a pipeline, fb-pair runs the step as paired per-chunk programs: what applies to one SPMD
+    program (profiling its collectives, an offload placement) is refused by name."""
+    paired = ["--set", "parallel.expert=2", "--set", "parallel.overlap=fb-pair", "--set", "train.microbatches=2"]
+    assert main(["train", str(CONFIGS / "moe-tiny.yaml"), *paired, *args]) == 2
+    err = capsys.readouterr().err
+    assert re.search(pattern, err), err
+    assert "Traceback" not in err
+
+
 def test_missing_config_from_the_shell():
     result = subprocess.run([sys.executable, "-m", "hyperjax", "train", "nope.yaml"], capture_output=True, text=True)
     assert result.returncode == 2

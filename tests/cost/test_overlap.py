@@ -123,7 +123,38 @@ def test_micro_batches_in_flight_are_what_the_grid_holds(stages, virtual, microb
     run = resolve(cfg, 2 * stages)
     sched = run_schedule(run)
     for s in range(stages):  # chunk forwards held at the stage's peak, v to a micro-batch
-        assert in_flight(run, s) == -(-_peak_in_flight(sched, s) // virtual), s
+        assert in_flight(run, s) == -(-_peak_in_flight(sched, s, paired=True) // virtual), s
+
+
+@pytest.mark.parametrize("microbatches", [2, 5])
+def test_one_stage_pairs_the_next_forward_with_each_backward(microbatches):
+    """Without a pipeline, ``fb-pair`` runs Megatron-Core's EP overlap: the first forward alone, then each
+    forward beside the previous micro-batch's backward, then the last backward; one micro-batch held at the
+    peak, the pair swapping a layer of one for a layer of the other."""
+    from hyperjax.cost.pipeline import in_flight
+    from hyperjax.mpmd.schedules import Task, run_schedule
+
+    sets = ["parallel.expert=2", f"train.microbatches={microbatches}", f"train.global_batch={2 * microbatches}"]
+    run = resolve(load_config(ROOT / "configs" / "moe-tiny.yaml", [*sets, "parallel.overlap=fb-pair"]), 2)
+    assert run.staged and not run.pipelined and run.schedule == "1f1b"
+    sched = run_schedule(run)
+    assert sched.pairs == tuple((Task("F", i + 1, 0), Task("B", i, 0)) for i in range(microbatches - 1))
+    assert in_flight(run, 0) == 1
+    plain = estimate(resolve(load_config(ROOT / "configs" / "moe-tiny.yaml", sets), 2))
+    est = estimate(run)
+    stage = est.stages[0]
+    # the step is the grid replayed: F, the pairs, B, each pair shortened by what it hides
+    assert not est.closed_form and len(est.kinds) == 1
+    assert est.step_time_s < plain.step_time_s
+    assert est.all_to_all["exposed_s"] < plain.all_to_all["exposed_s"]
+    assert est.step_time_s == pytest.approx(
+        est.breakdown_s["compute"]
+        + est.breakdown_s["exposed_communication"]
+        + est.breakdown_s["pipeline_bubble"]
+        + est.breakdown_s["recompute"]
+        + est.breakdown_s["optimizer"]
+    )
+    assert stage.per_microbatch_s == pytest.approx(plain.stages[0].per_microbatch_s)
 
 
 def test_a_pair_of_a_dense_chunk_and_an_moe_chunk_saves_nothing():
@@ -163,7 +194,7 @@ def test_predict_json_reports_the_all_to_all_for_moe_only():
         ("moe-tiny", ["parallel.overlap=two-microbatch", "parallel.expert=1"], "no all-to-all to hide"),
         ("moe-tiny", ["parallel.overlap=two-microbatch", "model.moe.capacity_factor=1.25"], "dropless"),
         ("moe-tiny", ["parallel.overlap=two-microbatch", "train.micro_batch=1"], "even number"),
-        ("moe-tiny", ["parallel.overlap=fb-pair"], "parallel.pipeline > 1"),
+        ("moe-tiny", ["parallel.overlap=fb-pair", "train.microbatches=1"], "train.microbatches >= 2"),
         ("moe-tiny", ["parallel.overlap=fb-pair", "parallel.pipeline=2", "parallel.schedule=zero-bubble"], "1f1b"),
         ("moe-tiny", ["parallel.overlap=fb-pair", "parallel.pipeline=2", "parallel.schedule=gpipe"], "interleaved"),
         (

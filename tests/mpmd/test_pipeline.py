@@ -212,18 +212,24 @@ def test_split_backward_leaves_w_the_weight_gemms():
 
 
 INTERLEAVED = ["model.layers=4", "parallel.schedule=interleaved", "parallel.virtual_stages=2"]
+ONE_STAGE = ["model.layers=2", "parallel.pipeline=1"]
 
 
 @pytest.mark.slow  # the pairs' losses are held in the fast tier by tests/train/test_moe_oracle.py
-@pytest.mark.parametrize("schedule", [["model.layers=2"], INTERLEAVED], ids=["1f1b", "interleaved"])
+@pytest.mark.parametrize(
+    "schedule", [["model.layers=2"], INTERLEAVED, ONE_STAGE], ids=["1f1b", "interleaved", "one-stage"]
+)
 def test_paired_tasks_run_as_one_program_in_the_grids_order(schedule):
     """What the emulation can show of F-B pairing: each pair runs as one program (its two tasks share one
     interval of the timeline) and the tasks run in the grid's order; the timing of a real overlap it cannot.
-    Interleaved, a pair may join two of a stage's chunks."""
+    Interleaved, a pair may join two of a stage's chunks; without a pipeline, each forward the previous
+    micro-batch's backward."""
     from hyperjax import build_model
+    from hyperjax.mpmd.schedules import Task
     from hyperjax.train import Batches, pipeline_runner, prepare
 
-    sets = [*schedule, "parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4"]
+    pipeline = [] if schedule == ONE_STAGE else ["parallel.pipeline=2"]
+    sets = [*schedule, "parallel.expert=2", *pipeline, "train.microbatches=4"]
     run = resolve(load_config(QUICKSTART.parent / "moe-tiny.yaml", [*sets, "parallel.overlap=fb-pair"]))
     t = run.config.train
     runner = pipeline_runner(prepare(run), build_model(run.config.model, seed=t.seed, overlap=run.overlap))
@@ -235,6 +241,8 @@ def test_paired_tasks_run_as_one_program_in_the_grids_order(schedule):
     # interleaved, of 2(p - s - 1) + (v - 1) p + 1: 3 on stage 0 and 5 on stage 1, some across chunks
     if schedule == INTERLEAVED:
         assert len(sched.pairs) == 8 and any(f.chunk != b.chunk for f, b in sched.pairs)
+    elif schedule == ONE_STAGE:
+        assert not run.pipelined and sched.pairs == tuple((Task("F", i + 1, 0), Task("B", i, 0)) for i in range(3))
     else:
         assert len(sched.pairs) == 4
     spans = {task: (start, end) for _, task, start, end in timeline}

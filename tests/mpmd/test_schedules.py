@@ -39,11 +39,15 @@ def test_schedules_differ_where_they_should():
     assert make_schedule("zero-bubble", 4, 8).bubble_fraction() < one_f.bubble_fraction()
 
 
-def _peak_in_flight(sched, stage):
+def _peak_in_flight(sched, stage, *, paired=False):
+    """Micro-batches' forwards a stage holds at its peak. ``paired``: a pair's forward and backward count
+    together, the backward freeing a layer as the forward keeps one (Megatron-Core's combined 1F1B)."""
+    partner = {f: b for f, b in sched.pairs} if paired else {}
+    later = set(partner.values())
     live = peak = 0
     for _, s, task in sched.starts():
-        if s == stage:
-            live += {"F": 1, "B": -1, "W": 0}[task.kind]
+        if s == stage and task not in later:
+            live += 0 if task in partner else {"F": 1, "B": -1, "W": 0}[task.kind]
             peak = max(peak, live)
     return peak
 

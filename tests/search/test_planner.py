@@ -198,3 +198,21 @@ def test_plan_refuses_a_fused_kernel_the_preset_does_not_measure():
     )
     with pytest.raises(ConfigError, match=r"model.attention_impl='flash3' is not a fused attention kernel"):
         plan(cfg, 8)
+
+
+def test_accumulated_micro_batches_of_one_stage_are_searched_paired():
+    """Gradient accumulation in one program also runs paired (``fb-pair`` without a pipeline, Megatron-Core's
+    EP overlap): the search prices those strategies as ``predict`` prices their overrides."""
+    from hyperjax.search import price
+
+    cfg = small_case(GPT_OSS, [*MOE_SMALL, "emulate.devices=16", "train.micro_batch=1"])
+    found = plan(cfg, 16, keep=4000, accumulate=True)
+    paired = [c for c in found.best if c.overrides["parallel.pipeline"] == 1 and c.run.overlap == "fb-pair"]
+    assert paired and all(c.run.schedule == "1f1b" and c.run.microbatches >= 2 for c in paired)
+    hw = load_hardware(cfg.hardware)
+    for c in paired[:3]:
+        overrides = {k: v for k, v in c.overrides.items() if k != "train.recompute"}
+        est = price(cfg, {**overrides, "train.recompute": c.run.recompute}, 16, hw)
+        assert est.step_time_s == pytest.approx(c.estimate.step_time_s, rel=1e-12)
+        plain = price(cfg, {**overrides, "parallel.overlap": "none", "train.recompute": c.run.recompute}, 16, hw)
+        assert est.step_time_s < plain.step_time_s

@@ -101,6 +101,9 @@ LAYOUTS = [
         ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=8", "parallel.overlap=fb-pair", FULL],
         marks=SLOW,
     ),
+    # without a pipeline, each forward beside the previous micro-batch's backward (Megatron-Core's EP overlap)
+    ["parallel.expert=2", "train.microbatches=4", "parallel.overlap=fb-pair"],
+    pytest.param(["parallel.expert=4", "train.microbatches=2", "parallel.overlap=fb-pair", BUCKETS], marks=SLOW),
     # each stage's data replicas (2) accumulate their own gradients and balancing losses, summed once per step
     ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4", BUCKETS],
     pytest.param(

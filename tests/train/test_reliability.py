@@ -132,6 +132,23 @@ def _bad(args: list[str], capsys) -> str:
     return err
 
 
+def test_a_paired_runs_checkpoint_resumes_paired_and_is_refused_elsewhere_by_name(tmp_path: Path, capsys):
+    """``parallel.overlap: fb-pair`` without a pipeline runs, and saves, as a pipeline of one stage: its
+    checkpoint resumes under the same pairing, and an SPMD run or ``generate`` refuses it, naming fb-pair."""
+    moe = str(Path(QUICK).parent / "moe-tiny.yaml")
+    paired = ["--set", "parallel.expert=2", "--set", "parallel.overlap=fb-pair", "--set", "train.microbatches=2"]
+    run = str(tmp_path / "run")
+    assert main(["train", moe, *paired, "--steps", "2", "--checkpoint-dir", run, "--out-dir", str(tmp_path)]) == 0
+    assert main(["train", moe, *paired, "--steps", "3", "--checkpoint-dir", run, "--resume"]) == 0
+    assert re.search(r"resumed from \S+ \(step 2,", capsys.readouterr().out)
+    err = _bad(
+        ["train", moe, "--set", "parallel.expert=2", "--steps", "4", "--checkpoint-dir", run, "--resume"], capsys
+    )
+    assert "another pipeline layout" in err and "parallel.overlap=fb-pair runs and saves as a pipeline" in err
+    err = _bad(["generate", moe, "--checkpoint-dir", run, "--prompt", "hi", "--max-new-tokens", "2"], capsys)
+    assert "one pairing forwards and backwards" in err and "parallel.overlap other than fb-pair" in err
+
+
 def test_checkpoint_mistakes_exit_2(tmp_path: Path, capsys):
     small = [a for s in SMALL for a in ("--set", s)]
     base = ["train", QUICK, *small]

@@ -86,7 +86,8 @@ class Run:
       zero_stage: ZeRO over the data axis (1: optimizer state, 2: also gradients).
       micro_batch: sequences per micro-batch on one data-parallel replica of the first stage.
       microbatches: micro-batches per optimizer step (gradient accumulation, or the pipeline's).
-      schedule: the pipeline schedule; ``None`` for a single stage.
+      schedule: the pipeline schedule; ``None`` for a single stage (``1f1b`` where its forwards and backwards
+        pair, ``parallel.overlap: fb-pair``).
       stages: the submeshes, in the order data flows through them.
       gradient_buckets: whether the training step computes each data-parallel replica's gradients apart and
         sums them in flat buffers (:attr:`replica_axes`), rather than leaving every reduction to XLA.
@@ -133,6 +134,13 @@ class Run:
         return len(self.stages) > 1
 
     @property
+    def staged(self) -> bool:
+        """Whether the step runs as a schedule of per-chunk programs: several stages, or one stage whose
+        forwards and backwards pair (``parallel.overlap: fb-pair`` with ``parallel.pipeline: 1``, as
+        Megatron-Core's EP overlap runs without pipelining)."""
+        return self.pipelined or self.overlap == "fb-pair"
+
+    @property
     def virtual_stages(self) -> int:
         """Model chunks per stage."""
         return self.parallel["virtual_stages"]
@@ -156,7 +164,7 @@ class Run:
         see :func:`replica_axes`; a pipeline's stages split out ``data`` alone, where any stage has it)."""
         if not self.gradient_buckets:
             return ()
-        if len(self.stages) > 1:
+        if self.staged:
             return next(filter(None, (stage_replica_axes(s.axes) for s in self.stages)), ())
         return replica_axes(self.axes)
 

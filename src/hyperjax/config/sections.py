@@ -155,7 +155,7 @@ class ParallelConfig:
     pipeline: int = 1  # pipeline stages
     virtual_stages: int = 1  # model chunks per pipeline stage (interleaved schedule when > 1)
     schedule: ScheduleName = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved or zero-bubble
-    overlap: Overlap = "none"  # MoE all-to-all behind compute: none, two-microbatch, fb-pair (1f1b, interleaved)
+    overlap: Overlap = "none"  # MoE all-to-all behind compute: none, two-microbatch or fb-pair
     dispatcher: Dispatcher = "deepep"  # the MoE token exchange (priced): deepep, alltoall or allgather
     tp_overlap: TpOverlap = "none"  # tensor-parallel collectives beside products (priced): none, bulk, pipelined
     dp_overlap: DpOverlap = "backward"  # gradient reduction beside compute (priced): none, backward, full

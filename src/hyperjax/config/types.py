@@ -31,8 +31,9 @@ ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zero-bubble"]
 Overlap = Literal["none", "two-microbatch", "fb-pair"]
 """How a mixture of experts' all-to-all meets compute (:mod:`hyperjax.mpmd.lanes`): not at all (each dispatch
 and combine waits), two halves of every micro-batch whose exchanges hide behind each other's compute
-(DeepSeek-V3's two-micro-batch overlap), or a pipeline's forward and backward of different micro-batches
-paired so that each one's exchanges hide behind the other's compute (DualPipe's F-B pairing)."""
+(DeepSeek-V3's two-micro-batch overlap), or a forward and a backward of different micro-batches paired so
+that each one's exchanges hide behind the other's compute: on a pipeline (DualPipe's F-B pairing), or on one
+stage under gradient accumulation (Megatron-Core's EP overlap without pipelining)."""
 
 TpOverlap = Literal["none", "bulk", "pipelined"]
 """How tensor-parallel collectives meet the products beside them (priced; the emulated mesh leaves the

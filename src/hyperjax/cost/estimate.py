@@ -247,7 +247,7 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
     busy = m * c.per_microbatch_s
     equal = len({(s.devices, tuple(s.axes.items()), s.layers, s.modules) for s in run.stages}) == 1
     paired: list[Pair] = []  # the slowest stage's pairs (fb-pair)
-    if len(kind_of) == 1:
+    if len(kind_of) == 1 and run.overlap != "fb-pair":
         idle = 0.0
     elif equal and run.overlap != "fb-pair":
         idle = _closed_form_idle(run, c)
@@ -267,7 +267,7 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
                 for n, t in zip(stage.chunks, kinds[k].chunks, strict=True):
                     lengths |= {(n, "F"): t.forward_s, (n, "B"): t.backward_s, (n, "W"): t.weight_s}
             end = replay_end(sched, lengths)
-        idle = max(0.0, end - busy)
+        idle = end - busy if end - busy > 1e-12 * busy else 0.0  # a replay's rounding is no bubble
     step = busy + idle + c.data_parallel_exposed_s + c.optimizer_s + c.weight_cast_s
     fullest = max(range(len(kind_of)), key=lambda i: peak_with(kinds[kind_of[i]], held[i]))
     memory = dict(with_in_flight(kinds[kind_of[fullest]], run.stages[fullest], held[fullest]).memory)

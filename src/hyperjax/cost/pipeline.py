@@ -35,14 +35,18 @@ def in_flight(run: Run, s: int) -> int:
     warm-up's forwards and the one in flight (:func:`hyperjax.mpmd.schedules.warm_up`), ``v`` chunk
     forwards a micro-batch when interleaved. Under 1F1B the first stage holds ``p`` and each later one one
     fewer; interleaved, the first holds Korthikanti et al.'s ``p (1 + (p - 1) / (p v))`` (4.2.3), and later
-    stages more than that rule scaled by ``p - s``. Pairing forwards with backwards (``fb-pair``) holds
-    ``2(p - s)`` under 1F1B, and one chunk forward more interleaved."""
+    stages more than that rule scaled by ``p - s``. Pairing forwards with backwards (``fb-pair``) holds its
+    longer warm-up's forwards alone, ``2(p - s) - 1`` under 1F1B and one (a single stage): a pair runs its
+    forward's layers first to last and its backward's last to first, a layer at a time, each backward layer
+    freeing what its forward layer keeps (Megatron-Core's combined 1F1B), so a pair ends holding what it
+    started with and its peak is above that by a layer's activations, not a micro-batch's."""
     p, m, v = len(run.stages), run.microbatches, run.virtual_stages
     if p == 1:
         return 1
     if run.schedule == "gpipe":
         return m
-    chunks = warm_up(s, p, v, paired=run.overlap == "fb-pair") + 1
+    paired = run.overlap == "fb-pair"
+    chunks = warm_up(s, p, v, paired=paired) + (0 if paired else 1)
     return min(m, -(-chunks // v))
 
 

@@ -125,9 +125,10 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
             raise
         processes, limit = None, str(e)
     first = stages[0].axes
-    pipelined = len(stages) > 1
     _check_overlap(config, stages, rows, microbatches, split)
-    buckets = _gradient_buckets(config, [s.axes for s in stages], n // (processes or 1))
+    # several stages, or one whose forwards and backwards pair: a schedule of per-chunk programs
+    staged = len(stages) > 1 or p.overlap == "fb-pair"
+    buckets = _gradient_buckets(config, [s.axes for s in stages], n // (processes or 1), staged=staged)
     return Run(
         config=config,
         hardware=hw,
@@ -144,7 +145,7 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
         zero_stage=p.zero_stage,
         micro_batch=rows // stages[0].data_parallel,
         microbatches=microbatches,
-        schedule=p.schedule if pipelined else None,
+        schedule=(p.schedule if len(stages) > 1 else "1f1b") if staged else None,
         stages=stages,
         gradient_buckets=buckets,
         recompute=t.recompute,
@@ -213,11 +214,17 @@ def _check_overlap(cfg: Config, stages: tuple[Stage, ...], rows: int, microbatch
                     "replicas); use an even number (a larger global batch or fewer micro-batches)"
                 )
     if overlap == "fb-pair":
-        if len(stages) < 2 or cfg.mpmd.submeshes or p.schedule not in PAIRED:
+        if cfg.mpmd.submeshes or (len(stages) > 1 and p.schedule not in PAIRED):
             raise ConfigError(
-                f"parallel.overlap='fb-pair' pairs a pipeline's forward and backward tasks in 1F1B's steady state; "
-                f"it needs parallel.pipeline > 1 and parallel.schedule: 1f1b or interleaved (got pipeline="
-                f"{p.pipeline}, schedule={p.schedule!r}{', mpmd submeshes' if cfg.mpmd.submeshes else ''})"
+                f"parallel.overlap='fb-pair' pairs one micro-batch's forward with another's backward in 1F1B's "
+                f"steady state; it needs parallel.schedule: 1f1b or interleaved, or parallel.pipeline: 1 (got "
+                f"pipeline={p.pipeline}, schedule={p.schedule!r}{', mpmd submeshes' if cfg.mpmd.submeshes else ''})"
+            )
+        if len(stages) == 1 and microbatches < 2:
+            raise ConfigError(
+                f"parallel.overlap='fb-pair' without a pipeline pairs each micro-batch's forward with the previous "
+                f"one's backward, but the step has {microbatches} micro-batch; set train.microbatches >= 2 (or a "
+                "smaller train.micro_batch)"
             )
         if microbatches < 2 * len(stages):
             raise ConfigError(
@@ -228,7 +235,7 @@ def _check_overlap(cfg: Config, stages: tuple[Stage, ...], rows: int, microbatch
             )
 
 
-def _gradient_buckets(cfg: Config, stages: Sequence[Mapping[str, int]], per_process: int) -> bool:
+def _gradient_buckets(cfg: Config, stages: Sequence[Mapping[str, int]], per_process: int, *, staged: bool) -> bool:
     """``parallel.gradient_buckets``, or when null: whether the replicas span the emulating processes (there a
     collective costs the same whatever its size, and XLA's CPU backend runs one per tensor).
 
@@ -239,14 +246,14 @@ def _gradient_buckets(cfg: Config, stages: Sequence[Mapping[str, int]], per_proc
     Raises:
       ConfigError: buckets asked for where the step has no replicas to sum.
     """
-    asked, pipelined = cfg.parallel.gradient_buckets, len(stages) > 1
-    replicas = [stage_replica_axes(a) for a in stages] if pipelined else [replica_axes(stages[0])]
+    asked = cfg.parallel.gradient_buckets
+    replicas = [stage_replica_axes(a) for a in stages] if staged else [replica_axes(stages[0])]
     if asked is None:  # off where a `shard` override moves any logical axis onto or off a replica axis
         return not any(_overrides_touch(cfg, r) for r in replicas) and any(
             spans_processes(a, r, per_process) for a, r in zip(stages, replicas, strict=True)
         )
     if asked and not any(replicas):
-        needs = "data > 1 on some stage" if pipelined else "data > 1, or expert > 1 with fsdp 1"
+        needs = "data > 1 on some stage" if staged else "data > 1, or expert > 1 with fsdp 1"
         meshes = " | ".join(str(dict(a)) for a in stages)
         raise ConfigError(
             f"parallel.gradient_buckets=true needs data-parallel replicas to sum: {needs} (the mesh is {meshes}); "

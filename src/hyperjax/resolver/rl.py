@@ -186,3 +186,8 @@ def _check_learner(run: Run) -> None:
             "update; lay it out with data, fsdp, tensor, context and expert (pipelines are priced by predict "
             "for supervised runs)"
         )
+    if run.staged:
+        raise ConfigError(
+            "rl.learner.parallel.overlap=fb-pair: the learner runs one SPMD program per update, not paired "
+            "forward and backward programs; set it to none or two-microbatch"
+        )

@@ -191,11 +191,12 @@ def plan(
         for recompute in RECOMPUTE:
             left = []
             for combo in pending:
+                paired = combo.get("parallel.overlap") == "fb-pair"  # one stage's pairs run on 1F1B's grid
                 run = dataclasses.replace(
                     base,
                     recompute=recompute,
                     zero_stage=combo.get("parallel.zero_stage", base.zero_stage),
-                    schedule=combo["parallel.schedule"] if base.pipelined else None,
+                    schedule=combo["parallel.schedule"] if base.pipelined or paired else None,
                     overlap=combo.get("parallel.overlap", "none"),
                 )
                 est = estimate(run, cores=cores)

@@ -109,7 +109,8 @@ def strategies(cfg: Config, devices: int, *, accumulate: bool = False) -> Iterat
                         overlaps = ["none"]
                         if exchanged and not vision and m.moe.capacity_factor is None and rows % 2 == 0:
                             overlaps.append("two-microbatch")
-                        if exchanged and pipeline > 1 and schedule in PAIRED and per_replica // rows >= 2 * pipeline:
+                        # F-B pairs: a pipeline's 1F1B, or one stage's accumulated micro-batches
+                        if exchanged and schedule in PAIRED and per_replica // rows >= 2 * pipeline:
                             overlaps.append("fb-pair")
                         # sequence parallelism moves the same bytes as plain tensor parallelism and
                         # stores less, so it is never worse: only the sequence-parallel variant is priced

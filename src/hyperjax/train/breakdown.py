@@ -69,6 +69,11 @@ def check_profiled(run: Run) -> None:
             f"--profile: collectives are timed in one SPMD program, not in the {len(run.stages)} pipeline or MPMD "
             "stages of this run (parallel.pipeline or mpmd.submeshes); drop --profile, or set parallel.pipeline=1"
         )
+    if run.staged:
+        raise ConfigError(
+            "--profile: collectives are timed in one SPMD program, not in the paired forward and backward "
+            "programs of parallel.overlap=fb-pair; drop --profile, or set parallel.overlap: none"
+        )
 
 
 def profile_ops(fn: Callable[[], Any]) -> tuple[Any, float, dict[str, float]]:

@@ -241,9 +241,9 @@ def restore_params(directory: str | Path, like: Any, *, command: str = "generate
         held = saved_tree.get("params") if isinstance(saved_tree, dict) else None
         if isinstance(held, (list, tuple)) or (isinstance(held, dict) and all(str(k).isdigit() for k in held)):
             raise ConfigError(
-                f"{where} was written by a pipeline run (its parameters are saved stage by stage); {command} "
-                "reads checkpoints of runs without a pipeline: train with parallel.pipeline=1, or give another "
-                "--checkpoint-dir"
+                f"{where} was written by a pipeline run, or one pairing forwards and backwards (its parameters "
+                f"are saved chunk by chunk); {command} reads checkpoints of one SPMD program: train with "
+                "parallel.pipeline=1 and parallel.overlap other than fb-pair, or give another --checkpoint-dir"
             )
         _check_shapes({"params": abstract}, {"params": held or {}}, where, verb=command)
         try:
@@ -277,8 +277,9 @@ def _check_shapes(abstract: Any, saved: Any, where: str, verb: str = "resume") -
             raise ConfigError(
                 f"{where} has no tensor {path} (shape {tuple(want.shape)}): it was written for another model "
                 "or another pipeline layout (a pipeline's state is saved stage by stage: parallel.pipeline, "
-                "parallel.virtual_stages and parallel.stage_layers must match, and an SPMD checkpoint does not "
-                f"resume as a pipeline); {verb} with the config it was written with, or use a new --checkpoint-dir"
+                "parallel.virtual_stages and parallel.stage_layers must match, an SPMD checkpoint does not "
+                "resume as a pipeline, and parallel.overlap=fb-pair runs and saves as a pipeline of one stage); "
+                f"{verb} with the config it was written with, or use a new --checkpoint-dir"
             )
         if tuple(found[path].shape) != tuple(want.shape):
             raise ConfigError(

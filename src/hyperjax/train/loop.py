@@ -119,10 +119,10 @@ def train(
             raise ConfigError("--resume needs --checkpoint-dir, the folder the run wrote its checkpoints to")
         try:
             if imported(ckpt.directory):  # weights alone (import-hf): they start the run at step 0
-                if run.pipelined:
+                if run.staged:
                     raise ConfigError(
                         f"{str(ckpt.directory)!r} holds imported weights, which start an SPMD run; set "
-                        "parallel.pipeline=1 to train from them"
+                        "parallel.pipeline=1 and parallel.overlap other than fb-pair to train from them"
                     )
                 restored = restore_params(ckpt.directory, state["params"], command="train --resume")
                 state = {**state, "params": restored.state}

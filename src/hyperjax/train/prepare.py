@@ -38,11 +38,12 @@ def prepare(run: Run) -> Prepared:
       ConfigError: an offload policy on a run the step cannot apply it to, a budget no placement fits, or
         FP8 scaling the runtime does not carry (``delayed``).
     """
-    if run.offload != "none" and (run.pipelined or run.config.model.vision is not None):
+    if run.offload != "none" and (run.staged or run.config.model.vision is not None):
         raise ConfigError(
             f"offload.policy={run.offload!r}: training applies a placement to one SPMD program of a "
-            "decoder-only model, not to a pipeline, MPMD submeshes or a vision model; set offload.policy: none "
-            "(hyperjax predict prices offload for pipelines too)"
+            "decoder-only model, not to a pipeline, MPMD submeshes, paired forwards and backwards "
+            "(parallel.overlap: fb-pair) or a vision model; set offload.policy: none (hyperjax predict prices "
+            "offload for these too)"
         )
     fp8 = run.config.train.fp8
     if fp8 is not None and fp8.recipe == "delayed":

@@ -56,7 +56,7 @@ class Program:
 def build_program(ready: Prepared, model: nnx.Module) -> Program:
     """The program of ``ready``'s run for ``model`` (built with the run's dtype, recompute and seed)."""
     data = data_for(ready.run.config)
-    return (_pipeline if ready.run.pipelined else _spmd)(ready, model, data)
+    return (_pipeline if ready.run.staged else _spmd)(ready, model, data)
 
 
 def data_for(cfg: Config) -> Batches | CaptionBatches:
