@@ -99,8 +99,9 @@ def test_interleaved_pairs_join_a_stages_chunks_and_hide_their_all_to_all():
     end = max(e for _, _, e in replay(sched, seconds).values())
     stage = est.stages[est.critical]
     assert est.step_time_s == pytest.approx(end + stage.data_parallel_exposed_s + stage.optimizer_s, rel=1e-9)
-    # one chunk's forward more in the warm-up (1 / v of a micro-batch, rounded up: the grids' test below)
-    assert all(a >= b for a, b in zip(est.in_flight, plain.in_flight, strict=True))
+    # one chunk's forward more in the warm-up, and the pair holding no more than it started with: what the
+    # stage holds unpaired (the grids' test below)
+    assert est.in_flight == plain.in_flight
     events = simulate(est)
     assert {e["name"].split()[0] for e in events if e.get("tid") == 2} >= {"dispatch", "dispatch'"}
 
@@ -195,6 +196,34 @@ def test_predict_json_reports_the_all_to_all_for_moe_only():
         ("moe-tiny", ["parallel.overlap=two-microbatch", "model.moe.capacity_factor=1.25"], "dropless"),
         ("moe-tiny", ["parallel.overlap=two-microbatch", "train.micro_batch=1"], "even number"),
         ("moe-tiny", ["parallel.overlap=fb-pair", "train.microbatches=1"], "train.microbatches >= 2"),
+        (
+            "moe-tiny",
+            ["parallel.overlap=fb-pair", "parallel.schedule=interleaved", "parallel.virtual_stages=2"],
+            "parallel.virtual_stages=2 needs more; set parallel.overlap: none, or parallel.virtual_stages: 1",
+        ),
+        (
+            "vlm-tiny-mpmd",
+            [
+                "mpmd.submeshes=[]",
+                "model.moe={experts: 4, top_k: 2, d_ff: 64}",
+                "train.global_batch=32",
+                "parallel.expert=2",
+                "parallel.overlap=fb-pair",
+                "train.microbatches=2",
+            ],
+            "model.vision (an encoder and a language model: two chunks) needs more",
+        ),
+        (
+            "vlm-tiny-mpmd",  # the language submesh's experts spread over its tensor axis: an exchange to hide
+            [
+                "model.moe={experts: 4, top_k: 2, d_ff: 64}",
+                "parallel.overlap=fb-pair",
+                "parallel.expert_tensor=1",
+                "parallel.tensor=2",
+                "parallel.sequence_parallel=true",
+            ],
+            "not of mpmd submeshes running different modules",
+        ),
         ("moe-tiny", ["parallel.overlap=fb-pair", "parallel.pipeline=2", "parallel.schedule=zero-bubble"], "1f1b"),
         ("moe-tiny", ["parallel.overlap=fb-pair", "parallel.pipeline=2", "parallel.schedule=gpipe"], "interleaved"),
         (

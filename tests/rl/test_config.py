@@ -62,6 +62,16 @@ def test_missing_devices_are_what_the_other_phase_leaves():
             ["rl.learner.parallel.pipeline=2", "rl.learner.parallel.fsdp=2"],
             r"rl.learner.parallel.pipeline=2: the learner",
         ),
+        (
+            [
+                "model.moe={experts: 4, top_k: 2, d_ff: 64}",
+                "rl.learner.parallel.expert=2",
+                "rl.learner.parallel.fsdp=2",
+                "rl.learner.parallel.overlap=fb-pair",
+                "train.microbatches=2",
+            ],
+            r"rl.learner.parallel.overlap=fb-pair: the learner runs one SPMD program",
+        ),
         (["rl.learner.parallel.fsdp=3"], r"rl.learner: .*rl.learner.parallel.data cannot take the rest"),
         (["rl.placement=colocated"], r"rl.rollout.devices=4, but rl.placement=colocated"),
         (["rl.max_staleness=2"], r"rl.max_staleness=2 must be 0"),

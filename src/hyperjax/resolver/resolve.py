@@ -214,11 +214,26 @@ def _check_overlap(cfg: Config, stages: tuple[Stage, ...], rows: int, microbatch
                     "replicas); use an even number (a larger global batch or fewer micro-batches)"
                 )
     if overlap == "fb-pair":
-        if cfg.mpmd.submeshes or (len(stages) > 1 and p.schedule not in PAIRED):
+        if cfg.mpmd.submeshes:
+            raise ConfigError(
+                "parallel.overlap='fb-pair' pairs forwards and backwards of one model's chunks, not of mpmd "
+                "submeshes running different modules; set parallel.overlap: none"
+            )
+        if len(stages) > 1 and p.schedule not in PAIRED:
             raise ConfigError(
                 f"parallel.overlap='fb-pair' pairs one micro-batch's forward with another's backward in 1F1B's "
                 f"steady state; it needs parallel.schedule: 1f1b or interleaved, or parallel.pipeline: 1 (got "
-                f"pipeline={p.pipeline}, schedule={p.schedule!r}{', mpmd submeshes' if cfg.mpmd.submeshes else ''})"
+                f"pipeline={p.pipeline}, schedule={p.schedule!r})"
+            )
+        if len(stages) == 1 and (cfg.model.vision is not None or p.virtual_stages > 1):
+            what, fix = (
+                ("model.vision (an encoder and a language model: two chunks)", "")
+                if cfg.model.vision is not None
+                else (f"parallel.virtual_stages={p.virtual_stages}", ", or parallel.virtual_stages: 1")
+            )
+            raise ConfigError(
+                f"parallel.overlap='fb-pair' without a pipeline pairs the forwards and backwards of one chunk, the "
+                f"whole model; {what} needs more; set parallel.overlap: none{fix}"
             )
         if len(stages) == 1 and microbatches < 2:
             raise ConfigError(
@@ -239,8 +254,9 @@ def _gradient_buckets(cfg: Config, stages: Sequence[Mapping[str, int]], per_proc
     """``parallel.gradient_buckets``, or when null: whether the replicas span the emulating processes (there a
     collective costs the same whatever its size, and XLA's CPU backend runs one per tensor).
 
-    A pipeline's (or MPMD run's) stages split out their ``data`` replicas alone: each replica accumulates
-    its own gradients over the micro-batches, and they are summed once per step rather than in every
+    A pipeline's (or MPMD run's) stages split out their ``data`` replicas alone, as does one stage pairing its
+    forwards and backwards (``staged``: it runs as a pipeline of one stage): each replica accumulates its
+    own gradients over the micro-batches, and they are summed once per step rather than in every
     micro-batch's backward program.
 
     Raises:
@@ -254,6 +270,8 @@ def _gradient_buckets(cfg: Config, stages: Sequence[Mapping[str, int]], per_proc
         )
     if asked and not any(replicas):
         needs = "data > 1 on some stage" if staged else "data > 1, or expert > 1 with fsdp 1"
+        if staged and len(stages) == 1:  # a stage's chunk programs split out data alone, as a pipeline's do
+            needs = "data > 1 (parallel.overlap=fb-pair runs the step as a pipeline of one stage)"
         meshes = " | ".join(str(dict(a)) for a in stages)
         raise ConfigError(
             f"parallel.gradient_buckets=true needs data-parallel replicas to sum: {needs} (the mesh is {meshes}); "

@@ -136,6 +136,7 @@ def plan(
     prune: bool = True,
     where: Mapping[str, Any] | None = None,
     accumulate: bool = False,
+    one_program: bool = False,
 ) -> Search:
     """Rank every valid strategy for ``cfg``'s model on ``devices`` devices that fits.
 
@@ -147,7 +148,9 @@ def plan(
       progress: called with ``(bases done, bases in all)`` as the search goes.
       prune: stop at the first base whose lower bound cannot beat the answer (``False``: price every one).
       where: search only the strategies with these settings, e.g. ``{"parallel.expert": 64}``.
-      accumulate: also try one program in micro-batches of ``train.micro_batch`` (gradient accumulation).
+      accumulate: also try one stage in micro-batches of ``train.micro_batch`` (gradient accumulation), its
+        forwards paired with the previous micro-batch's backwards too for a mixture of experts (``fb-pair``).
+      one_program: only steps that run as one SPMD program on one stage (no ``fb-pair`` there: an RL learner).
 
     Raises:
       ConfigError: no strategy is valid, or none fits (:class:`NothingFits`: the message names the memory
@@ -157,7 +160,7 @@ def plan(
     hw = load_hardware(cfg.hardware) if hardware is None else hardware
     check_attention_impl(cfg, hw)
     budget_gib = budget_bytes(cfg, hw) / 2**30
-    combinations = list(strategies(cfg, devices, accumulate=accumulate))
+    combinations = list(strategies(cfg, devices, accumulate=accumulate, one_program=one_program))
     if cfg.mpmd.submeshes:
         combinations += list(submesh_strategies(cfg, hw, devices))
     if where:

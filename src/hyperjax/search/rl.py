@@ -146,7 +146,9 @@ def plan_rl(cfg: Config, devices: int, *, keep: int = 5, hardware: Hardware | No
         n_learner = devices if cfg.rl.placement == "colocated" else devices - n_rollout
         try:
             one = {"parallel.pipeline": 1}  # the learner runs one program, accumulating micro-batches
-            learners = plan(base, n_learner, keep=LEARNER_TRIES, hardware=hw, where=one, accumulate=True).best
+            learners = plan(
+                base, n_learner, keep=LEARNER_TRIES, hardware=hw, where=one, accumulate=True, one_program=True
+            ).best
         except HyperjaxError:
             continue
         for learner in learners:

@@ -50,7 +50,9 @@ def candidate(cfg: Config, overrides: dict[str, Any]) -> Config:
     return apply(cfg, {**CLEARED, **overrides})
 
 
-def strategies(cfg: Config, devices: int, *, accumulate: bool = False) -> Iterator[dict[str, Any]]:
+def strategies(
+    cfg: Config, devices: int, *, accumulate: bool = False, one_program: bool = False
+) -> Iterator[dict[str, Any]]:
     """Every valid combination of degrees and options for ``cfg``'s model on ``devices`` devices.
 
     Recomputation is not part of the combination: the search tries :data:`RECOMPUTE` in order and keeps
@@ -60,7 +62,9 @@ def strategies(cfg: Config, devices: int, *, accumulate: bool = False) -> Iterat
     where an all-to-all runs, the overlap schedules that can hide it (``parallel.overlap``). A
     vision-language model is searched as one SPMD program (no pipeline stages, which would cut through
     both modules); :func:`submesh_strategies` gives its MPMD splits. One program runs every row of a replica at
-    once, and with ``accumulate`` also in micro-batches of ``train.micro_batch`` (gradient accumulation).
+    once, and with ``accumulate`` also in micro-batches of ``train.micro_batch`` (gradient accumulation),
+    whose forwards may then pair with the previous micro-batch's backward (``fb-pair`` on one stage) unless
+    ``one_program`` asks for steps that run as one SPMD program (an RL learner's).
     """
     m, t = cfg.model, cfg.train
     heads = math.gcd(m.heads, m.kv_heads)
@@ -109,8 +113,9 @@ def strategies(cfg: Config, devices: int, *, accumulate: bool = False) -> Iterat
                         overlaps = ["none"]
                         if exchanged and not vision and m.moe.capacity_factor is None and rows % 2 == 0:
                             overlaps.append("two-microbatch")
-                        # F-B pairs: a pipeline's 1F1B, or one stage's accumulated micro-batches
-                        if exchanged and schedule in PAIRED and per_replica // rows >= 2 * pipeline:
+                        # F-B pairs: a pipeline's 1F1B, or one stage's accumulated micro-batches (a decoder's)
+                        one_stage = pipeline == 1 and (vision or one_program)
+                        if exchanged and not one_stage and schedule in PAIRED and per_replica // rows >= 2 * pipeline:
                             overlaps.append("fb-pair")
                         # sequence parallelism moves the same bytes as plain tensor parallelism and
                         # stores less, so it is never worse: only the sequence-parallel variant is priced
