@@ -62,6 +62,21 @@ def test_plan_cli_json(capsys):
     assert {"parallel.tensor", "parallel.pipeline", "train.recompute", "step_time_s"} <= set(data["best"])
 
 
+def test_plan_cli_accumulate(capsys):
+    """``plan --accumulate`` searches one stage in micro-batches of ``train.micro_batch`` too, an MoE's
+    forwards paired with the previous backward (fb-pair); without a micro-batch to accumulate it exits 2."""
+    moe = str(ROOT / "configs/moe-tiny.yaml")
+    args = ["plan", moe, "--devices", "8", "--json", "--top", "5000", "--accumulate", "--set", "train.micro_batch=1"]
+    assert main(args) == 0
+    found = json.loads(capsys.readouterr().out)["candidates"]
+    one = [c for c in found if c["parallel.pipeline"] == 1 and c["train.micro_batch"] == 1]
+    assert {c.get("parallel.overlap", "none") for c in one} >= {"none", "fb-pair"}
+    assert main(["plan", moe, "--devices", "8", "--accumulate"]) == 2
+    assert "--accumulate searches one stage in micro-batches of train.micro_batch" in capsys.readouterr().err
+    assert main(["plan", str(ROOT / "configs/grpo-tiny.yaml"), "--devices", "8", "--accumulate"]) == 2
+    assert "an rl: config's plan accumulates its learner's micro-batches already" in capsys.readouterr().err
+
+
 def test_nothing_fits(capsys):
     args = [
         "plan",

@@ -39,12 +39,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "hyperjax plan configs/deepseek-v3-671b.yaml --devices 384",
             "hyperjax plan configs/quickstart.yaml --devices 64 --set train.global_batch=64",
             "hyperjax plan configs/llama3-70b.yaml --devices 1024 --top 5 --json",
+            "hyperjax plan configs/moe-tiny.yaml --devices 8 --accumulate --set train.micro_batch=1",
         ],
     )
     p.add_argument("--devices", type=int, required=True, metavar="N", help="devices to plan for")
     add_config_arguments(p, config_help="YAML config (its model and train sections are planned for)", hardware=True)
     p.add_argument("--top", type=int, default=10, metavar="K", help="candidates to list (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--accumulate",
+        action="store_true",
+        help="also search one stage accumulating micro-batches of train.micro_batch (a mixture of experts also "
+        "with each forward beside the previous backward: parallel.overlap fb-pair)",
+    )
     p.set_defaults(run=run)
 
 
@@ -53,11 +60,25 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--devices {args.devices} and --top {args.top} must be positive integers")
     cfg = config_from_args(args)
     if cfg.rl is not None:
+        if args.accumulate:
+            raise ConfigError("--accumulate: an rl: config's plan accumulates its learner's micro-batches already")
         return _plan_rl(args, cfg)
+    if args.accumulate and cfg.train.micro_batch is None:
+        raise ConfigError(
+            "--accumulate searches one stage in micro-batches of train.micro_batch, which is null; set it, e.g. "
+            "--set train.micro_batch=1"
+        )
     hw = load_hardware(cfg.hardware)
     bar = None if args.json or not sys.stderr.isatty() else _progress_bar()
     try:
-        found = plan(cfg, args.devices, keep=args.top, hardware=hw, progress=bar[1] if bar else None)
+        found = plan(
+            cfg,
+            args.devices,
+            keep=args.top,
+            hardware=hw,
+            progress=bar[1] if bar else None,
+            accumulate=args.accumulate,
+        )
     except NothingFits as e:
         if args.json:  # the answer is "nothing fits": say so in the JSON too, then exit 2 with the message
             print(json.dumps(e.report | {"error": str(e)}, indent=2))
