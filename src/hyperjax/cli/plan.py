@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "hyperjax plan configs/deepseek-v3-671b.yaml --devices 384",
             "hyperjax plan configs/quickstart.yaml --devices 64 --set train.global_batch=64",
             "hyperjax plan configs/llama3-70b.yaml --devices 1024 --top 5 --json",
-            "hyperjax plan configs/moe-tiny.yaml --devices 8 --accumulate --set train.micro_batch=1",
+            "hyperjax plan configs/mixtral-8x7b.yaml --devices 64 --accumulate",
         ],
     )
     p.add_argument("--devices", type=int, required=True, metavar="N", help="devices to plan for")
