@@ -137,8 +137,8 @@ class Run:
     def staged(self) -> bool:
         """Whether the step runs as a schedule of per-chunk programs: several stages, or one stage whose
         forwards and backwards pair (``parallel.overlap: fb-pair`` with ``parallel.pipeline: 1``, as
-        Megatron-Core's EP overlap runs without pipelining)."""
-        return self.pipelined or self.overlap == "fb-pair"
+        Megatron-Core's EP overlap runs without pipelining): see :func:`staged`."""
+        return staged(len(self.stages), self.overlap)
 
     @property
     def virtual_stages(self) -> int:
@@ -245,6 +245,20 @@ def replica_axes(axes: Mapping[str, int]) -> tuple[str, ...]:
     if axes.get("expert", 1) > 1 and axes["fsdp"] == 1:
         out.append("expert")
     return tuple(out)
+
+
+def staged(stages: int, overlap: str) -> bool:
+    """Whether a step of ``stages`` stages runs as a schedule of per-chunk programs: several stages, or one
+    whose forwards and backwards pair (``parallel.overlap: fb-pair``)."""
+    return stages > 1 or overlap == "fb-pair"
+
+
+def stage_schedule(stages: int, overlap: str, schedule: str) -> str | None:
+    """The schedule a step runs: ``parallel.schedule`` for a pipeline, ``1f1b`` for one paired stage (its
+    forwards and backwards interleave as one stage's 1F1B does), none for a step of one program."""
+    if not staged(stages, overlap):
+        return None
+    return schedule if stages > 1 else "1f1b"
 
 
 def stage_replica_axes(axes: Mapping[str, int]) -> tuple[str, ...]:

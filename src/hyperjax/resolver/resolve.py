@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from hyperjax.config import Config, ModelConfig, Run, Stage
-from hyperjax.config.run import replica_axes, spans_processes, stage_replica_axes
+from hyperjax.config.run import replica_axes, spans_processes, stage_replica_axes, stage_schedule, staged
 from hyperjax.emulate import plan_processes
 from hyperjax.errors import ConfigError, EmulationError, ShardingError
 from hyperjax.mpmd.schedules import PAIRED, check_sizes, warm_up
@@ -126,9 +126,8 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
         processes, limit = None, str(e)
     first = stages[0].axes
     _check_overlap(config, stages, rows, microbatches, split)
-    # several stages, or one whose forwards and backwards pair: a schedule of per-chunk programs
-    staged = len(stages) > 1 or p.overlap == "fb-pair"
-    buckets = _gradient_buckets(config, [s.axes for s in stages], n // (processes or 1), staged=staged)
+    per_chunk = staged(len(stages), p.overlap)
+    buckets = _gradient_buckets(config, [s.axes for s in stages], n // (processes or 1), staged=per_chunk)
     return Run(
         config=config,
         hardware=hw,
@@ -145,7 +144,7 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
         zero_stage=p.zero_stage,
         micro_batch=rows // stages[0].data_parallel,
         microbatches=microbatches,
-        schedule=(p.schedule if len(stages) > 1 else "1f1b") if staged else None,
+        schedule=stage_schedule(len(stages), p.overlap, p.schedule),
         stages=stages,
         gradient_buckets=buckets,
         recompute=t.recompute,
