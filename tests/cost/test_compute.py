@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from hyperjax import estimate, load_config, load_hardware, resolve
-from hyperjax.cost import gemm_time
+from hyperjax.cost import gemm_time, grouped_gemm_time
 
 ROOT = Path(__file__).parents[2]
 H100 = load_hardware("dgx-h100")
@@ -36,3 +36,39 @@ def test_predicts_the_measured_h100_steps():
     assert len(errors) >= 8
     assert max(abs(e) for e in errors.values()) <= 0.25, errors
     assert sum(abs(e) for e in errors.values()) / len(errors) <= 0.12, errors
+
+
+def test_grouped_products_run_their_tiles_in_waves():
+    """Few rows per expert leave most SMs idle: eight experts of 256 rows (48 tiles of 128 x 256 on 132
+    SMs) take one wave of full-length tiles, so their rate is a fraction of many rows'."""
+    kw = dict(bytes_per_element=2, dtype="bfloat16", hardware=H100)
+    few = grouped_gemm_time(8 * 256, 768, 2048, groups=8, **kw)
+    many = grouped_gemm_time(128 * 1024, 768, 2048, groups=128, **kw)
+    rate = lambda rows, t: 2 * rows * 768 * 2048 / t
+    assert rate(8 * 256, few) < 0.5 * rate(128 * 1024, many)
+    one_wave = 2 * 128 * 256 * 2048 / (H100.matmul_flops("bfloat16") * H100.device.matmul_efficiency / 132)
+    assert few == pytest.approx(one_wave + H100.device.kernel_overhead)
+
+
+def test_grouped_products_follow_the_measured_kernels():
+    """grouped_gemm_time against torch._grouped_mm timed on an H200 (benchmarks/gpu_kernels_measure.py)."""
+    measured = json.loads((ROOT / "benchmarks" / "results" / "kernels-h200-measured.json").read_text())
+    hw = load_hardware("dgx-h200")
+    errors = sorted(
+        abs(
+            grouped_gemm_time(
+                g["groups"] * g["rows"],
+                g["n"],
+                g["k"],
+                groups=g["groups"],
+                bytes_per_element=2,
+                dtype="bfloat16",
+                hardware=hw,
+            )
+            / g["s"]
+            - 1
+        )
+        for g in measured["grouped"]
+    )
+    assert len(errors) == 18
+    assert errors[len(errors) // 2] <= 0.08, errors

@@ -61,11 +61,11 @@ def test_moe_decode_reads_only_the_experts_its_tokens_touch():
     two = grouped_gemm_time(2, 14336, 4096, groups=8, **kw)
     every = 8 * grouped_gemm_time(1, 14336, 4096, groups=1, **kw)
     assert two < 0.3 * every
-    # in training, rows far outnumber experts: every group is touched
+    # in training, rows far outnumber experts: every group is touched, its tiles sharing the kernel's waves
+    # with the other groups' (one kernel's last wave idles less than eight kernels' last waves)
     many = grouped_gemm_time(8 * 4096, 14336, 4096, groups=8, **kw)
-    assert many == pytest.approx(
-        8 * grouped_gemm_time(4096, 14336, 4096, groups=1, **kw) - 7 * hw.device.kernel_overhead
-    )
+    apart = 8 * grouped_gemm_time(4096, 14336, 4096, groups=1, **kw) - 7 * hw.device.kernel_overhead
+    assert 0.95 * apart < many < apart
 
 
 @pytest.mark.parametrize(

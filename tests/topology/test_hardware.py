@@ -158,6 +158,8 @@ def test_tier_values(field, value, pattern):
     [
         ("reserved_bytes", 1e12, r"device.reserved_bytes=1000000000000.0 must be in \[0, hbm_bytes="),
         ("allocator_overhead", 1.5, r"device.allocator_overhead=1.5 must be in \[0, 1\)"),
+        ("compute_units", -1, r"device.compute_units=-1 must be a non-negative integer"),
+        ("grouped_gemm_cols", 256, r"device.grouped_gemm_cols=256 and device.compute_units=0: give both"),
     ],
 )
 def test_device_memory_values(field, value, pattern):

@@ -50,13 +50,15 @@ def gemm_time(
     if min(m, n, k, count) <= 0:
         return 0.0
     d = hardware.device
-    flops = 2.0 * m * n * k
     moved = (m * k + k * n + m * n) * bytes_per_element
-    one = max(
-        flops / (hardware.matmul_flops(dtype) * d.efficiency(d.matmul_precision.get(dtype, dtype))),
-        moved / (d.hbm_bandwidth * d.memory_efficiency),
-    )
+    one = max(2.0 * m * n * k / _rate(dtype, hardware), moved / (d.hbm_bandwidth * d.memory_efficiency))
     return count * one + d.kernel_overhead
+
+
+def _rate(dtype: str, hardware: Hardware) -> float:
+    """FLOP/s a large product of ``dtype`` reaches: its peak (at the precision it runs as) times its efficiency."""
+    d = hardware.device
+    return hardware.matmul_flops(dtype) * d.efficiency(d.matmul_precision.get(dtype, dtype))
 
 
 def stream_time(nbytes: float, *, ops: float, hardware: Hardware) -> float:
@@ -73,15 +75,32 @@ def grouped_gemm_time(
     (``device.grouped_gemm_rows``). Each group reads its own weight, so few rows per group leave the
     product bound by reading weights: the roofline gives small groups their lower rate.
 
+    A grouped kernel runs one tile shape for every group (CUTLASS's on Hopper: 128 x 256). Where the preset
+    gives the tile's width and the device's units (``device.grouped_gemm_cols``, ``device.compute_units``),
+    the groups' tiles run in waves over the units, each unit at its share of the large-product rate, and
+    the last wave waits for its slowest tile with units idle: few rows per group (few tiles) reach a
+    fraction of the rate, as the kernels measured on a Hopper GPU do (``benchmarks/gpu_kernels.py``).
+
     A group no row is routed to is skipped, weights unread. With rows spread over the groups at random,
     ``groups (1 - (1 - 1/groups)^rows)`` of them receive any: all of them in training, where rows far
     outnumber groups, but only a few at a small decode batch (one token's top-2 touches two experts)."""
     if min(rows, n, k, groups) <= 0:
         return 0.0
+    d = hardware.device
     active = groups * -math.expm1(rows * math.log1p(-1 / groups)) if groups > 1 else 1.0
-    tile = hardware.device.grouped_gemm_rows
+    tile = d.grouped_gemm_rows
+    if tile > 1:  # a group of fewer rows than the tile runs in the smallest power-of-two tile that holds them
+        tile = min(tile, max(16, 2 ** math.ceil(math.log2(max(rows / active, 1.0)))))
     per_group = -(-rows / active // tile) * tile if tile > 1 else rows / active
-    return gemm_time(per_group, n, k, count=active, bytes_per_element=bytes_per_element, dtype=dtype, hardware=hardware)
+    if not d.compute_units:
+        b = bytes_per_element
+        return gemm_time(per_group, n, k, count=active, bytes_per_element=b, dtype=dtype, hardware=hardware)
+    cols = d.grouped_gemm_cols
+    tiles = math.ceil(active) * math.ceil(per_group / tile) * math.ceil(n / cols)
+    waves = math.ceil(tiles / d.compute_units)
+    compute = waves * 2.0 * tile * cols * k / (_rate(dtype, hardware) / d.compute_units)
+    moved = active * (per_group * k + k * n + per_group * n) * bytes_per_element
+    return max(compute, moved / (d.hbm_bandwidth * d.memory_efficiency)) + d.kernel_overhead
 
 
 def loss_time(tokens: float, vocab: float, *, kind: CrossEntropy, hardware: Hardware) -> tuple[float, float]:

@@ -84,6 +84,9 @@ class DeviceSpec:
         TF32); a dtype not listed runs at its own ``peak_flops``.
       grouped_gemm_rows: the rows a grouped product (a mixture of experts' experts, one kernel) gives each
         group, rounded up to a multiple of this: its tile height (1: no rounding).
+      grouped_gemm_cols: the width of that kernel's output tile; with ``compute_units`` the kernel's tiles run
+        in waves over the units, a last wave partly idle (0: the roofline alone).
+      compute_units: the units a kernel's tiles are spread over (an NVIDIA GPU's SMs; 0: not modelled).
       comm_compute_share: the share of the device's compute units an all-to-all holds while it runs beside
         compute (DeepEP's dispatch and combine kernels run on SMs of their own); compute running beside
         one slows by it (:func:`hyperjax.mpmd.lanes.replay_lanes`).
@@ -113,6 +116,8 @@ class DeviceSpec:
     source: str
     matmul_precision: Mapping[str, str] = dataclasses.field(default_factory=dict)
     grouped_gemm_rows: int = 1
+    grouped_gemm_cols: int = 0
+    compute_units: int = 0
     comm_compute_share: float = 0.0
     reserved_bytes: float = 0.0
     allocator_overhead: float = 0.05
@@ -130,6 +135,15 @@ class DeviceSpec:
             raise PresetError(f"device.comm_compute_share={self.comm_compute_share} must be in [0, 1)")
         if not isinstance(self.grouped_gemm_rows, int) or self.grouped_gemm_rows < 1:
             raise PresetError(f"device.grouped_gemm_rows={self.grouped_gemm_rows!r} must be a positive integer")
+        for key in ("grouped_gemm_cols", "compute_units"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise PresetError(f"device.{key}={value!r} must be a non-negative integer (0: not modelled)")
+        if (self.grouped_gemm_cols > 0) != (self.compute_units > 0):
+            raise PresetError(
+                f"device.grouped_gemm_cols={self.grouped_gemm_cols} and device.compute_units={self.compute_units}: "
+                "give both (a grouped kernel's tiles run in waves over the units) or neither"
+            )
         if not self.peak_flops:
             raise PresetError(f"device {self.name!r}: peak_flops is empty; give at least one dtype's FLOP/s")
         for dtype, flops in self.peak_flops.items():
@@ -199,6 +213,8 @@ class DeviceSpec:
                 self.kernel_overhead,
                 tuple(sorted(self.matmul_precision.items())),
                 self.grouped_gemm_rows,
+                self.grouped_gemm_cols,
+                self.compute_units,
                 self.comm_compute_share,
                 self.reserved_bytes,
                 self.allocator_overhead,
