@@ -17,8 +17,9 @@ from hyperjax.cost.memory import (
     state_bytes,
     zero_share,
 )
+from hyperjax.cost.parts import chunk_starts
 from hyperjax.cost.rl import RLEstimate, estimate_rl
-from hyperjax.cost.stage import ChunkCost, PartCost, StageCore, StageCost, chunk_starts
+from hyperjax.cost.stage import ChunkCost, PartCost, StageCore, StageCost
 from hyperjax.cost.trace import simulate, stage_metadata, task_events, write_trace
 
 __all__ = [

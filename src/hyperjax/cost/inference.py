@@ -33,8 +33,8 @@ from hyperjax.cost.compute import gemm_time
 from hyperjax.cost.estimate import GIB, memory_budget, stage_spans
 from hyperjax.cost.layer import price_layer
 from hyperjax.cost.memory import sharding_axes, sharding_spans
+from hyperjax.cost.parts import chunk_starts, part_models
 from hyperjax.cost.pipeline import boundary_span
-from hyperjax.cost.stage import chunk_starts, part_models
 from hyperjax.errors import ConfigError
 from hyperjax.topology import Hardware
 

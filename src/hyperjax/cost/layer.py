@@ -39,6 +39,7 @@ from hyperjax.config import (
     TpOverlap,
     recomputed,
 )
+from hyperjax.cost.attention import context_exchange, core_time
 from hyperjax.cost.collectives import collective_time
 from hyperjax.cost.compute import gemm_time, grouped_gemm_time, stream_time
 from hyperjax.cost.counts import Product, activation_units, block_products, block_tensors
@@ -247,12 +248,9 @@ def _price_layer(
     axes, spans = dict(axes_items), dict(span_items)
     tp, cp, fsdp, ep = axes["tensor"], axes["context"], axes["fsdp"], axes.get("expert", 1)
     e = 2 if dtype == "bfloat16" else 4  # activation and matmul operand bytes
-    s, a, hd = m.seq_len, m.heads, m.head_dim
+    s = m.seq_len
     tokens = micro * s / cp  # tokens of one micro-batch on one device
     routed = routing(m, tokens=tokens, axes=axes, expert_tensor=expert_tensor) if moe else None
-
-    def gemm(mm: float, nn: float, kk: float, count: float = 1) -> float:
-        return gemm_time(mm, nn, kk, count=count, bytes_per_element=e, dtype=dtype, hardware=hardware)
 
     def shape(p: Product) -> tuple[float, float, float, int]:
         """A product's rows, output and contracted widths on this device, and its groups (1: dense)."""
@@ -295,31 +293,9 @@ def _price_layer(
         cast_fwd = stream_time(x_elems * casts.activation, ops=kernels / 2, hardware=hardware)
         cast_bwd = stream_time(g_elems * casts.gradient, ops=kernels / 2, hardware=hardware)
         weight_cast = stream_time(weights8 * casts.weight, ops=amaxes, hardware=hardware)
-    rope = m.rope_head_dim if m.attention == "mla" else 0
     flash = m.attention_kernel == "flash"
     ring = context_impl == "ring" and cp > 1 and flash
-    if flash:  # one fused kernel at its own measured rates (the device's, over the keys), not a GEMM's
-        scores = micro * a / tp * (s / cp) * s * 0.5  # a causal kernel skips the masked half
-        peak = hardware.matmul_flops(dtype)
-        # a kernel's rate ramps with the keys each block of queries visits (``seq_half``, measured on causal
-        # kernels, whose blocks visit half their keys on average). One kernel over all keys; or, round a ring,
-        # the local causal block over s / cp keys and cp - 1 blocks of as many scores, unmasked over half a
-        # block's keys on the busiest device (the last: every block from before it meets both its query
-        # chunks): each visits s / 2cp keys, as a causal kernel over s / cp does, so all cp run at its rate
-        keys, kernels = (s / cp, cp) if ring else (s, 1)
-        forward, backward = hardware.device.attention_rates(m.attention_impl, keys, hd + rope / 2)
-        # per score: forward QK (hd + rope wide) and PV (hd); backward recomputes QK, then dV, dP, dQ and dK
-        core = scores * (4 * hd + 2 * rope) / (peak * forward) + kernels * hardware.device.kernel_overhead
-        core_bwd = scores * (10 * hd + 6 * rope) / (peak * backward) + kernels * hardware.device.kernel_overhead
-        if ring:  # each block's output folded into the output (6 bytes an element, after a zeroing 2); backward,
-            # each block's query and key-value gradients added into theirs (6 bytes an element), in 16 bits
-            out, kv = micro * (s / cp) * a / tp * hd, 2 * micro * (s / cp) * m.kv_heads / tp * hd
-            core += stream_time((6 * cp + 2) * out * e / 2, ops=2 * cp, hardware=hardware)
-            # (the busiest device's blocks from before it meet half its key-value buffer: half of it is added to)
-            core_bwd += stream_time(6 * (cp - 1) * (out + kv / 2) * e / 2, ops=2 * (cp - 1), hardware=hardware)
-    else:  # scores over the query-key width and attention-weighted values, one batched product each
-        core = gemm(s / cp, s, hd + rope, count=micro * a / tp) + gemm(s / cp, hd, s, count=micro * a / tp)
-        core_bwd = 2.0 * core
+    core, core_bwd = core_time(m, micro=micro, tp=tp, cp=cp, dtype=dtype, ring=ring, hardware=hardware)
     scale = e / 2  # the byte counts are for 16-bit activations
     per_token = micro * (s / cp) * scale
     rep = tp if sequence_parallel else 1
@@ -380,22 +356,20 @@ def _price_layer(
     bwd += sum(slowed[1:])
     if fp8 is not None and fp8.recipe == "tensorwise":  # each current amax agreed over the tensor group
         tensor_comm += amaxes * passes * collective_time("all_reduce", 4, spans["tensor"], hardware)
-    kv_bytes = 2 * micro * s * m.kv_heads * hd * e / tp
-    kv_gather = collective_time("all_gather", kv_bytes, spans["context"], hardware)
-    if ring:
-        # the ring moves the gather's bytes, one block a step beside the kernel of the block before: hidden
-        # behind all kernels but the last; the backward passes the blocks' gradients round too, its last
-        # block returned to its owner after the last kernel
-        hide = (cp - 1) / cp
-        hidden = [min(kv_gather, hide * core), min(2 * kv_gather, hide * core_bwd)]
-        context_forward = kv_gather - hidden[0]
-        context_comm = 2 * context_forward if passes == 3 else context_forward
-        context_comm += 2 * kv_gather - hidden[1] + kv_gather / (cp - 1)
-        # what hides slows the kernels beside it by the share of the device the transfers hold
-        fwd += hidden[0] * hardware.device.comm_compute_share
-        bwd += (hidden[1] + (hidden[0] if passes == 3 else 0.0)) * hardware.device.comm_compute_share
-    else:
-        context_forward, context_comm = kv_gather, passes * kv_gather
+    context = context_exchange(
+        m,
+        micro=micro,
+        tp=tp,
+        cp=cp,
+        dtype=dtype,
+        ring=ring,
+        core=(core, core_bwd),
+        passes=passes,
+        span=spans["context"],
+        hardware=hardware,
+    )
+    fwd += context.slowed_forward_s
+    bwd += context.slowed_backward_s
     expert_comm = one = 0.0
     if routed is not None:  # dispatch and combine in each pass, the busiest device's receive deciding
         exchange = spans["+".join(routed.exchange)]
@@ -418,8 +392,8 @@ def _price_layer(
         backward_s=bwd,
         recompute_s=extra,
         tensor_comm_s=tensor_comm,
-        context_comm_s=context_comm,
-        context_forward_s=context_forward,
+        context_comm_s=context.comm_s,
+        context_forward_s=context.forward_s,
         expert_comm_s=expert_comm,
         exchange_s=one,
         fsdp_gather_s=gather,

@@ -1,22 +1,17 @@
 """One stage of a run priced for one micro-batch: its chunks' tasks, its communication and its memory.
 
-A stage holds chunks; a chunk is one or more *parts*, each a stack of equal blocks of one module with, at
-the ends of the model, the embedding and the output layer: a decoder chunk is one part, or two when it
-holds both dense blocks and mixture-of-experts blocks (equal within each kind); a vision-language model's
-encoder and language model are parts of their own (one chunk on MPMD submeshes, both in one chunk when the
-model runs as one SPMD program).
+A stage's chunks are priced part by part (:mod:`hyperjax.cost.parts`): each part a stack of equal blocks
+of one module, the embedding and the output layer at the model's ends.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping
 
 from hyperjax.config import ModelConfig, Run, Stage
 from hyperjax.cost.collectives import collective_time
 from hyperjax.cost.compute import gemm_time, loss_time, stream_time
-from hyperjax.cost.counts import Tensor, decoder_tensors, encoder_tensors
 from hyperjax.cost.fp8 import cast_time
 from hyperjax.cost.layer import LayerCost, price_layer
 from hyperjax.cost.memory import (
@@ -29,6 +24,7 @@ from hyperjax.cost.memory import (
     zero_share,
 )
 from hyperjax.cost.overlap import Exchange, chunk_exchange
+from hyperjax.cost.parts import chunk_starts, outside_tensors, part_models
 from hyperjax.topology import AxisSpan
 
 
@@ -139,53 +135,6 @@ class StageCost:
     def head_s(self) -> float:
         """The output layers on the stage."""
         return sum(p.head_s for p in self.parts)
-
-
-def part_models(
-    m: ModelConfig, stage: Stage, chunk_index: int, first: int = 0
-) -> list[tuple[str, ModelConfig, int, bool]]:
-    """``(module, block model, layers, moe)`` of each part of chunk ``stage.chunks[chunk_index]``, whose
-    first block is block ``first`` of the model: the block model's ``seq_len`` is the tokens a sequence
-    has there (a language model also sees the image tokens); a chunk holding dense and mixture-of-experts
-    blocks has a part of each kind, dense first; a chunk of no blocks (the embedding or the output layer alone)
-    one part of none."""
-    out = []
-    if "encoder" in stage.modules:
-        out.append(("encoder", m.vision.as_model(m.d_model), m.vision.layers, False))
-    if "language_model" in stage.modules:
-        lm = dataclasses.replace(m, vision=None, seq_len=m.seq_len + m.vision.patches)
-        out += [("language_model", lm, n, moe) for n, moe in _kinds(m, 0, m.layers)]
-    if "decoder" in stage.modules:
-        blocks = stage.layers[chunk_index]
-        out += [("decoder", m, n, moe) for n, moe in _kinds(m, first, blocks)] or [("decoder", m, 0, False)]
-    return out
-
-
-def _kinds(m: ModelConfig, first: int, layers: int) -> list[tuple[int, bool]]:
-    """``(blocks, moe)`` of blocks ``first .. first + layers - 1``: the dense ones, then the MoE ones."""
-    moe = sum(m.is_moe(i) for i in range(first, first + layers))
-    return [(n, kind) for n, kind in ((layers - moe, False), (moe, True)) if n]
-
-
-def chunk_starts(run: Run) -> dict[int, int]:
-    """The first block of every chunk, by chunk (chunk ``c`` lives on stage ``c mod stages``)."""
-    counts = {c: n for s in run.stages for c, n in zip(s.chunks, s.layers, strict=True)}
-    starts, at = {}, 0
-    for c in sorted(counts):
-        starts[c] = at
-        at += counts[c]
-    return starts
-
-
-@functools.lru_cache(maxsize=1024)
-def _outside(module: str, block: ModelConfig, model: ModelConfig) -> tuple[Tensor, ...]:
-    """A module's parameters outside its blocks (embeddings, final norm, head; an encoder's patch embedding
-    and projection)."""
-    if module == "encoder":
-        tensors = encoder_tensors(model.vision, model.d_model, "")
-    else:
-        tensors = decoder_tensors(block, "", range(0))
-    return tuple(t for t in tensors if "/blocks/" not in f"/{t.path}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -423,7 +372,7 @@ def _part(
         head_weight_s = product + cast / 3
         head_bytes = tokens * vocab / tp * 4 * 2
     held = trained = 0.0
-    for t in _outside(module, block, m) if outside else ():
+    for t in outside_tensors(module, block, m) if outside else ():
         local = t.size / ((tp if t.tensor_split else 1) * (fsdp if "embed" in t.axes else 1))
         embedding = t.path.endswith("embed") and not t.path.endswith("pos_embed")
         head_side = t.path.startswith("final_norm") or t.path == "lm_head"

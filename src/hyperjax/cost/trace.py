@@ -18,7 +18,7 @@ from typing import Any
 
 from hyperjax.cost.estimate import Estimate
 from hyperjax.cost.overlap import lane_events
-from hyperjax.cost.stage import chunk_starts
+from hyperjax.cost.parts import chunk_starts
 from hyperjax.files import write_json
 from hyperjax.mpmd.schedules import Task
 from hyperjax.mpmd.timing import replay

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -19,6 +20,7 @@ from hyperjax.config import MoEConfig, Recompute
 from hyperjax.models.layers import Constrain, cross_entropy
 from hyperjax.models.moe import aux_term
 from hyperjax.models.taps import output_shapes, split, weights_only
+from hyperjax.mpmd.transfer import scalar, sum_over_processes
 from hyperjax.shard import Strategy
 from hyperjax.shard.replicas import bucket_sum, host_blocks
 from hyperjax.shard.strategy import spec_entry
@@ -311,3 +313,49 @@ def replica_sum(param_sh: Any, mesh: jax.sharding.Mesh, manual: tuple[str, ...])
         return jax.tree.unflatten(tree, summed)
 
     return zeros, jax.jit(total, out_shardings=param_sh)
+
+
+def router_metrics(chunks: Sequence[ChunkRuntime], routers: list[Any], microbatches: int) -> dict[str, Any]:
+    """A pipeline step's MoE metrics over every chunk (each chunk's lead process reports its layers)."""
+    experts = next(ch.moe.experts for ch in chunks if ch.moe_layers)
+    rows, totals = [], np.zeros(3)
+    for ch, stats in zip(chunks, routers, strict=True):
+        if not ch.moe_layers:
+            continue
+        if ch.lead:
+            rows.append(np.asarray(stats.load.addressable_data(0)))
+            totals += [scalar(stats.aux_loss), scalar(stats.dropped), scalar(stats.routed)]
+        else:
+            rows.append(np.zeros((ch.moe_layers, experts)))
+    load = sum_over_processes(np.concatenate(rows))
+    aux, dropped, routed = sum_over_processes(totals)
+    return {
+        "aux_loss": aux / (microbatches * load.shape[0]),
+        "expert_load_max_over_mean": float(np.max(load.max(-1) / load.mean(-1))),
+        "dropped_fraction": dropped / routed,
+        "expert_load": load,
+    }
+
+
+def activation_shapes(
+    chunks: Sequence[ChunkRuntime], feeds: Sequence[Sequence[str]], entry: Any, batch: dict[str, Any], rows: int
+) -> list[Any]:
+    """The shape and dtype of every chunk's output for one micro-batch of ``rows`` rows, the first chunk
+    reading the batch entry ``entry``.
+
+    A process that receives an array from another process's submesh reads it as bytes and needs its shape
+    and dtype to rebuild it.
+    """
+    out = []
+    x = jax.ShapeDtypeStruct((rows, *entry.shape[1:]), entry.dtype)
+    for c, ch in enumerate(chunks):
+        fed = {k: jax.ShapeDtypeStruct((rows, *batch[k].shape[1:]), batch[k].dtype) for k in feeds[c]}
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), ch.host_params)
+        graphdef, constrain = ch.graphdef, ch.constrain
+
+        def apply(p: Any, h: Any, f: Any, graphdef: Any = graphdef, constrain: Any = constrain) -> Any:
+            return nnx.merge(graphdef, p)(h, constrain, **f)
+
+        x = jax.eval_shape(apply, abstract, x, fed)
+        out.append(x)
+    return out

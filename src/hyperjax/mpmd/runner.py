@@ -36,7 +36,14 @@ from hyperjax.config import Run
 from hyperjax.config.run import stage_replica_axes
 from hyperjax.models.moe import MoE, update_router_biases
 from hyperjax.mpmd.chunks import Chunk
-from hyperjax.mpmd.programs import ChunkRuntime, chunk_programs, pair_program, replica_sum
+from hyperjax.mpmd.programs import (
+    ChunkRuntime,
+    activation_shapes,
+    chunk_programs,
+    pair_program,
+    replica_sum,
+    router_metrics,
+)
 from hyperjax.mpmd.schedules import Task, run_schedule
 from hyperjax.mpmd.transfer import forget, scalar, split_devices, sum_over_processes, transfer
 from hyperjax.shard import Constrainer, Strategy, place
@@ -208,7 +215,7 @@ class PipelineRunner:
         rows = batch["targets"].shape[0] // m
         params = state["params"]
         if self.shapes is None:
-            self.shapes = self._activation_shapes(batch, rows)
+            self.shapes = activation_shapes(self.chunks, self.feeds, batch[self.entry], batch, rows)
         grads = [ch.zeros(p) if ch.mine else None for ch, p in zip(chunks, params, strict=True)]
         # ("in", microbatch, chunk) -> the chunk's input; (microbatch, chunk) -> its pullback (with taps, also
         # the products' inputs and the chunk's input); ("douts", microbatch, chunk) -> B's product gradients
@@ -285,49 +292,8 @@ class PipelineRunner:
         new_state = {"params": new_params, "opt_state": new_opt, "step": state["step"] + 1}
         metrics = {"loss": loss, "grad_norm": norm}
         if any(ch.moe_layers for ch in chunks):
-            metrics |= self._router_metrics(routers)
+            metrics |= router_metrics(self.chunks, routers, self.sched.microbatches)
         return new_state, metrics
-
-    def _router_metrics(self, routers: list[Any]) -> dict[str, Any]:
-        """The step's MoE metrics over every chunk (each chunk's lead process reports its layers)."""
-        experts = next(ch.moe.experts for ch in self.chunks if ch.moe_layers)
-        rows, totals = [], np.zeros(3)
-        for ch, stats in zip(self.chunks, routers, strict=True):
-            if not ch.moe_layers:
-                continue
-            if ch.lead:
-                rows.append(np.asarray(stats.load.addressable_data(0)))
-                totals += [scalar(stats.aux_loss), scalar(stats.dropped), scalar(stats.routed)]
-            else:
-                rows.append(np.zeros((ch.moe_layers, experts)))
-        load = sum_over_processes(np.concatenate(rows))
-        aux, dropped, routed = sum_over_processes(totals)
-        return {
-            "aux_loss": aux / (self.sched.microbatches * load.shape[0]),
-            "expert_load_max_over_mean": float(np.max(load.max(-1) / load.mean(-1))),
-            "dropped_fraction": dropped / routed,
-            "expert_load": load,
-        }
-
-    def _activation_shapes(self, batch: dict[str, np.ndarray], rows: int) -> list[Any]:
-        """The shape and dtype of every chunk's output for one micro-batch.
-
-        A process that receives an array from another process's submesh reads it as bytes and needs
-        its shape and dtype to rebuild it.
-        """
-        out = []
-        x = jax.ShapeDtypeStruct((rows, *batch[self.entry].shape[1:]), batch[self.entry].dtype)
-        for c, ch in enumerate(self.chunks):
-            fed = {k: jax.ShapeDtypeStruct((rows, *batch[k].shape[1:]), batch[k].dtype) for k in self.feeds[c]}
-            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), ch.host_params)
-            graphdef, constrain = ch.graphdef, ch.constrain
-
-            def apply(p: Any, h: Any, f: Any, graphdef: Any = graphdef, constrain: Any = constrain) -> Any:
-                return nnx.merge(graphdef, p)(h, constrain, **f)
-
-            x = jax.eval_shape(apply, abstract, x, fed)
-            out.append(x)
-        return out
 
     def _hand_over(self, value: Any, src: int, dst: int, sharding: NamedSharding, shape: Any) -> Any:
         """Move ``value`` from chunk ``src``'s submesh to ``sharding`` on chunk ``dst``'s.
