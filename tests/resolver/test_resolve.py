@@ -188,3 +188,29 @@ def test_a_pipelined_mixture_of_experts_sums_its_replicas_once_too():
 def test_pipeline_stages_sum_their_replicas_once_where_they_span_processes(sets, buckets):
     run = resolve(load_config(CONFIGS / "quickstart.yaml", [*sets, "parallel.data=2", "parallel.tensor=2"]))
     assert run.gradient_buckets is buckets
+
+
+@pytest.mark.parametrize(
+    ("config", "sets", "match"),
+    [
+        ("quickstart.yaml", ["parallel.dispatcher_sms=32"], r"parallel.dispatcher_sms=32: .*\(model.moe is null\)"),
+        (
+            "mixtral-8x7b.yaml",
+            ["parallel.dispatcher_sms=32", "parallel.dispatcher=alltoall"],
+            r"parallel.dispatcher='alltoall' exchanges through NCCL.*set parallel.dispatcher: deepep",
+        ),
+        ("moe-tiny.yaml", ["parallel.dispatcher_sms=32"], r"preset cloudmatrix384's device .*\(device.compute_units\)"),
+        ("mixtral-8x7b.yaml", ["parallel.dispatcher_sms=132"], r"has 132 SMs \(device.compute_units\); set it below"),
+        ("mixtral-8x7b.yaml", ["parallel.dispatcher_sms=0"], r"parallel.dispatcher_sms=0 must be a positive integer"),
+    ],
+)
+def test_dispatcher_sms_that_cannot_be_honoured_is_an_error(config, sets, match):
+    with pytest.raises(ConfigError, match=match):
+        resolve(load_config(CONFIGS / config, sets))
+
+
+def test_dispatcher_sms_set_the_exchanges_share_of_the_device():
+    run = resolve(load_config(CONFIGS / "mixtral-8x7b.yaml"))
+    assert run.exchange_share == run.hardware.device.comm_compute_share  # DeepEP's 20 of 132, from the preset
+    run = resolve(load_config(CONFIGS / "mixtral-8x7b.yaml", ["parallel.dispatcher_sms=33"]))
+    assert run.exchange_share == pytest.approx(33 / 132)

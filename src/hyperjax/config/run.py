@@ -141,6 +141,14 @@ class Run:
         return staged(len(self.stages), self.overlap)
 
     @property
+    def exchange_share(self) -> float:
+        """The share of a device's compute units a mixture of experts' dispatch and combine hold while they
+        run beside compute: ``parallel.dispatcher_sms`` of ``device.compute_units``, else the preset's
+        ``device.comm_compute_share``."""
+        sms, device = self.config.parallel.dispatcher_sms, self.hardware.device
+        return sms / device.compute_units if sms is not None else device.comm_compute_share
+
+    @property
     def virtual_stages(self) -> int:
         """Model chunks per stage."""
         return self.parallel["virtual_stages"]

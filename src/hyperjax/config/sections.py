@@ -157,6 +157,8 @@ class ParallelConfig:
     schedule: ScheduleName = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved or zero-bubble
     overlap: Overlap = "none"  # MoE all-to-all behind compute: none, two-microbatch or fb-pair
     dispatcher: Dispatcher = "deepep"  # the MoE token exchange (priced): deepep, alltoall or allgather
+    dispatcher_sms: int | None = None  # SMs deepep's kernels hold beside compute (priced; Megatron-Core's
+    # moe_flex_dispatcher_num_sms, moe_hybridep_num_sms); null: the preset's device.comm_compute_share
     tp_overlap: TpOverlap = "none"  # tensor-parallel collectives beside products (priced): none, bulk, pipelined
     dp_overlap: DpOverlap = "backward"  # gradient reduction beside compute (priced): none, backward, full
     fsdp_unit: FsdpUnit = "tensor"  # what FSDP gathers and reduce-scatters at once (priced): tensor or layer
@@ -185,7 +187,7 @@ class ParallelConfig:
                 f"parallel.schedule={self.schedule!r} with parallel.virtual_stages={self.virtual_stages}: the "
                 "interleaved schedule needs virtual_stages > 1, and virtual_stages > 1 needs schedule: interleaved"
             )
-        positive(self, "parallel", ("data",), optional=True)
+        positive(self, "parallel", ("data", "dispatcher_sms"), optional=True)
         if self.zero_stage not in (0, 1, 2):
             raise ConfigError(
                 f"parallel.zero_stage={self.zero_stage} must be 0, 1 or 2; for stage 3 set parallel.fsdp instead"

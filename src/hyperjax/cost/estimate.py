@@ -156,7 +156,7 @@ class Estimate:
         sched = run_schedule(run)
         if self.closed_form:
             return sched, task_seconds(sched, *self.task_lengths())
-        pairs = pair_costs(sched, self.stages, run.hardware.device.comm_compute_share)
+        pairs = pair_costs(sched, self.stages, run.exchange_share)
         return sched, chunk_task_seconds(sched, self.stages, pairs)
 
 
@@ -254,7 +254,7 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
     else:
         sched = cached_schedule(run.schedule, len(kind_of), m, run.virtual_stages, run.overlap == "fb-pair")
         if sched.pairs:
-            share = hw.device.comm_compute_share
+            share = run.exchange_share
             stages = tuple(with_in_flight(kinds[k], st, h) for k, st, h in zip(kind_of, run.stages, held, strict=True))
             costs = pair_costs(sched, stages, share)
             here = set(run.stages[critical].chunks)

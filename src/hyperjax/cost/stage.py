@@ -224,7 +224,7 @@ def stage_core(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: AxisS
     first_gather = first.layer.fsdp_gather_s if gathers else 0.0
     # the all-to-all is exposed as the overlap schedule leaves it; the rest of the blocks' on the path
     layer_comm = [sum(p.layers * (p.layer.on_path_comm_s - p.layer.expert_comm_s) for p in ps) for ps in chunk_parts]
-    share = hw.device.comm_compute_share
+    share = run.exchange_share
     exchanges = [
         chunk_exchange([p.layer for p in ps if p.moe for _ in range(p.layers)], run.overlap, share)
         for ps in chunk_parts

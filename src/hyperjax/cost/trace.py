@@ -67,7 +67,7 @@ def exchange_events(est: Estimate, times: dict[Task, tuple[int, float, float]], 
     if run.config.model.moe is None:
         return []
     sched, _ = est.schedule()
-    share = run.hardware.device.comm_compute_share
+    share = run.exchange_share
     partner = {f: b for f, b in sched.pairs}
     paired = set(partner) | set(partner.values())
     m, starts = run.config.model, chunk_starts(run)

@@ -70,6 +70,7 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
             "a preset whose device lists fp8 in peak_flops (dgx-h100)"
         )
     check_attention_impl(config, hw)
+    check_dispatcher_sms(config, hw)
     n = device_count(config, devices)
     check_capacity(hw, n)
     if config.mpmd.submeshes:
@@ -364,3 +365,39 @@ def check_attention_impl(config: Config, hw: Hardware) -> None:
         f"model.attention_impl={impl!r} is not a fused attention kernel of preset {hw.name}'s device "
         f"{hw.device.name}: it lists {sorted(kernels) or 'none'} in device.attention_kernels; {fix}"
     )
+
+
+def check_dispatcher_sms(config: Config, hw: Hardware) -> None:
+    """``parallel.dispatcher_sms`` can be honoured: a mixture of experts exchanging through DeepEP-style
+    kernels, on a device whose compute units the preset counts, fewer than it has.
+
+    Raises:
+      ConfigError: naming the key, the sizes and the fix.
+    """
+    sms, p = config.parallel.dispatcher_sms, config.parallel
+    if sms is None:
+        return
+    if config.model.moe is None:
+        raise ConfigError(
+            f"parallel.dispatcher_sms={sms}: the SMs of a mixture of experts' dispatch and combine kernels, but "
+            "the model has no MoE layers (model.moe is null); remove parallel.dispatcher_sms"
+        )
+    if p.dispatcher != "deepep":
+        raise ConfigError(
+            f"parallel.dispatcher_sms={sms} sizes DeepEP-style dispatch kernels (parallel.dispatcher: deepep), "
+            f"but parallel.dispatcher={p.dispatcher!r} exchanges through NCCL, whose channels are not set here; "
+            "set parallel.dispatcher: deepep or remove parallel.dispatcher_sms"
+        )
+    units = hw.device.compute_units
+    if not units:
+        raise ConfigError(
+            f"parallel.dispatcher_sms={sms}: preset {hw.name}'s device {hw.device.name} does not count its compute "
+            "units (device.compute_units); remove parallel.dispatcher_sms (its device.comm_compute_share "
+            f"{hw.device.comm_compute_share} prices the exchange's share of the device), or choose a preset that "
+            "counts them (dgx-h100)"
+        )
+    if sms >= units:
+        raise ConfigError(
+            f"parallel.dispatcher_sms={sms} leaves no compute: preset {hw.name}'s device has {units} SMs "
+            f"(device.compute_units); set it below {units} (DeepEP runs on 20, HybridEP's benchmarks on 32)"
+        )
