@@ -72,3 +72,42 @@ def test_grouped_products_follow_the_measured_kernels():
     )
     assert len(errors) == 18
     assert errors[len(errors) // 2] <= 0.08, errors
+
+
+def test_a_group_of_few_rows_runs_in_a_smaller_tile_down_to_the_devices_smallest():
+    kw = dict(bytes_per_element=2, dtype="bfloat16", hardware=H100)
+    unit = H100.matmul_flops("bfloat16") * H100.device.matmul_efficiency / 132
+    wave = lambda height: 2 * height * 256 * 7168 / unit + H100.device.kernel_overhead
+    assert H100.device.grouped_gemm_min_rows == 64  # Hopper's warpgroup product is 64 rows
+    # 8 groups of 64 rows and 256 columns: 8 tiles of 64 x 256, one wave; of 16 rows: still 64-row tiles; of
+    # 256 rows: whole 128-row tiles, two of them a group, still one wave
+    assert grouped_gemm_time(8 * 64, 256, 7168, groups=8, **kw) == pytest.approx(wave(64))
+    assert grouped_gemm_time(8 * 16, 256, 7168, groups=8, **kw) == pytest.approx(wave(64))
+    assert grouped_gemm_time(8 * 256, 256, 7168, groups=8, **kw) == pytest.approx(wave(128))
+
+
+def test_presets_without_compute_units_keep_the_roofline_of_whole_tiles():
+    tpu = load_hardware("tpu-v5p")
+    assert not tpu.device.compute_units
+    kw = dict(bytes_per_element=2, dtype="bfloat16", hardware=tpu)
+    active = 8 * (1 - (1 - 1 / 8) ** 2)  # two rows over eight groups
+    assert grouped_gemm_time(2, 4096, 7168, groups=8, **kw) == pytest.approx(
+        gemm_time(128, 4096, 7168, count=active, **kw)
+    )
+
+
+def test_fewer_than_one_group_touched_runs_its_wave_that_often():
+    kw = dict(bytes_per_element=2, dtype="bfloat16", hardware=H100)
+    overhead = H100.device.kernel_overhead
+    one = grouped_gemm_time(1, 4096, 7168, groups=1, **kw) - overhead
+    tiny = grouped_gemm_time(1e-3, 4096, 7168, groups=4, **kw) - overhead  # a group touched 0.1 % of the time
+    assert 0 < tiny < 0.01 * one
+
+
+def test_fp8_grouped_products_run_at_the_fp8_rate_in_waves():
+    kw = dict(groups=32, hardware=H100)
+    bf16 = grouped_gemm_time(32 * 1024, 2048, 7168, bytes_per_element=2, dtype="bfloat16", **kw)
+    fp8 = grouped_gemm_time(32 * 1024, 2048, 7168, bytes_per_element=1, dtype="fp8", **kw)
+    d, overhead = H100.device, H100.device.kernel_overhead
+    ratio = (H100.matmul_flops("bfloat16") * d.matmul_efficiency) / (H100.matmul_flops("fp8") * d.efficiency("fp8"))
+    assert (fp8 - overhead) == pytest.approx((bf16 - overhead) * ratio)

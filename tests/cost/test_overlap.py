@@ -163,7 +163,7 @@ def test_a_pair_of_a_dense_chunk_and_an_moe_chunk_saves_nothing():
 
     est = priced("parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.overlap=fb-pair")
     moe = next(c.exchange for s in est.stages for c in s.chunks if c.exchange.layers)
-    share = est.run.hardware.device.comm_compute_share
+    share = est.run.exchange_share
     for f, b in ((Exchange(), moe), (moe, Exchange())):
         pair = pair_exchange(f, b, share)
         assert pair.saving_s == pytest.approx(0.0, abs=1e-12) and pair.hidden_s == pytest.approx(0.0, abs=1e-12)

@@ -214,3 +214,21 @@ def test_dispatcher_sms_set_the_exchanges_share_of_the_device():
     assert run.exchange_share == run.hardware.device.comm_compute_share  # DeepEP's 20 of 132, from the preset
     run = resolve(load_config(CONFIGS / "mixtral-8x7b.yaml", ["parallel.dispatcher_sms=33"]))
     assert run.exchange_share == pytest.approx(33 / 132)
+
+
+def test_plan_names_a_dispatcher_sms_it_cannot_honour():
+    from hyperjax.search import plan
+
+    with pytest.raises(ConfigError, match=r"parallel.dispatcher_sms=32: preset cloudmatrix384's device"):
+        plan(load_config(CONFIGS / "moe-tiny.yaml", ["parallel.dispatcher_sms=32"]), 8)
+
+
+def test_dispatcher_sms_leaves_tensor_and_context_parallel_transfers_on_the_device_share():
+    from hyperjax import estimate
+
+    sets = ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=pipelined"]
+    plain = estimate(resolve(load_config(CONFIGS / "mixtral-8x7b.yaml", sets)))
+    more = estimate(resolve(load_config(CONFIGS / "mixtral-8x7b.yaml", [*sets, "parallel.dispatcher_sms=40"])))
+    layers = lambda est: [p.layer for s in est.stages for p in s.parts if p.layer is not None]
+    assert layers(plain) == layers(more)  # the blocks' own prices: tensor-parallel overlap on the device share
+    assert more.run.exchange_share != plain.run.exchange_share

@@ -71,7 +71,7 @@ def grouped_gemm_time(
     rows: float, n: float, k: float, *, groups: int, bytes_per_element: int, dtype: str, hardware: Hardware
 ) -> float:
     """Seconds for one grouped product (a mixture of experts' experts, one kernel): ``groups`` products of
-    ``(rows / groups, k) x (k, n)``, each group's rows rounded up to the preset's tile height
+    ``(rows / groups, k) x (k, n)``, each group's rows rounded up to a multiple of the preset's tile height
     (``device.grouped_gemm_rows``). Each group reads its own weight, so few rows per group leave the
     product bound by reading weights: the roofline gives small groups their lower rate.
 
@@ -79,7 +79,10 @@ def grouped_gemm_time(
     gives the tile's width and the device's units (``device.grouped_gemm_cols``, ``device.compute_units``),
     the groups' tiles run in waves over the units, each unit at its share of the large-product rate, and
     the last wave waits for its slowest tile with units idle: few rows per group (few tiles) reach a
-    fraction of the rate, as the kernels measured on a Hopper GPU do (``benchmarks/gpu_kernels.py``).
+    fraction of the rate, as the kernels measured on a Hopper GPU do (``benchmarks/gpu_kernels.py``). A
+    group of fewer rows than the tile then runs in the smallest power-of-two tile height that holds them,
+    down to the device's smallest (``device.grouped_gemm_min_rows``: 64, Hopper's warpgroup product).
+    An output narrower than the tile still pays the tile's width (no measurement below 768 columns).
 
     A group no row is routed to is skipped, weights unread. With rows spread over the groups at random,
     ``groups (1 - (1 - 1/groups)^rows)`` of them receive any: all of them in training, where rows far
@@ -89,8 +92,8 @@ def grouped_gemm_time(
     d = hardware.device
     active = groups * -math.expm1(rows * math.log1p(-1 / groups)) if groups > 1 else 1.0
     tile = d.grouped_gemm_rows
-    if tile > 1:  # a group of fewer rows than the tile runs in the smallest power-of-two tile that holds them
-        tile = min(tile, max(16, 2 ** math.ceil(math.log2(max(rows / active, 1.0)))))
+    if d.compute_units and d.grouped_gemm_min_rows:  # a small group's tile: the power of two that holds it
+        tile = min(tile, max(d.grouped_gemm_min_rows, 2 ** math.ceil(math.log2(max(rows / active, 1.0)))))
     per_group = -(-rows / active // tile) * tile if tile > 1 else rows / active
     if not d.compute_units:
         b = bytes_per_element
@@ -98,7 +101,8 @@ def grouped_gemm_time(
     cols = d.grouped_gemm_cols
     tiles = math.ceil(active) * math.ceil(per_group / tile) * math.ceil(n / cols)
     waves = math.ceil(tiles / d.compute_units)
-    compute = waves * 2.0 * tile * cols * k / (_rate(dtype, hardware) / d.compute_units)
+    # fewer than one group touched on average (a decode step's few rows): its wave runs that often
+    compute = min(active, 1.0) * waves * 2.0 * tile * cols * k / (_rate(dtype, hardware) / d.compute_units)
     moved = active * (per_group * k + k * n + per_group * n) * bytes_per_element
     return max(compute, moved / (d.hbm_bandwidth * d.memory_efficiency)) + d.kernel_overhead
 

@@ -230,6 +230,7 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
             run.expert_tensor_split,
             run.rows,
             run.overlap,
+            run.exchange_share,
             run.config.train.fp8,
             p2p,
         )

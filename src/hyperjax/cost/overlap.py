@@ -8,8 +8,9 @@ rest of :attr:`LayerCost.expert_comm_s` split between the backward's two. The ba
 between the two kinds in the forward's proportion, recomputation going to ``attention``.
 
 The lanes are replayed with these lengths (:func:`hyperjax.mpmd.lanes.lane_timing`): what the compute
-lane waits for is exposed, and compute running beside an exchange is slowed by the preset's
-``device.comm_compute_share``. Under ``two-microbatch`` each half carries half of every task (the
+lane waits for is exposed, and compute running beside an exchange is slowed by the share of the device
+the exchange holds (:attr:`hyperjax.config.Run.exchange_share`: ``parallel.dispatcher_sms``, else the
+preset's ``device.comm_compute_share``). Under ``two-microbatch`` each half carries half of every task (the
 half's tokens). What does not halve with the tokens (the exchanges' latency, the kernels' launch cost,
 the grouped products' padding to their tile) is halved too: a small overstatement of the gain, about
 1.5 % of the compute for DeepSeek-V3.
@@ -135,7 +136,7 @@ def _timing(
 
 def chunk_exchange(layers: Sequence[LayerCost], overlap: Overlap, share: float) -> Exchange:
     """The all-to-all of a chunk whose MoE layers are ``layers`` (in model order) under ``overlap``, on a
-    device whose exchanges hold ``share`` of its compute units (``device.comm_compute_share``)."""
+    device whose exchanges hold ``share`` of its compute units (:attr:`hyperjax.config.Run.exchange_share`)."""
     if not layers or not any(x.exchange_s for x in layers):
         return Exchange()
     if overlap == "two-microbatch":

@@ -1,7 +1,13 @@
 """Resolution: a :class:`hyperjax.Config` turned, once, into the :class:`hyperjax.Run` it describes."""
 
 from hyperjax.resolver.elastic import elastic_overrides
-from hyperjax.resolver.resolve import DEFAULT_DEVICES, check_attention_impl, device_count, resolve
+from hyperjax.resolver.resolve import (
+    DEFAULT_DEVICES,
+    check_attention_impl,
+    check_dispatcher_sms,
+    device_count,
+    resolve,
+)
 from hyperjax.resolver.rl import learner_config, resolve_rl
 from hyperjax.resolver.stages import MODULES, balance_layers
 
@@ -10,6 +16,7 @@ __all__ = [
     "MODULES",
     "balance_layers",
     "check_attention_impl",
+    "check_dispatcher_sms",
     "device_count",
     "elastic_overrides",
     "learner_config",

@@ -30,10 +30,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hyperjax.config import Config, Run
+from hyperjax.config.run import stage_schedule
 from hyperjax.cost import Estimate, StageCore, estimate
 from hyperjax.errors import ConfigError, HyperjaxError
 from hyperjax.offload import budget_bytes, offload_pass, with_offload
-from hyperjax.resolver import check_attention_impl, resolve
+from hyperjax.resolver import check_attention_impl, check_dispatcher_sms, resolve
 from hyperjax.search.bounds import lower_bound
 from hyperjax.search.strategies import RECOMPUTE, candidate, strategies, submesh_strategies
 from hyperjax.topology import Hardware, load_hardware
@@ -159,6 +160,7 @@ def plan(
     start = time.perf_counter()
     hw = load_hardware(cfg.hardware) if hardware is None else hardware
     check_attention_impl(cfg, hw)
+    check_dispatcher_sms(cfg, hw)
     budget_gib = budget_bytes(cfg, hw) / 2**30
     combinations = list(strategies(cfg, devices, accumulate=accumulate, one_program=one_program))
     if cfg.mpmd.submeshes:
@@ -194,13 +196,13 @@ def plan(
         for recompute in RECOMPUTE:
             left = []
             for combo in pending:
-                paired = combo.get("parallel.overlap") == "fb-pair"  # one stage's pairs run on 1F1B's grid
+                overlap = combo.get("parallel.overlap", "none")
                 run = dataclasses.replace(
                     base,
                     recompute=recompute,
                     zero_stage=combo.get("parallel.zero_stage", base.zero_stage),
-                    schedule=combo["parallel.schedule"] if base.pipelined or paired else None,
-                    overlap=combo.get("parallel.overlap", "none"),
+                    schedule=stage_schedule(len(base.stages), overlap, combo["parallel.schedule"]),
+                    overlap=overlap,
                 )
                 est = estimate(run, cores=cores)
                 priced += 1

@@ -86,10 +86,14 @@ class DeviceSpec:
         group, rounded up to a multiple of this: its tile height (1: no rounding).
       grouped_gemm_cols: the width of that kernel's output tile; with ``compute_units`` the kernel's tiles run
         in waves over the units, a last wave partly idle (0: the roofline alone).
+      grouped_gemm_min_rows: with ``compute_units``, the smallest tile height a grouped kernel runs a group of
+        few rows in (the power of two that holds them, down to this; 0: always ``grouped_gemm_rows``).
       compute_units: the units a kernel's tiles are spread over (an NVIDIA GPU's SMs; 0: not modelled).
       comm_compute_share: the share of the device's compute units an all-to-all holds while it runs beside
         compute (DeepEP's dispatch and combine kernels run on SMs of their own); compute running beside
-        one slows by it (:func:`hyperjax.mpmd.lanes.replay_lanes`).
+        one slows by it (:func:`hyperjax.mpmd.lanes.replay_lanes`). A run's ``parallel.dispatcher_sms``
+        sets a mixture of experts' exchange's share instead (:attr:`hyperjax.config.Run.exchange_share`);
+        tensor- and context-parallel transfers keep this one.
       allocator_overhead: what the memory allocator holds beyond the live tensors, as a fraction of them
         (fragmentation, a caching allocator's free blocks, workspaces): a peak is the tensors' bytes times
         ``1 + allocator_overhead``.
@@ -117,6 +121,7 @@ class DeviceSpec:
     matmul_precision: Mapping[str, str] = dataclasses.field(default_factory=dict)
     grouped_gemm_rows: int = 1
     grouped_gemm_cols: int = 0
+    grouped_gemm_min_rows: int = 0
     compute_units: int = 0
     comm_compute_share: float = 0.0
     reserved_bytes: float = 0.0
@@ -133,9 +138,10 @@ class DeviceSpec:
             raise PresetError(f"device.reserved_bytes={self.reserved_bytes} must be in [0, hbm_bytes={self.hbm_bytes})")
         if not 0 <= self.comm_compute_share < 1:
             raise PresetError(f"device.comm_compute_share={self.comm_compute_share} must be in [0, 1)")
-        if not isinstance(self.grouped_gemm_rows, int) or self.grouped_gemm_rows < 1:
-            raise PresetError(f"device.grouped_gemm_rows={self.grouped_gemm_rows!r} must be a positive integer")
-        for key in ("grouped_gemm_cols", "compute_units"):
+        rows = self.grouped_gemm_rows
+        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+            raise PresetError(f"device.grouped_gemm_rows={rows!r} must be a positive integer")
+        for key in ("grouped_gemm_cols", "grouped_gemm_min_rows", "compute_units"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise PresetError(f"device.{key}={value!r} must be a non-negative integer (0: not modelled)")
@@ -143,6 +149,16 @@ class DeviceSpec:
             raise PresetError(
                 f"device.grouped_gemm_cols={self.grouped_gemm_cols} and device.compute_units={self.compute_units}: "
                 "give both (a grouped kernel's tiles run in waves over the units) or neither"
+            )
+        if self.compute_units and rows == 1:
+            raise PresetError(
+                f"device.compute_units={self.compute_units} runs a grouped kernel's tiles in waves, but "
+                "device.grouped_gemm_rows=1 gives it no tile height; set the kernel's tile height (128 on Hopper)"
+            )
+        if self.grouped_gemm_min_rows > rows:
+            raise PresetError(
+                f"device.grouped_gemm_min_rows={self.grouped_gemm_min_rows} exceeds device.grouped_gemm_rows={rows}: "
+                "the smallest tile height a grouped kernel runs must be at most its tile height"
             )
         if not self.peak_flops:
             raise PresetError(f"device {self.name!r}: peak_flops is empty; give at least one dtype's FLOP/s")
@@ -214,6 +230,7 @@ class DeviceSpec:
                 tuple(sorted(self.matmul_precision.items())),
                 self.grouped_gemm_rows,
                 self.grouped_gemm_cols,
+                self.grouped_gemm_min_rows,
                 self.compute_units,
                 self.comm_compute_share,
                 self.reserved_bytes,
