@@ -160,6 +160,7 @@ def test_tier_values(field, value, pattern):
         ("allocator_overhead", 1.5, r"device.allocator_overhead=1.5 must be in \[0, 1\)"),
         ("compute_units", -1, r"device.compute_units=-1 must be a non-negative integer"),
         ("grouped_gemm_cols", 256, r"device.grouped_gemm_cols=256 and device.compute_units=0: give both"),
+        ("grouped_gemm_min_rows", 4096, r"device.grouped_gemm_min_rows=4096 exceeds device.grouped_gemm_rows=128"),
     ],
 )
 def test_device_memory_values(field, value, pattern):
@@ -322,4 +323,11 @@ def test_a_format_can_reach_its_own_share_of_its_peak():
     raw = _raw()
     raw["device"]["format_efficiency"] = {"fp4": 0.5}
     with pytest.raises(PresetError, match=r"device.format_efficiency.fp4: 'fp4' has no peak_flops entry"):
+        hardware_from_dict(raw)
+
+
+def test_waves_need_a_grouped_tile_height():
+    raw = _raw()
+    raw["device"] |= {"grouped_gemm_rows": 1, "grouped_gemm_cols": 256, "compute_units": 132}
+    with pytest.raises(PresetError, match=r"device.compute_units=132 .* device.grouped_gemm_rows=1 gives it no tile"):
         hardware_from_dict(raw)
