@@ -185,11 +185,13 @@ def report(path: Path, console: Console) -> dict:
     return res
 
 
-def main() -> int:
-    console = Console(width=130)
-    files = sorted(RESULTS.glob("kernels-*-measured.json"))
+def report_all(stem: str, script: str, report, width: int = 130) -> int:
+    """Run ``report`` on each ``benchmarks/results/<stem>-*-measured.json`` and write its result beside it
+    (the same name without ``-measured``); 1 when ``script`` has not been run on a GPU yet."""
+    console = Console(width=width)
+    files = sorted(RESULTS.glob(f"{stem}-*-measured.json"))
     if not files:
-        console.print("no benchmarks/results/kernels-*-measured.json: run gpu_kernels_measure.py on a GPU first")
+        console.print(f"no benchmarks/results/{stem}-*-measured.json: run {script} on a GPU first")
         return 1
     for path in files:
         res = report(path, console)
@@ -197,6 +199,10 @@ def main() -> int:
         out.write_text(json.dumps(res, indent=1) + "\n")
         console.print(f"wrote {out}")
     return 0
+
+
+def main() -> int:
+    return report_all("kernels", "gpu_kernels_measure.py", report)
 
 
 if __name__ == "__main__":

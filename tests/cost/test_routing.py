@@ -6,9 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from hyperjax import HyperjaxError, estimate, load_config, resolve
+from hyperjax import HyperjaxError, estimate, load_config, load_hardware, resolve
 from hyperjax.config import MoEConfig
-from hyperjax.cost.routing import reach_probability
+from hyperjax.cost import price_layer
+from hyperjax.cost.compute import stream_time
+from hyperjax.cost.routing import reach_probability, regroup_time, routing
+from hyperjax.topology import axis_spans
 
 DEEPSEEK = {"experts": 256, "top_k": 8}
 
@@ -65,3 +68,50 @@ def test_dispatchers_move_what_their_exchanges_send():
     assert one["allgather"] == pytest.approx(one["alltoall"], rel=0.02) and one["deepep"] > 0
     with pytest.raises(HyperjaxError, match=r"parallel\.dispatcher"):
         load_config(path, ["parallel.dispatcher=nccl"])
+
+
+def _moe_layer(dispatcher: str, expert: int, experts: int = 64):
+    """One MoE block of a small model priced at ``expert``-way expert parallelism, and its routing."""
+    cfg = load_config(
+        None,
+        [
+            "hardware=dgx-h100",
+            f"emulate.devices={expert}",
+            "model.family=llama",
+            "model.layers=1",
+            "model.d_model=1024",
+            "model.heads=8",
+            "model.kv_heads=8",
+            "model.d_ff=2048",
+            "model.vocab=1024",
+            "model.seq_len=2048",
+            f"model.moe={{experts: {experts}, top_k: 4, d_ff: 512, load_imbalance: 1.0}}",
+            f"train.global_batch={expert}",
+            f"parallel.expert={expert}",
+        ],
+    )
+    hw = load_hardware("dgx-h100")
+    axes = {"data": 1, "fsdp": 1, "expert": expert, "context": 1, "tensor": 1}
+    spans = axis_spans(hw, axes, groups={"expert+tensor": ("expert", "tensor")})
+    kw = dict(dtype="bfloat16", recompute="none", sequence_parallel=False, hardware=hw, moe=True)
+    layer = price_layer(cfg.model, micro=1, axes=axes, spans=spans, dispatcher=dispatcher, **kw)
+    return layer, routing(cfg.model, tokens=2048, axes=axes, expert_tensor=True), cfg.model, axes, hw
+
+
+def test_the_all_to_all_dispatcher_regroups_its_copies_by_local_expert_each_way():
+    """Megatron-Core's all-to-all dispatcher sorts the copies it receives by local expert and back: two moves
+    of every copy (read and written) in the forward and two of their gradients in the backward; DeepEP's
+    layout needs none, and neither does a device that holds one expert or routes only to itself."""
+    nccl, route, m, axes, hw = _moe_layer("alltoall", 8)
+    deepep, *_ = _moe_layer("deepep", 8)
+    moves = stream_time(2 * 2 * route.busiest * m.d_model * 2, ops=2, hardware=hw)
+    assert route.local_experts == 8 and route.busiest == 2048 * 4
+    assert regroup_time(m, route, axes, "alltoall", 2, hw) == pytest.approx(moves)
+    assert nccl.forward_s - deepep.forward_s == pytest.approx(moves)
+    assert nccl.backward_s - deepep.backward_s == pytest.approx(moves)
+    assert regroup_time(m, route, axes, "deepep", 2, hw) == 0.0
+    one_device, route1, m1, axes1, _ = _moe_layer("alltoall", 1)
+    assert regroup_time(m1, route1, axes1, "alltoall", 2, hw) == 0.0
+    assert one_device.forward_s == pytest.approx(_moe_layer("deepep", 1)[0].forward_s)
+    _, route8, m8, axes8, _ = _moe_layer("alltoall", 8, experts=8)  # one expert a device
+    assert route8.local_experts == 1 and regroup_time(m8, route8, axes8, "alltoall", 2, hw) == 0.0

@@ -10,8 +10,8 @@ data-parallel replicas).
 - **Decode** prices one token of every sequence per step. The layer model at one token per sequence
   gives its products (their roofline is bound by reading the weights once per step), its element-wise
   work, its collectives at that size (latency-bound) and, for a mixture of experts, the grouped products
-  over the device's experts (each group reads its weights: all local experts are counted as touched, an
-  overstatement at small batches). The attention core reads the KV cache: at the mean context of the
+  over the device's experts (a group no copy reaches is skipped, its weights unread:
+  :func:`hyperjax.cost.compute.grouped_gemm_time`). The attention core reads the KV cache: at the mean context of the
   decode (``prompt_len + new_tokens / 2``), every cached key and value of every sequence, once per step.
 - **KV cache per device**: per layer and token, a key and a value per KV head the device holds (heads split
   over the tensor axis, replicated where it is wider than the KV heads), or DeepSeek's latent attention's

@@ -35,6 +35,7 @@ from collections.abc import Mapping
 
 from hyperjax.config import Dispatcher, ModelConfig, MoEConfig
 from hyperjax.cost.collectives import collective_time
+from hyperjax.cost.compute import stream_time
 from hyperjax.topology import AxisSpan, Hardware
 
 MAX_VIOLATION: Mapping[str, float] = {"aux_loss": 0.52, "bias": 0.04}
@@ -166,3 +167,19 @@ def load_imbalance(m: ModelConfig, local_experts: int, devices: int) -> float:
     if devices == 1:
         return 1.0
     return 1.0 + MAX_VIOLATION[x.balance] / math.sqrt(local_experts)
+
+
+def regroup_time(
+    m: ModelConfig, routed: Routing, axes: Mapping[str, int], dispatcher: Dispatcher, e: int, hardware: Hardware
+) -> float:
+    """Seconds of one pass's regrouping of the routed copies by local expert (0 where there is none).
+
+    Megatron-Core's all-to-all dispatcher receives its copies ordered by source device, so with more than
+    one local expert it sorts them by expert after the dispatch and back before the combine
+    (``sort_chunks_by_idxs``): two moves of the busiest device's copies, each read and written once, in the
+    forward and again for their gradients in the backward. DeepEP-style kernels write the copies where
+    the expert's permutation reads them, and one device's own tokens need no regrouping."""
+    spread = math.prod(axes.get(a, 1) for a in routed.exchange)
+    if dispatcher != "alltoall" or spread == 1 or routed.local_experts == 1:
+        return 0.0
+    return stream_time(2 * 2 * routed.busiest * m.d_model * e, ops=2, hardware=hardware)
