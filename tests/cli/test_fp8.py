@@ -120,3 +120,13 @@ def test_train_with_fp8_learns(capsys, tmp_path):
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert losses[-1] < 0.75 * losses[0]
     assert "FP8 (tensorwise)" in capsys.readouterr().out  # the closing prediction prices it
+
+
+def test_plan_names_train_fp8_on_a_preset_without_fp8_products(capsys):
+    """The planner checks what the config asks of the preset first, as resolve does: the key and its fix,
+    not a missing figure of the preset."""
+    sets = ["hardware=dgx-a100-80g", "train.fp8.recipe=tensorwise"]
+    assert main(["plan", QUICK, "--devices", "8", *(a for s in sets for a in ("--set", s))]) == 2
+    err = capsys.readouterr().err
+    assert "train.fp8 (recipe tensorwise) multiplies in FP8, but preset dgx-a100-80g's device" in err
+    assert "set train.fp8: null" in err and "Traceback" not in err

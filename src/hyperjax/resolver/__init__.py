@@ -1,13 +1,8 @@
 """Resolution: a :class:`hyperjax.Config` turned, once, into the :class:`hyperjax.Run` it describes."""
 
+from hyperjax.resolver.checks import check_preset
 from hyperjax.resolver.elastic import elastic_overrides
-from hyperjax.resolver.resolve import (
-    DEFAULT_DEVICES,
-    check_attention_impl,
-    check_dispatcher_sms,
-    device_count,
-    resolve,
-)
+from hyperjax.resolver.resolve import DEFAULT_DEVICES, device_count, resolve
 from hyperjax.resolver.rl import learner_config, resolve_rl
 from hyperjax.resolver.stages import MODULES, balance_layers
 
@@ -15,8 +10,7 @@ __all__ = [
     "DEFAULT_DEVICES",
     "MODULES",
     "balance_layers",
-    "check_attention_impl",
-    "check_dispatcher_sms",
+    "check_preset",
     "device_count",
     "elastic_overrides",
     "learner_config",

@@ -1,4 +1,5 @@
-"""Every tensor and activation of a run checked against its stage's mesh before anything compiles.
+"""Every tensor and activation of a run checked against its stage's mesh before anything compiles, and
+what the config asks of the preset's device (:func:`check_preset`).
 
 The tensors are the model's parameters as :mod:`hyperjax.cost.counts` lists them (exactly the NNX
 models' own, path, shape and logical axes), so a dimension that a degree cannot split fails here, in
@@ -9,10 +10,11 @@ from __future__ import annotations
 
 import jax
 
-from hyperjax.config import ModelConfig, Stage
+from hyperjax.config import Config, ModelConfig, Stage
 from hyperjax.cost.counts import Tensor, decoder_tensors, encoder_tensors, tensors_by_axes
-from hyperjax.errors import ShardingError
+from hyperjax.errors import ConfigError, ShardingError
 from hyperjax.shard import Strategy
+from hyperjax.topology import Hardware
 
 
 def stage_tensors(m: ModelConfig, stage: Stage) -> list[Tensor]:
@@ -60,3 +62,79 @@ def check_stage(m: ModelConfig, strategy: Strategy, stage: Stage, rows: int) -> 
             strategy.check(f"activation {name}", shape, logical, mesh)
         except ShardingError as e:
             raise ShardingError(f"{e} (batch per micro-batch {rows}, model.seq_len={m.seq_len})") from None
+
+
+def check_preset(config: Config, hw: Hardware) -> None:
+    """What ``config`` asks of the preset's device, it has: FP8 products for ``train.fp8``, the fused
+    attention kernel ``model.attention_impl`` names, the compute units ``parallel.dispatcher_sms`` takes.
+    ``resolve`` and the planner both check it first, so either names the key rather than failing later.
+
+    Raises:
+      ConfigError: naming the key, what the preset has and the fix.
+    """
+    fp8 = config.train.fp8
+    if fp8 is not None and "fp8" not in hw.device.peak_flops:
+        raise ConfigError(
+            f"train.fp8 (recipe {fp8.recipe}) multiplies in FP8, but preset {hw.name}'s device {hw.device.name} "
+            f"has no FP8 products: it multiplies {', '.join(hw.device.peak_flops)}; set train.fp8: null, or choose "
+            "a preset whose device lists fp8 in peak_flops (dgx-h100)"
+        )
+    check_attention_impl(config, hw)
+    check_dispatcher_sms(config, hw)
+
+
+def check_attention_impl(config: Config, hw: Hardware) -> None:
+    """``model.attention_impl`` names a fused attention kernel the preset's device measures.
+
+    Raises:
+      ConfigError: naming the key, the preset, the kernels it lists and the fix.
+    """
+    impl, kernels = config.model.attention_impl, hw.device.attention_kernels
+    if impl is None or impl in kernels:
+        return
+    fix = (
+        f"choose one of those, or remove model.attention_impl (the preset's default, {hw.device.fused_attention})"
+        if kernels
+        else "remove model.attention_impl (a fused kernel is priced at the device's matmul_efficiency there), or "
+        "choose a preset that measures its kernels (dgx-h100)"
+    )
+    raise ConfigError(
+        f"model.attention_impl={impl!r} is not a fused attention kernel of preset {hw.name}'s device "
+        f"{hw.device.name}: it lists {sorted(kernels) or 'none'} in device.attention_kernels; {fix}"
+    )
+
+
+def check_dispatcher_sms(config: Config, hw: Hardware) -> None:
+    """``parallel.dispatcher_sms`` can be honoured: a mixture of experts exchanging through DeepEP-style
+    kernels, on a device whose compute units the preset counts, fewer than it has.
+
+    Raises:
+      ConfigError: naming the key, the sizes and the fix.
+    """
+    sms, p = config.parallel.dispatcher_sms, config.parallel
+    if sms is None:
+        return
+    if config.model.moe is None:
+        raise ConfigError(
+            f"parallel.dispatcher_sms={sms}: the SMs of a mixture of experts' dispatch and combine kernels, but "
+            "the model has no MoE layers (model.moe is null); remove parallel.dispatcher_sms"
+        )
+    if p.dispatcher != "deepep":
+        raise ConfigError(
+            f"parallel.dispatcher_sms={sms} sizes DeepEP-style dispatch kernels (parallel.dispatcher: deepep), "
+            f"but parallel.dispatcher={p.dispatcher!r} exchanges through NCCL, whose channels are not set here; "
+            "set parallel.dispatcher: deepep or remove parallel.dispatcher_sms"
+        )
+    units = hw.device.compute_units
+    if not units:
+        raise ConfigError(
+            f"parallel.dispatcher_sms={sms}: preset {hw.name}'s device {hw.device.name} does not count its compute "
+            "units (device.compute_units); remove parallel.dispatcher_sms (its device.comm_compute_share "
+            f"{hw.device.comm_compute_share} prices the exchange's share of the device), or choose a preset that "
+            "counts them (dgx-h100)"
+        )
+    if sms >= units:
+        raise ConfigError(
+            f"parallel.dispatcher_sms={sms} leaves no compute: preset {hw.name}'s device has {units} SMs "
+            f"(device.compute_units); set it below {units} (DeepEP runs on 20, HybridEP's benchmarks on 32)"
+        )

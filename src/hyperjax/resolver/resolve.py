@@ -17,7 +17,7 @@ from hyperjax.config.run import replica_axes, spans_processes, stage_replica_axe
 from hyperjax.emulate import plan_processes
 from hyperjax.errors import ConfigError, EmulationError, ShardingError
 from hyperjax.mpmd.schedules import PAIRED, check_sizes, warm_up
-from hyperjax.resolver.checks import check_stage
+from hyperjax.resolver.checks import check_preset, check_stage
 from hyperjax.resolver.stages import mpmd_stages, pipeline_axes, pipeline_sizes, pipeline_stages, spmd_stage
 from hyperjax.shard import strategy_for
 from hyperjax.topology import Hardware, load_hardware
@@ -63,14 +63,7 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
     """
     hw = load_hardware(config.hardware) if hardware is None else hardware
     t, p = config.train, config.parallel
-    if t.fp8 is not None and "fp8" not in hw.device.peak_flops:
-        raise ConfigError(
-            f"train.fp8 (recipe {t.fp8.recipe}) multiplies in FP8, but preset {hw.name}'s device {hw.device.name} "
-            f"has no FP8 products: it multiplies {', '.join(hw.device.peak_flops)}; set train.fp8: null, or choose "
-            "a preset whose device lists fp8 in peak_flops (dgx-h100)"
-        )
-    check_attention_impl(config, hw)
-    check_dispatcher_sms(config, hw)
+    check_preset(config, hw)
     n = device_count(config, devices)
     check_capacity(hw, n)
     if config.mpmd.submeshes:
@@ -343,61 +336,4 @@ def _check_rows(cfg: Config, microbatches: int) -> None:
         raise ConfigError(
             f"train.global_batch={t.global_batch} does not split into {microbatches} micro-batches "
             f"(train.microbatches, or its default); use a multiple of {microbatches} or set train.microbatches"
-        )
-
-
-def check_attention_impl(config: Config, hw: Hardware) -> None:
-    """``model.attention_impl`` names a fused attention kernel the preset's device measures.
-
-    Raises:
-      ConfigError: naming the key, the preset, the kernels it lists and the fix.
-    """
-    impl, kernels = config.model.attention_impl, hw.device.attention_kernels
-    if impl is None or impl in kernels:
-        return
-    fix = (
-        f"choose one of those, or remove model.attention_impl (the preset's default, {hw.device.fused_attention})"
-        if kernels
-        else "remove model.attention_impl (a fused kernel is priced at the device's matmul_efficiency there), or "
-        "choose a preset that measures its kernels (dgx-h100)"
-    )
-    raise ConfigError(
-        f"model.attention_impl={impl!r} is not a fused attention kernel of preset {hw.name}'s device "
-        f"{hw.device.name}: it lists {sorted(kernels) or 'none'} in device.attention_kernels; {fix}"
-    )
-
-
-def check_dispatcher_sms(config: Config, hw: Hardware) -> None:
-    """``parallel.dispatcher_sms`` can be honoured: a mixture of experts exchanging through DeepEP-style
-    kernels, on a device whose compute units the preset counts, fewer than it has.
-
-    Raises:
-      ConfigError: naming the key, the sizes and the fix.
-    """
-    sms, p = config.parallel.dispatcher_sms, config.parallel
-    if sms is None:
-        return
-    if config.model.moe is None:
-        raise ConfigError(
-            f"parallel.dispatcher_sms={sms}: the SMs of a mixture of experts' dispatch and combine kernels, but "
-            "the model has no MoE layers (model.moe is null); remove parallel.dispatcher_sms"
-        )
-    if p.dispatcher != "deepep":
-        raise ConfigError(
-            f"parallel.dispatcher_sms={sms} sizes DeepEP-style dispatch kernels (parallel.dispatcher: deepep), "
-            f"but parallel.dispatcher={p.dispatcher!r} exchanges through NCCL, whose channels are not set here; "
-            "set parallel.dispatcher: deepep or remove parallel.dispatcher_sms"
-        )
-    units = hw.device.compute_units
-    if not units:
-        raise ConfigError(
-            f"parallel.dispatcher_sms={sms}: preset {hw.name}'s device {hw.device.name} does not count its compute "
-            "units (device.compute_units); remove parallel.dispatcher_sms (its device.comm_compute_share "
-            f"{hw.device.comm_compute_share} prices the exchange's share of the device), or choose a preset that "
-            "counts them (dgx-h100)"
-        )
-    if sms >= units:
-        raise ConfigError(
-            f"parallel.dispatcher_sms={sms} leaves no compute: preset {hw.name}'s device has {units} SMs "
-            f"(device.compute_units); set it below {units} (DeepEP runs on 20, HybridEP's benchmarks on 32)"
         )

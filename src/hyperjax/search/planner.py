@@ -34,7 +34,7 @@ from hyperjax.config.run import stage_schedule
 from hyperjax.cost import Estimate, StageCore, estimate
 from hyperjax.errors import ConfigError, HyperjaxError
 from hyperjax.offload import budget_bytes, offload_pass, with_offload
-from hyperjax.resolver import check_attention_impl, check_dispatcher_sms, resolve
+from hyperjax.resolver import check_preset, resolve
 from hyperjax.search.bounds import lower_bound
 from hyperjax.search.strategies import RECOMPUTE, candidate, strategies, submesh_strategies
 from hyperjax.topology import Hardware, load_hardware
@@ -159,8 +159,7 @@ def plan(
     """
     start = time.perf_counter()
     hw = load_hardware(cfg.hardware) if hardware is None else hardware
-    check_attention_impl(cfg, hw)
-    check_dispatcher_sms(cfg, hw)
+    check_preset(cfg, hw)
     budget_gib = budget_bytes(cfg, hw) / 2**30
     combinations = list(strategies(cfg, devices, accumulate=accumulate, one_program=one_program))
     if cfg.mpmd.submeshes:
