@@ -51,7 +51,7 @@ def gemm_time(
         return 0.0
     d = hardware.device
     moved = (m * k + k * n + m * n) * bytes_per_element
-    one = max(2.0 * m * n * k / _rate(dtype, hardware), moved / (d.hbm_bandwidth * d.memory_efficiency))
+    one = max(2.0 * m * n * k / _rate(dtype, hardware), stream_time(moved, ops=0, hardware=hardware))
     return count * one + d.kernel_overhead
 
 
@@ -104,7 +104,7 @@ def grouped_gemm_time(
     # fewer than one group touched on average (a decode step's few rows): its wave runs that often
     compute = min(active, 1.0) * waves * 2.0 * tile * cols * k / (_rate(dtype, hardware) / d.compute_units)
     moved = active * (per_group * k + k * n + per_group * n) * bytes_per_element
-    return max(compute, moved / (d.hbm_bandwidth * d.memory_efficiency)) + d.kernel_overhead
+    return max(compute, stream_time(moved, ops=0, hardware=hardware)) + d.kernel_overhead
 
 
 def loss_time(tokens: float, vocab: float, *, kind: CrossEntropy, hardware: Hardware) -> tuple[float, float]:

@@ -29,7 +29,7 @@ from typing import Any
 
 from hyperjax.config import ModelConfig, Run
 from hyperjax.cost.collectives import collective_time
-from hyperjax.cost.compute import gemm_time
+from hyperjax.cost.compute import gemm_time, stream_time
 from hyperjax.cost.estimate import GIB, memory_budget, stage_spans
 from hyperjax.cost.layer import price_layer
 from hyperjax.cost.memory import sharding_axes, sharding_spans
@@ -55,9 +55,7 @@ class ServeLayer:
 
     def kv_read_s(self, context: float, hardware: Hardware) -> float:
         """Seconds to read ``context`` tokens of its cache from device memory (two kernels)."""
-        d = hardware.device
-        nbytes = self.kv_bytes_per_token * context
-        return nbytes / (d.hbm_bandwidth * d.memory_efficiency) + 2 * d.kernel_overhead
+        return stream_time(self.kv_bytes_per_token * context, ops=2, hardware=hardware)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
