@@ -70,12 +70,14 @@ def grouped(measured: dict, hw) -> list[dict]:
     return out
 
 
-def attention(measured: dict, hw) -> list[dict]:
+def attention(measured: dict, hw, key: str = "attention") -> list[dict]:
     names = {"flash": "flash2", "cudnn": "cudnn"}
     peak = hw.matmul_flops("bfloat16")
     out = []
-    for a in measured.get("attention", []):
-        fwd, bwd = hw.device.attention_rates(names[a["backend"]], a["seq"])
+    for a in measured.get(key, []):
+        if "error" in a:
+            continue
+        fwd, bwd = hw.device.attention_rates(names[a["backend"]], a["seq"], a["dim"])
         flops = 4 * a["batch"] * a["heads"] * a["seq"] ** 2 * a["dim"] / 2
         pf = flops / (peak * fwd) + hw.device.kernel_overhead
         pb = 2.5 * flops / (peak * bwd) + hw.device.kernel_overhead
@@ -139,6 +141,7 @@ def report(path: Path, console: Console) -> dict:
         "products": products(measured, hw),
         "grouped": grouped(measured, hw),
         "attention": attention(measured, hw),
+        "attention_widths": attention(measured, hw, "attention_widths"),
         "blocks": blocks(measured, hw),
         "stream": measured.get("stream"),
     }
@@ -159,6 +162,15 @@ def report(path: Path, console: Console) -> dict:
         "Fused attention (causal, head_dim 128, 32 heads): measured vs the preset's attention_kernels",
         ("kernel", "batch x seq", "fwd ms", "pred.", "error", "bwd ms", "pred.", "error"),
         [(a["backend"], f"{a['batch']} x {a['seq']}", *ms(a, "fwd"), *ms(a, "bwd")) for a in res["attention"]],
+    )
+    show(
+        console,
+        "Fused attention at head widths 64, 128 and 256 (heads x width 4,096): measured vs attention_kernels",
+        ("kernel", "width", "batch x seq", "fwd ms", "pred.", "error", "bwd ms", "pred.", "error"),
+        [
+            (a["backend"], str(a["dim"]), f"{a['batch']} x {a['seq']}", *ms(a, "fwd"), *ms(a, "bwd"))
+            for a in res["attention_widths"]
+        ],
     )
     show(
         console,

@@ -125,6 +125,14 @@ def attention(batch: int, heads: int, seq: int, dim: int, backend: str) -> dict:
     }
 
 
+def tried(fn, *args) -> dict:
+    """``fn(*args)``, or the error it raised (a kernel that does not take a shape loses only its row)."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        return {"args": list(args), "error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+
 def stream() -> dict:
     x = torch.empty(2**29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
     y = torch.empty_like(x)
@@ -204,6 +212,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--budget-s", type=float, default=240.0)
+    p.add_argument("--only", nargs="*", help="run only these sections (e.g. attention_widths)")
     args = p.parse_args()
     start = time.perf_counter()
     props = torch.cuda.get_device_properties(0)
@@ -246,8 +255,17 @@ def main() -> None:
             for s in ((8192, 8192, 8192), (tokens, 4096, 14336), (tokens, 14336, 4096), (tokens, 4096, 4096))
         ],
         "block_compiled": lambda: [block(2, 8192, True)],
+        # head widths other than 128 (GPT-OSS's 64; 256), as many query heads as a 4,096-wide model has
+        "attention_widths": lambda: [
+            tried(attention, 16384 // s, 4096 // d, s, d, be)
+            for be in ("flash", "cudnn")
+            for d in (64, 128, 256)
+            for s in (2048, 4096, 8192)
+        ],
     }
     for name, run in sections.items():
+        if args.only and name not in args.only:
+            continue
         if time.perf_counter() - start > args.budget_s:
             res[name] = {"error": "skipped: time budget spent"}
             continue

@@ -261,23 +261,75 @@ def test_attention_rates_follow_the_measured_kernel():
     assert a100.attention_rates(None, 4096) == (a100.matmul_efficiency, a100.matmul_efficiency)
 
 
-def test_attention_rates_at_another_head_width_keep_each_scores_exponential():
+def test_attention_rates_beyond_the_measured_widths_keep_each_scores_exponential():
     """Per score the forward multiplies 4 x head_dim FLOPs and takes one exponential on the special-function
-    units: a kernel that runs them one after the other (FlashAttention-2) at half the measured width takes half
-    its products' time and all of the exponential's; one that overlaps them (cuDNN's) takes half its time
-    while the products still outlast the exponentials."""
+    units: below the narrowest measured width, a kernel that runs them one after the other (FlashAttention-2)
+    at half that width takes half its products' time and all of the exponential's; one that overlaps them
+    (cuDNN's) takes half its time while the products still outlast the exponentials."""
     d = load_hardware("dgx-h100").device
     peak, exp = d.peak_flops["bfloat16"], 1 / d.special_function_flops
     for name in ("flash2", "cudnn"):
         k = d.attention_kernels[name]
         assert d.attention_rates(name, 1e9, k.head_dim) == d.attention_rates(name, 1e9)
-        measured = 4 * k.head_dim / (peak * k.forward)  # seconds per score at the measured width
+        narrowest = min(k.measured(), key=lambda w: w.head_dim)
+        measured = 4 * narrowest.head_dim / (peak * narrowest.forward)  # seconds per score there
         half = max(measured / 2, exp) if k.overlapped else (measured - exp) / 2 + exp
         ramp = 1e9 / (1e9 + k.seq_half)
-        assert d.attention_rates(name, 1e9, k.head_dim / 2)[0] == pytest.approx(2 * k.head_dim / (peak * half) * ramp)
+        rate = d.attention_rates(name, 1e9, narrowest.head_dim / 2)[0]
+        assert rate == pytest.approx(2 * narrowest.head_dim / (peak * half) * ramp)
     assert not d.attention_kernels["flash2"].overlapped and d.attention_kernels["cudnn"].overlapped
-    narrow, wide = (d.attention_rates("flash2", 8192, w) for w in (64, 256))
-    assert narrow[0] < d.attention_rates("flash2", 8192)[0] < wide[0] and narrow[1] < wide[1]
+
+
+def test_attention_rates_at_measured_widths_and_between_them():
+    """A measured width runs at its measured rates; between two, each score's time is interpolated linearly in
+    the width (DeepSeek-V3's latent attention, 160 wide, between 128 and 256)."""
+    d = load_hardware("dgx-h100").device
+    k = d.attention_kernels["cudnn"]
+    by_width = {w.head_dim: w for w in k.measured()}
+    assert sorted(by_width) == [64, 128, 256]
+    ramp = 4096 / (4096 + k.seq_half)
+    for w in by_width.values():
+        assert d.attention_rates("cudnn", 4096, w.head_dim) == pytest.approx((w.forward * ramp, w.backward * ramp))
+    lo, hi = by_width[128], by_width[256]
+    for i, (flops, key) in enumerate(((4, "forward"), (10, "backward"))):
+        time = 0.75 * flops * 128 / getattr(lo, key) + 0.25 * flops * 256 / getattr(hi, key)
+        assert d.attention_rates("cudnn", 4096, 160)[i] == pytest.approx(flops * 160 / time * ramp)
+    # cuDNN at 64 wide reaches two thirds of its rate at 128, as measured (the exponentials alone: all of it)
+    assert d.attention_rates("cudnn", 4096, 64)[0] == pytest.approx(0.469 / 0.702 * d.attention_rates("cudnn", 4096)[0])
+
+
+@pytest.mark.parametrize(
+    ("widths", "pattern"),
+    [
+        (
+            [{"head_dim": 128, "forward": 0.3, "backward": 0.3}],
+            r"widths measure head_dim \[128, 128\]: each width once",
+        ),
+        (
+            [{"head_dim": 64, "forward": 0.3}],
+            r"widths\[0\]=.* must be a mapping of exactly head_dim, forward, backward",
+        ),
+        ([{"head_dim": 64, "forward": 1.3, "backward": 0.3}], r"fa.widths\[0\].forward=1.3 must be a fraction"),
+        ([{"head_dim": 0, "forward": 0.3, "backward": 0.3}], r"widths\[0\].head_dim=0 must be a positive number"),
+        ({"head_dim": 64}, r"fa.widths=.* must be a list of measured widths"),
+    ],
+)
+def test_measured_widths_must_be_distinct_fractions(widths, pattern):
+    raw = _raw()
+    kernel = {"forward": 0.3, "backward": 0.3, "widths": widths}
+    raw["device"] |= {"attention_kernels": {"fa": kernel}, "fused_attention": "fa"}
+    with pytest.raises(PresetError, match=pattern):
+        hardware_from_dict(raw)
+
+
+def test_a_measured_width_faster_than_its_exponentials_allow_is_a_preset_error():
+    raw = _raw()
+    kernel = {"forward": 0.3, "backward": 0.3, "widths": [{"head_dim": 64, "forward": 0.9, "backward": 0.3}]}
+    exponentials = raw["device"]["peak_flops"]["bfloat16"] / 500  # one takes 500 product FLOPs' time at the peak
+    raw["device"] |= {"attention_kernels": {"fa": kernel}, "fused_attention": "fa"}
+    raw["device"] |= {"special_function_flops": exponentials}  # 0.3 at 128 wide leaves room; 0.9 at 64 does not
+    with pytest.raises(PresetError, match=r"a rate of 0.9 at head_dim 64 is faster than its exponentials allow"):
+        hardware_from_dict(raw)
 
 
 def test_an_unknown_kernel_is_a_preset_error():

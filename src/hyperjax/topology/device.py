@@ -16,6 +16,16 @@ def require_positive(key: str, value: Any) -> None:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, order=True)
+class MeasuredWidth:
+    """A fused attention kernel's long-sequence forward and backward fractions of the peak at one more head
+    width than its own (``widths`` of :class:`AttentionKernel`; the same ``seq_half``)."""
+
+    head_dim: int
+    forward: float
+    backward: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, order=True)
 class AttentionKernel:
     """A fused attention kernel's measured rates (causal): the forward's and the backward's fractions of the
     peak the compute dtype's products run at, at long sequences, and the keys at which each reaches half of
@@ -24,6 +34,8 @@ class AttentionKernel:
     FLOPs. ``head_dim``: the head width the rates were measured at. ``overlapped``: the kernel runs each
     score's exponential beside its products (Hopper's warp-specialised kernels), so they cost nothing while
     the products take longer; otherwise one after the other (:meth:`DeviceSpec.attention_rates`).
+    ``widths``: the rates measured at other head widths (a kernel's tiles and registers change with the
+    width, which the exponentials alone do not capture).
     """
 
     forward: float
@@ -31,25 +43,46 @@ class AttentionKernel:
     seq_half: float = 0.0
     head_dim: int = 128
     overlapped: bool = False
+    widths: tuple[MeasuredWidth, ...] = ()
     name: str = dataclasses.field(default="attention kernel", compare=False, metadata={"plain": False})
 
     def __post_init__(self) -> None:
-        for key in ("forward", "backward"):
-            value = getattr(self, key)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 1:
-                raise PresetError(f"{self.name}.{key}={value!r} must be a fraction of the peak in (0, 1]")
+        for where, w in (("", self), *((f".widths[{i}]", w) for i, w in enumerate(self.widths))):
+            for key in ("forward", "backward"):
+                value = getattr(w, key)
+                if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 1:
+                    raise PresetError(f"{self.name}{where}.{key}={value!r} must be a fraction of the peak in (0, 1]")
         if not isinstance(self.seq_half, int | float) or isinstance(self.seq_half, bool) or self.seq_half < 0:
             raise PresetError(f"{self.name}.seq_half={self.seq_half!r} must be >= 0 keys")
         require_positive(f"{self.name}.head_dim", self.head_dim)
         if not isinstance(self.overlapped, bool):
             raise PresetError(f"{self.name}.overlapped={self.overlapped!r} must be true or false")
+        heads = [w.head_dim for w in self.measured()]
+        if len(set(heads)) < len(heads):
+            raise PresetError(f"{self.name}.widths measure head_dim {heads}: each width once, not head_dim's own")
 
-    def per_score(self) -> tuple[tuple[int, float], tuple[int, float]]:
-        """``(product FLOPs per score, measured rate)`` of the forward and of the backward."""
-        return (4 * self.head_dim, self.forward), (10 * self.head_dim, self.backward)
+    def measured(self) -> list[MeasuredWidth]:
+        """Every measured width, its own first, then the ``widths`` narrowest first."""
+        own = MeasuredWidth(head_dim=self.head_dim, forward=self.forward, backward=self.backward)
+        return [own, *sorted(self.widths, key=lambda w: w.head_dim)]
 
 
-KERNEL_KEYS = ("forward", "backward", "seq_half", "head_dim", "overlapped")
+KERNEL_KEYS = ("forward", "backward", "seq_half", "head_dim", "overlapped", "widths")
+WIDTH_KEYS = ("head_dim", "forward", "backward")
+
+
+def per_score(w: MeasuredWidth) -> tuple[tuple[int, float], tuple[int, float]]:
+    """``(product FLOPs per score, measured rate)`` of the forward and of the backward at width ``w``."""
+    return (4 * w.head_dim, w.forward), (10 * w.head_dim, w.backward)
+
+
+def _width(where: str, raw: Any) -> MeasuredWidth:
+    if isinstance(raw, MeasuredWidth):
+        return raw
+    if not isinstance(raw, Mapping) or set(raw) != set(WIDTH_KEYS):
+        raise PresetError(f"{where}={raw!r} must be a mapping of exactly {', '.join(WIDTH_KEYS)}")
+    require_positive(f"{where}.head_dim", raw["head_dim"])
+    return MeasuredWidth(**raw)
 
 
 def _kernel(name: str, raw: Any) -> AttentionKernel:
@@ -61,7 +94,11 @@ def _kernel(name: str, raw: Any) -> AttentionKernel:
             f"{where}={raw!r} must be a mapping with forward and backward (fractions of the peak) and optionally "
             f"{', '.join(KERNEL_KEYS[2:])}"
         )
-    return AttentionKernel(name=where, **raw)
+    widths = raw.get("widths", ())
+    if not isinstance(widths, list | tuple):
+        raise PresetError(f"{where}.widths={widths!r} must be a list of measured widths")
+    widths = tuple(_width(f"{where}.widths[{i}]", w) for i, w in enumerate(widths))
+    return AttentionKernel(name=where, **{**raw, "widths": widths})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -212,8 +249,9 @@ class DeviceSpec:
         if self.special_function_flops is not None:
             require_positive("device.special_function_flops", self.special_function_flops)
             for name, k in kernels.items():
-                for flops, rate in k.per_score():
-                    self._check_exponentials(name, k, flops, rate)
+                for w in k.measured():
+                    for flops, rate in per_score(w):
+                        self._check_exponentials(name, k, flops, rate, w.head_dim)
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
         object.__setattr__(self, "matmul_precision", MappingProxyType(dict(self.matmul_precision)))
 
@@ -261,7 +299,7 @@ class DeviceSpec:
         peak = self.peak_flops.get("bfloat16", max(self.peak_flops.values()))
         return peak / self.special_function_flops
 
-    def _check_exponentials(self, name: str, k: AttentionKernel, flops: float, rate: float) -> None:
+    def _check_exponentials(self, name: str, k: AttentionKernel, flops: float, rate: float, width: int) -> None:
         """A measured rate must leave room for the exponentials: beside the products (overlapped), no faster
         than they alone allow; after them, with the products at most at the peak."""
         per_score, x = flops / rate, self._exp_units()  # in product-FLOP times at the peak
@@ -269,7 +307,7 @@ class DeviceSpec:
             return
         limit = flops / x if k.overlapped else flops / (flops + x)
         raise PresetError(
-            f"device.attention_kernels.{name}: a rate of {rate} at head_dim {k.head_dim} is faster than its "
+            f"device.attention_kernels.{name}: a rate of {rate} at head_dim {width} is faster than its "
             f"exponentials allow at device.special_function_flops={self.special_function_flops:g} (at most "
             f"{limit:.3f} {'beside' if k.overlapped else 'after'} the products); correct the rate or the flag "
             "overlapped, or special_function_flops"
@@ -280,10 +318,12 @@ class DeviceSpec:
         default) reaches over ``seq`` keys, with heads ``head_dim`` wide (``None``: as measured);
         ``matmul_efficiency`` both where none is measured.
 
-        Per score, the forward multiplies ``4 head_dim`` FLOPs and the backward ``10 head_dim``; each takes
-        one exponential on the special-function units, whatever the width. A kernel that runs them after its
-        products keeps the exponential's time and scales the rest by the widths' ratio; one that overlaps
-        them scales the whole, unless the exponentials then take longer than the products.
+        Per score, the forward multiplies ``4 head_dim`` FLOPs and the backward ``10 head_dim``. Between two
+        measured widths (the kernel's own and its ``widths``), each score's time is interpolated linearly in
+        the width. Beyond them, each score takes one exponential on the special-function units, whatever the
+        width: from the nearest measured width, a kernel that runs them after its products keeps the
+        exponential's time and scales the rest by the widths' ratio; one that overlaps them scales the whole,
+        unless the exponentials then take longer than the products.
 
         Raises:
           PresetError: ``kernel`` is not one of the device's kernels.
@@ -298,12 +338,28 @@ class DeviceSpec:
             )
         k = self.attention_kernels[name]
         ramp = seq / (seq + k.seq_half)
-        if head_dim is None or self.special_function_flops is None or head_dim == k.head_dim:
+        if head_dim is None:
             return k.forward * ramp, k.backward * ramp
-        x, scale = self._exp_units(), head_dim / k.head_dim
+        points = sorted(k.measured(), key=lambda w: w.head_dim)
+        below = [w for w in points if w.head_dim <= head_dim]
+        above = [w for w in points if w.head_dim >= head_dim]
+        if below and above:  # at or between measured widths: a score's time linear in the width
+            lo, hi = below[-1], above[0]
+            if lo.head_dim == hi.head_dim:
+                return lo.forward * ramp, lo.backward * ramp
+            a = (head_dim - lo.head_dim) / (hi.head_dim - lo.head_dim)
+            rates = []
+            for (f0, r0), (f1, r1) in zip(per_score(lo), per_score(hi), strict=True):
+                time = (1 - a) * f0 / r0 + a * f1 / r1  # in product-FLOP times at the peak
+                rates.append(((1 - a) * f0 + a * f1) / time)
+            return rates[0] * ramp, rates[1] * ramp
+        near = below[-1] if below else above[0]
+        if self.special_function_flops is None:
+            return near.forward * ramp, near.backward * ramp
+        x, scale = self._exp_units(), head_dim / near.head_dim
         rates = []
-        for flops, rate in k.per_score():
-            per_score = flops / rate  # the measured time per score, in product-FLOP times at the peak
-            time = max(per_score * scale, x) if k.overlapped else (per_score - x) * scale + x
+        for flops, rate in per_score(near):
+            t = flops / rate  # the measured time per score, in product-FLOP times at the peak
+            time = max(t * scale, x) if k.overlapped else (t - x) * scale + x
             rates.append(flops * scale / time)
         return rates[0] * ramp, rates[1] * ramp
