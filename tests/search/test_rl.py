@@ -36,3 +36,16 @@ def test_the_answer_is_a_resolved_config_priced_again():
     again = estimate_rl(resolve_rl(best.rl.config))
     assert again.iteration_s == best.iteration_s and again.fits
     assert [e.iteration_s for e in found.best] == sorted(e.iteration_s for e in found.best)
+
+
+def test_each_phase_keeps_how_its_framework_runs_through_the_search():
+    """The search chooses each phase's degrees; what the config says of how the framework runs them (the
+    learner's gradient reduction, the rollout's tensor-parallel overlap) is kept, and the learner is searched
+    with its own."""
+    sets = ["rl.learner.parallel.dp_overlap=none", "rl.rollout.parallel.tp_overlap=bulk"]
+    best = plan_rl(load_config(GRPO, sets), 8, keep=1).best[0]
+    phases = best.rl.config.rl
+    assert phases.learner.parallel.dp_overlap == "none" and phases.rollout.parallel.tp_overlap == "bulk"
+    assert phases.learner.parallel.tp_overlap == "none" and phases.rollout.parallel.dp_overlap == "backward"
+    plain = plan_rl(load_config(GRPO), 8, keep=1).best[0].rl.config.rl
+    assert plain.learner.parallel.dp_overlap == "backward"

@@ -60,6 +60,16 @@ def splits(devices: int, placement: str) -> list[int]:
     return [k * granule for k in range(1, devices // granule)]
 
 
+RUNTIME = ("context_impl", "dispatcher", "dispatcher_sms", "tp_overlap", "dp_overlap", "fsdp_unit", "fsdp_context")
+"""The ``parallel.*`` keys that say how the framework runs a layout, not the layout: a phase keeps its own
+through the search, which chooses the degrees."""
+
+
+def runtime_parallel(own: ParallelConfig, **degrees: Any) -> ParallelConfig:
+    """A phase's layout: ``degrees`` over the defaults, with ``own``'s :data:`RUNTIME` settings."""
+    return dataclasses.replace(ParallelConfig(), **({k: getattr(own, k) for k in RUNTIME} | degrees))
+
+
 def with_layouts(
     cfg: Config, rollout: tuple[int, dict[str, Any]], learner: tuple[int, dict[str, Any]], wave: int | None = None
 ) -> Config:
@@ -68,12 +78,14 @@ def with_layouts(
     r = cfg.rl
     colocated = r.placement == "colocated"
 
-    def phase(n: int, overrides: dict[str, Any]) -> PhaseConfig:
+    def phase(n: int, overrides: dict[str, Any], own: ParallelConfig) -> PhaseConfig:
         degrees = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("parallel.")}
-        return PhaseConfig(devices=None if colocated else n, parallel=dataclasses.replace(ParallelConfig(), **degrees))
+        return PhaseConfig(devices=None if colocated else n, parallel=runtime_parallel(own, **degrees))
 
     trains = {k.split(".", 1)[1]: v for k, v in learner[1].items() if k.startswith("train.")}
-    rl = dataclasses.replace(r, rollout=phase(*rollout), learner=phase(*learner))
+    rl = dataclasses.replace(
+        r, rollout=phase(*rollout, r.rollout.parallel), learner=phase(*learner, r.learner.parallel)
+    )
     rl = dataclasses.replace(rl, rollout_batch=wave)
     devices = rollout[0] if colocated else rollout[0] + learner[0]
     return dataclasses.replace(
@@ -137,7 +149,8 @@ def plan_rl(cfg: Config, devices: int, *, keep: int = 5, hardware: Hardware | No
             "or more; plan with more devices or rl.placement: colocated"
         )
     hw = load_hardware(cfg.hardware) if hardware is None else hardware
-    base = learner_config(cfg)
+    base = learner_config(cfg)  # the learner searched as it will run: its own phase's runtime settings
+    base = dataclasses.replace(base, parallel=runtime_parallel(cfg.rl.learner.parallel))
     found: list[RLEstimate] = []
     priced = 0
     refused: HyperjaxError | None = None  # the last reason a candidate did not resolve
