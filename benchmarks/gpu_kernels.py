@@ -189,11 +189,12 @@ def report(path: Path, console: Console) -> dict:
     )
     big = [abs(g["error"]) for g in res["products"] if g["m"] * g["n"] * g["k"] >= 2**33]
     small = [abs(g["error"]) for g in res["products"] if g["m"] * g["n"] * g["k"] < 2**33]
-    console.print(
-        f"products: median |error| {statistics.median(big):.0%} over {len(big)} large, "
-        f"{statistics.median(small):.0%} over {len(small)} small or skinny; grouped: median |error| "
-        f"{statistics.median(abs(g['error']) for g in res['grouped']):.0%}"
-    )
+    if big and small and res["grouped"]:  # a file may hold some sections only (--only)
+        console.print(
+            f"products: median |error| {statistics.median(big):.0%} over {len(big)} large, "
+            f"{statistics.median(small):.0%} over {len(small)} small or skinny; grouped: median |error| "
+            f"{statistics.median(abs(g['error']) for g in res['grouped']):.0%}"
+        )
     return res
 
 
