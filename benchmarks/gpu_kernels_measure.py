@@ -212,7 +212,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--budget-s", type=float, default=240.0)
-    p.add_argument("--only", nargs="*", help="run only these sections (e.g. attention_widths)")
+    p.add_argument(
+        "--only", nargs="*", help="run only these sections (e.g. attention_widths), kept beside --out's others"
+    )
     args = p.parse_args()
     start = time.perf_counter()
     props = torch.cuda.get_device_properties(0)
@@ -223,6 +225,9 @@ def main() -> None:
         "method": "CUDA graphs of back-to-back products over operands rotated past L2, median of 5 replays; "
         "attention and blocks: CUDA events, median of 5 eager calls",
     }
+    if args.only and args.out.exists():  # the other sections of an earlier run on the same device are kept
+        earlier = json.loads(args.out.read_text())
+        res = {**earlier, **res} if earlier.get("device") == props.name else res
     tokens = 16384  # torchtitan's Llama 3.1 8B: local batch 2 x 8192
     sections = {
         "attention": lambda: [

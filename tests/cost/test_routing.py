@@ -10,7 +10,7 @@ from hyperjax import HyperjaxError, estimate, load_config, load_hardware, resolv
 from hyperjax.config import MoEConfig
 from hyperjax.cost import price_layer
 from hyperjax.cost.compute import stream_time
-from hyperjax.cost.routing import reach_probability, regroup_time, routing
+from hyperjax.cost.routing import reach_probability, regroup_move_time, routing
 from hyperjax.topology import axis_spans
 
 DEEPSEEK = {"experts": 256, "top_k": 8}
@@ -70,13 +70,14 @@ def test_dispatchers_move_what_their_exchanges_send():
         load_config(path, ["parallel.dispatcher=nccl"])
 
 
-def _moe_layer(dispatcher: str, expert: int, experts: int = 64):
-    """One MoE block of a small model priced at ``expert``-way expert parallelism, and its routing."""
+def _moe_layer(dispatcher: str, expert: int, experts: int = 64, tensor: int = 1, **kw):
+    """One MoE block of a small model priced at ``expert``-way expert parallelism (``tensor``-way tensor
+    parallelism, ``kw`` to ``price_layer``), and its routing."""
     cfg = load_config(
         None,
         [
             "hardware=dgx-h100",
-            f"emulate.devices={expert}",
+            f"emulate.devices={expert * tensor}",
             "model.family=llama",
             "model.layers=1",
             "model.d_model=1024",
@@ -88,30 +89,63 @@ def _moe_layer(dispatcher: str, expert: int, experts: int = 64):
             f"model.moe={{experts: {experts}, top_k: 4, d_ff: 512, load_imbalance: 1.0}}",
             f"train.global_batch={expert}",
             f"parallel.expert={expert}",
+            f"parallel.tensor={tensor}",
         ],
     )
     hw = load_hardware("dgx-h100")
-    axes = {"data": 1, "fsdp": 1, "expert": expert, "context": 1, "tensor": 1}
+    axes = {"data": 1, "fsdp": 1, "expert": expert, "context": 1, "tensor": tensor}
     spans = axis_spans(hw, axes, groups={"expert+tensor": ("expert", "tensor")})
-    kw = dict(dtype="bfloat16", recompute="none", sequence_parallel=False, hardware=hw, moe=True)
-    layer = price_layer(cfg.model, micro=1, axes=axes, spans=spans, dispatcher=dispatcher, **kw)
-    return layer, routing(cfg.model, tokens=2048, axes=axes, expert_tensor=True), cfg.model, axes, hw
+    split = kw.pop("expert_tensor", True)
+    kw = dict(dtype="bfloat16", sequence_parallel=False, hardware=hw, moe=True, recompute="none") | kw
+    layer = price_layer(cfg.model, micro=1, axes=axes, spans=spans, dispatcher=dispatcher, expert_tensor=split, **kw)
+    return layer, routing(cfg.model, tokens=2048, axes=axes, expert_tensor=split), cfg.model, hw
 
 
 def test_the_all_to_all_dispatcher_regroups_its_copies_by_local_expert_each_way():
     """Megatron-Core's all-to-all dispatcher sorts the copies it receives by local expert and back: two moves
     of every copy (read and written) in the forward and two of their gradients in the backward; DeepEP's
-    layout needs none, and neither does a device that holds one expert or routes only to itself."""
-    nccl, route, m, axes, hw = _moe_layer("alltoall", 8)
+    layout needs none, and neither does a device that holds one expert."""
+    nccl, route, m, hw = _moe_layer("alltoall", 8)
     deepep, *_ = _moe_layer("deepep", 8)
-    moves = stream_time(2 * 2 * route.busiest * m.d_model * 2, ops=2, hardware=hw)
+    move = stream_time(2 * route.busiest * m.d_model * 2, ops=1, hardware=hw)  # 16-bit copies, read and written
     assert route.local_experts == 8 and route.busiest == 2048 * 4
-    assert regroup_time(m, route, axes, "alltoall", 2, hw) == pytest.approx(moves)
-    assert nccl.forward_s - deepep.forward_s == pytest.approx(moves)
-    assert nccl.backward_s - deepep.backward_s == pytest.approx(moves)
-    assert regroup_time(m, route, axes, "deepep", 2, hw) == 0.0
-    one_device, route1, m1, axes1, _ = _moe_layer("alltoall", 1)
-    assert regroup_time(m1, route1, axes1, "alltoall", 2, hw) == 0.0
-    assert one_device.forward_s == pytest.approx(_moe_layer("deepep", 1)[0].forward_s)
-    _, route8, m8, axes8, _ = _moe_layer("alltoall", 8, experts=8)  # one expert a device
-    assert route8.local_experts == 1 and regroup_time(m8, route8, axes8, "alltoall", 2, hw) == 0.0
+    assert regroup_move_time(m, route, "alltoall", bytes_per_element=2, hardware=hw) == pytest.approx(move)
+    assert nccl.forward_s - deepep.forward_s == pytest.approx(2 * move)
+    assert nccl.backward_s - deepep.backward_s == pytest.approx(2 * move)
+    assert regroup_move_time(m, route, "deepep", bytes_per_element=2, hardware=hw) == 0.0
+    _, route8, m8, _ = _moe_layer("alltoall", 8, experts=8)  # one expert a device
+    assert (
+        route8.local_experts == 1 and regroup_move_time(m8, route8, "alltoall", bytes_per_element=2, hardware=hw) == 0
+    )
+    # one device with several experts still sorts its chunks (Megatron sorts whenever it holds more than one)
+    one_device, route1, _, _ = _moe_layer("alltoall", 1)
+    assert one_device.forward_s - _moe_layer("deepep", 1)[0].forward_s == pytest.approx(
+        2 * stream_time(2 * route1.busiest * m.d_model * 2, ops=1, hardware=hw)
+    )
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_the_regrouping_follows_the_copies_a_device_holds_under_tensor_parallelism(split):
+    """Experts split over the tensor axis: every tensor rank holds the group's copies; experts spread over it
+    (``parallel.expert_tensor: 1``): each rank its own share. A full recomputation re-runs the forward's two."""
+    nccl, route, m, hw = _moe_layer("alltoall", 4, tensor=2, expert_tensor=split)
+    deepep, *_ = _moe_layer("deepep", 4, tensor=2, expert_tensor=split)
+    move = stream_time(2 * route.busiest * m.d_model * 2, ops=1, hardware=hw)
+    assert route.busiest == (2048 * 4 if split else 2048 * 4 / 2)
+    assert nccl.forward_s - deepep.forward_s == pytest.approx(2 * move)
+    full = _moe_layer("alltoall", 4, tensor=2, expert_tensor=split, recompute="full")[0]
+    full_deepep = _moe_layer("deepep", 4, tensor=2, expert_tensor=split, recompute="full")[0]
+    assert full.recompute_s - full_deepep.recompute_s == pytest.approx(2 * move)
+
+
+def test_the_forward_regrouping_moves_fp8_rows_where_the_dispatch_does():
+    """Under train.fp8 the dispatch moves one-byte rows, so the regrouping after it does; the one before the
+    combine and the backward's stay in the compute dtype."""
+    from hyperjax.config import Fp8Config
+
+    fp8 = Fp8Config(recipe="blockwise")
+    nccl, route, m, hw = _moe_layer("alltoall", 8, fp8=fp8)
+    deepep, *_ = _moe_layer("deepep", 8, fp8=fp8)
+    move = lambda b: stream_time(2 * route.busiest * m.d_model * b, ops=1, hardware=hw)
+    assert nccl.forward_s - deepep.forward_s == pytest.approx(move(1) + move(2))
+    assert nccl.backward_s - deepep.backward_s == pytest.approx(2 * move(2))

@@ -49,3 +49,16 @@ def test_each_phase_keeps_how_its_framework_runs_through_the_search():
     assert phases.learner.parallel.tp_overlap == "none" and phases.rollout.parallel.dp_overlap == "backward"
     plain = plan_rl(load_config(GRPO), 8, keep=1).best[0].rl.config.rl
     assert plain.learner.parallel.dp_overlap == "backward"
+    kept = plan_rl(load_config(GRPO, ["rl.learner.parallel.fsdp_reshard=false"]), 8, keep=1).best[0]
+    assert kept.rl.config.rl.learner.parallel.fsdp_reshard is False
+
+
+def test_plan_rl_names_what_the_preset_cannot_do_first():
+    """train.fp8 on a device without FP8 products is named with its fix, not reported as nothing fitting."""
+    import pytest
+
+    from hyperjax.errors import ConfigError
+
+    cfg = load_config(GRPO, ["hardware=dgx-a100-80g", "train.fp8.recipe=tensorwise"])
+    with pytest.raises(ConfigError, match=r"train.fp8 \(recipe tensorwise\) multiplies in FP8, .* set train.fp8: null"):
+        plan_rl(cfg, 8)

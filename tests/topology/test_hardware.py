@@ -383,3 +383,29 @@ def test_waves_need_a_grouped_tile_height():
     raw["device"] |= {"grouped_gemm_rows": 1, "grouped_gemm_cols": 256, "compute_units": 132}
     with pytest.raises(PresetError, match=r"device.compute_units=132 .* device.grouped_gemm_rows=1 gives it no tile"):
         hardware_from_dict(raw)
+
+
+def test_measured_widths_are_one_kernel_in_any_order_and_rates_beyond_them_follow_the_nearest():
+    """The same widths listed in any order make the same (hashable) kernel; above the widest measured width
+    the exponentials' rule runs from it, and without special_function_flops its measured rate holds."""
+    from hyperjax.topology.device import AttentionKernel, MeasuredWidth
+
+    a, b = MeasuredWidth(head_dim=64, forward=0.4, backward=0.3), MeasuredWidth(head_dim=256, forward=0.5, backward=0.4)
+    one = AttentionKernel(forward=0.6, backward=0.5, widths=[b, a])
+    assert one == AttentionKernel(forward=0.6, backward=0.5, widths=(a, b)) and hash(one) == hash(
+        AttentionKernel(forward=0.6, backward=0.5, widths=(a, b))
+    )
+    with pytest.raises(PresetError, match=r"widths\[0\].head_dim=0 must be a positive number"):
+        AttentionKernel(forward=0.6, backward=0.5, widths=(MeasuredWidth(head_dim=0, forward=0.4, backward=0.3),))
+    d = load_hardware("dgx-h100").device
+    k = d.attention_kernels["cudnn"]
+    widest = max(k.measured(), key=lambda w: w.head_dim)
+    peak, exp = d.peak_flops["bfloat16"], 1 / d.special_function_flops
+    measured = 4 * widest.head_dim / (peak * widest.forward)  # overlapped: twice as wide, twice the time
+    assert d.attention_rates("cudnn", 1e9, 2 * widest.head_dim)[0] == pytest.approx(
+        4 * 2 * widest.head_dim / (peak * max(2 * measured, exp)) * 1e9 / (1e9 + k.seq_half)
+    )
+    plain = dataclasses.replace(d, special_function_flops=None)
+    ramp = 1e9 / (1e9 + k.seq_half)
+    assert plain.attention_rates("cudnn", 1e9, 512) == pytest.approx((widest.forward * ramp, widest.backward * ramp))
+    assert plain.attention_rates("cudnn", 1e9, 32)[0] == pytest.approx(min(k.measured()).forward * ramp)

@@ -16,9 +16,9 @@ each with ``all_gather``.
 A mixture-of-experts block (``moe=True``) prices its router, its shared experts as a dense MLP, and its
 routed experts as one grouped product over the device's experts at the busiest device's load
 (:mod:`hyperjax.cost.routing`), and the all-to-all dispatcher's regrouping of its copies by local expert
-(:func:`~hyperjax.cost.routing.regroup_time`); the dispatch and the combine are all-to-alls over the expert axis, each
-once in the forward and once in the backward (and again when the forward is recomputed), on the tiers
-that axis spans.
+(:func:`~hyperjax.cost.routing.regroup_move_time`); the dispatch and the combine are all-to-alls over the
+expert axis, each once in the forward and once in the backward (and again when the forward is
+recomputed), on the tiers that axis spans.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from hyperjax.cost.collectives import collective_time
 from hyperjax.cost.compute import gemm_time, grouped_gemm_time, stream_time
 from hyperjax.cost.counts import Product, activation_units, block_products, block_tensors
 from hyperjax.cost.fp8 import cast_passes, fp8_input_units, keeps_fp8_inputs
-from hyperjax.cost.routing import exchange_time, regroup_time, routing
+from hyperjax.cost.routing import exchange_time, regroup_move_time, routing
 from hyperjax.topology import AxisSpan, Hardware
 
 EAGER_ELEMENTWISE = {"llama": 12.23 / 4.34, "gpt": 3.61 / 3.37}
@@ -319,9 +319,13 @@ def _price_layer(
     ew_core_fwd = 0.0 if flash else stream_time(2 * acts["attn_core"], ops=4, hardware=hardware)
     if elementwise == "eager":  # one kernel an operation, float32 where the model upcasts (measured ratio)
         ew_fwd *= eager_ratio(m)
-    regroup = regroup_time(m, routed, axes, dispatcher, e, hardware) if routed is not None else 0.0
-    fwd = proj + core + ew_fwd + ew_core_fwd + cast_fwd + regroup
-    bwd = 2 * proj + core_bwd + 2 * (ew_fwd + ew_core_fwd) + cast_bwd + regroup
+    regroup_fwd = regroup_bwd = 0.0
+    if routed is not None:  # after the dispatch (its FP8 rows under train.fp8) and before the combine; backward
+        move = functools.partial(regroup_move_time, m, routed, dispatcher, hardware=hardware)
+        regroup_fwd = move(bytes_per_element=1 if fp8 is not None else e) + move(bytes_per_element=e)
+        regroup_bwd = 2 * move(bytes_per_element=e)
+    fwd = proj + core + ew_fwd + ew_core_fwd + cast_fwd + regroup_fwd
+    bwd = 2 * proj + core_bwd + 2 * (ew_fwd + ew_core_fwd) + cast_bwd + regroup_bwd
     ew_share = lambda name: ew_fwd * acts[name] / (replicated + split)
     # recomputing an activation re-runs the forward ops that produce it: the mid-block residual the norms
     # keep needs the output projection; a materialized core is re-run whole for its probabilities (as

@@ -169,17 +169,17 @@ def load_imbalance(m: ModelConfig, local_experts: int, devices: int) -> float:
     return 1.0 + MAX_VIOLATION[x.balance] / math.sqrt(local_experts)
 
 
-def regroup_time(
-    m: ModelConfig, routed: Routing, axes: Mapping[str, int], dispatcher: Dispatcher, e: int, hardware: Hardware
+def regroup_move_time(
+    m: ModelConfig, routed: Routing, dispatcher: Dispatcher, *, bytes_per_element: int, hardware: Hardware
 ) -> float:
-    """Seconds of one pass's regrouping of the routed copies by local expert (0 where there is none).
+    """Seconds of one regrouping of the busiest device's routed copies by local expert (0 where there is
+    none): each copy read and written once.
 
-    Megatron-Core's all-to-all dispatcher receives its copies ordered by source device, so with more than
-    one local expert it sorts them by expert after the dispatch and back before the combine
-    (``sort_chunks_by_idxs``): two moves of the busiest device's copies, each read and written once, in the
-    forward and again for their gradients in the backward. DeepEP-style kernels write the copies where
-    the expert's permutation reads them, and one device's own tokens need no regrouping."""
-    spread = math.prod(axes.get(a, 1) for a in routed.exchange)
-    if dispatcher != "alltoall" or spread == 1 or routed.local_experts == 1:
+    Megatron-Core's all-to-all dispatcher holds its received copies in chunks by source device (and, under
+    expert tensor parallelism, by tensor rank), so with more than one local expert it sorts them by expert
+    after the dispatch and back before the combine (``sort_chunks_by_idxs``): two such moves in the forward
+    and two of their gradients in the backward. DeepEP-style kernels write the copies where the expert's
+    permutation reads them; one local expert needs no sorting."""
+    if dispatcher != "alltoall" or routed.local_experts == 1:
         return 0.0
-    return stream_time(2 * 2 * routed.busiest * m.d_model * e, ops=2, hardware=hardware)
+    return stream_time(2 * routed.busiest * m.d_model * bytes_per_element, ops=1, hardware=hardware)

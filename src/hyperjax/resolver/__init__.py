@@ -1,6 +1,6 @@
 """Resolution: a :class:`hyperjax.Config` turned, once, into the :class:`hyperjax.Run` it describes."""
 
-from hyperjax.resolver.checks import check_preset
+from hyperjax.resolver.checks import check_attention_impl, check_dispatcher_sms, check_preset
 from hyperjax.resolver.elastic import elastic_overrides
 from hyperjax.resolver.resolve import DEFAULT_DEVICES, device_count, resolve
 from hyperjax.resolver.rl import learner_config, resolve_rl
@@ -10,6 +10,8 @@ __all__ = [
     "DEFAULT_DEVICES",
     "MODULES",
     "balance_layers",
+    "check_attention_impl",
+    "check_dispatcher_sms",
     "check_preset",
     "device_count",
     "elastic_overrides",

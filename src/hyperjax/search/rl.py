@@ -24,7 +24,7 @@ from typing import Any
 from hyperjax.config import Config, ParallelConfig, PhaseConfig
 from hyperjax.cost.rl import RLEstimate, estimate_rl
 from hyperjax.errors import ConfigError, HyperjaxError
-from hyperjax.resolver import learner_config, resolve_rl
+from hyperjax.resolver import check_preset, learner_config, resolve_rl
 from hyperjax.search.planner import plan
 from hyperjax.search.strategies import divisors
 from hyperjax.topology import Hardware, load_hardware
@@ -60,7 +60,17 @@ def splits(devices: int, placement: str) -> list[int]:
     return [k * granule for k in range(1, devices // granule)]
 
 
-RUNTIME = ("context_impl", "dispatcher", "dispatcher_sms", "tp_overlap", "dp_overlap", "fsdp_unit", "fsdp_context")
+RUNTIME = (
+    "context_impl",
+    "dispatcher",
+    "dispatcher_sms",
+    "tp_overlap",
+    "dp_overlap",
+    "fsdp_unit",
+    "fsdp_context",
+    "fsdp_reshard",
+    "gradient_buckets",
+)
 """The ``parallel.*`` keys that say how the framework runs a layout, not the layout: a phase keeps its own
 through the search, which chooses the degrees."""
 
@@ -151,6 +161,7 @@ def plan_rl(cfg: Config, devices: int, *, keep: int = 5, hardware: Hardware | No
     hw = load_hardware(cfg.hardware) if hardware is None else hardware
     base = learner_config(cfg)  # the learner searched as it will run: its own phase's runtime settings
     base = dataclasses.replace(base, parallel=runtime_parallel(cfg.rl.learner.parallel))
+    check_preset(base, hw)  # what the config asks of the device, named before any split is tried
     found: list[RLEstimate] = []
     priced = 0
     refused: HyperjaxError | None = None  # the last reason a candidate did not resolve
@@ -162,7 +173,8 @@ def plan_rl(cfg: Config, devices: int, *, keep: int = 5, hardware: Hardware | No
             learners = plan(
                 base, n_learner, keep=LEARNER_TRIES, hardware=hw, where=one, accumulate=True, one_program=True
             ).best
-        except HyperjaxError:
+        except HyperjaxError as e:
+            refused = e
             continue
         for learner in learners:
             best: RLEstimate | None = None

@@ -47,6 +47,12 @@ class AttentionKernel:
     name: str = dataclasses.field(default="attention kernel", compare=False, metadata={"plain": False})
 
     def __post_init__(self) -> None:
+        widths = tuple(self.widths or ())  # narrowest first: the same widths in any order are the same kernel
+        for i, w in enumerate(widths):
+            if not isinstance(w, MeasuredWidth):
+                raise PresetError(f"{self.name}.widths[{i}]={w!r} must be a measured width of {', '.join(WIDTH_KEYS)}")
+            require_positive(f"{self.name}.widths[{i}].head_dim", w.head_dim)
+        object.__setattr__(self, "widths", tuple(sorted(widths, key=lambda w: w.head_dim)))
         for where, w in (("", self), *((f".widths[{i}]", w) for i, w in enumerate(self.widths))):
             for key in ("forward", "backward"):
                 value = getattr(w, key)
@@ -94,7 +100,7 @@ def _kernel(name: str, raw: Any) -> AttentionKernel:
             f"{where}={raw!r} must be a mapping with forward and backward (fractions of the peak) and optionally "
             f"{', '.join(KERNEL_KEYS[2:])}"
         )
-    widths = raw.get("widths", ())
+    widths = raw.get("widths") or ()
     if not isinstance(widths, list | tuple):
         raise PresetError(f"{where}.widths={widths!r} must be a list of measured widths")
     widths = tuple(_width(f"{where}.widths[{i}]", w) for i, w in enumerate(widths))
