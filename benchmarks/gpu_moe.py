@@ -24,8 +24,7 @@ from rich.console import Console
 
 import hyperjax
 from gpu_kernels import PRESETS, report_all, show
-from hyperjax.cost import grouped_gemm_time, price_layer
-from hyperjax.cost.attention import core_time
+from hyperjax.cost import core_time, grouped_gemm_time, price_layer
 from hyperjax.topology import axis_spans
 
 VARIANT = "fused+sync"  # element-wise work compiled, the token counts read on the host: Megatron-Core's form

@@ -1,5 +1,6 @@
 """One cost model: predicted step time, memory and communication of a resolved run on real hardware."""
 
+from hyperjax.cost.attention import core_time
 from hyperjax.cost.collectives import KINDS, collective_time
 from hyperjax.cost.compute import gemm_time, grouped_gemm_time, stream_time
 from hyperjax.cost.counts import count_params, model_flops_per_sequence, model_tensors
@@ -35,6 +36,7 @@ __all__ = [
     "StageCost",
     "chunk_starts",
     "collective_time",
+    "core_time",
     "count_params",
     "estimate",
     "estimate_inference",
