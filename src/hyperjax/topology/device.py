@@ -47,17 +47,17 @@ class AttentionKernel:
     name: str = dataclasses.field(default="attention kernel", compare=False, metadata={"plain": False})
 
     def __post_init__(self) -> None:
-        widths = tuple(self.widths or ())  # narrowest first: the same widths in any order are the same kernel
+        widths = tuple(self.widths or ())
         for i, w in enumerate(widths):
             if not isinstance(w, MeasuredWidth):
                 raise PresetError(f"{self.name}.widths[{i}]={w!r} must be a measured width of {', '.join(WIDTH_KEYS)}")
             require_positive(f"{self.name}.widths[{i}].head_dim", w.head_dim)
-        object.__setattr__(self, "widths", tuple(sorted(widths, key=lambda w: w.head_dim)))
-        for where, w in (("", self), *((f".widths[{i}]", w) for i, w in enumerate(self.widths))):
+        for where, w in (("", self), *((f".widths[{i}]", w) for i, w in enumerate(widths))):
             for key in ("forward", "backward"):
                 value = getattr(w, key)
                 if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 1:
                     raise PresetError(f"{self.name}{where}.{key}={value!r} must be a fraction of the peak in (0, 1]")
+        object.__setattr__(self, "widths", tuple(sorted(widths)))  # the same widths in any order: one kernel
         if not isinstance(self.seq_half, int | float) or isinstance(self.seq_half, bool) or self.seq_half < 0:
             raise PresetError(f"{self.name}.seq_half={self.seq_half!r} must be >= 0 keys")
         require_positive(f"{self.name}.head_dim", self.head_dim)
@@ -68,9 +68,9 @@ class AttentionKernel:
             raise PresetError(f"{self.name}.widths measure head_dim {heads}: each width once, not head_dim's own")
 
     def measured(self) -> list[MeasuredWidth]:
-        """Every measured width, its own first, then the ``widths`` narrowest first."""
+        """Every measured width, its own among the ``widths``, narrowest first."""
         own = MeasuredWidth(head_dim=self.head_dim, forward=self.forward, backward=self.backward)
-        return [own, *sorted(self.widths, key=lambda w: w.head_dim)]
+        return sorted([own, *self.widths])
 
 
 KERNEL_KEYS = ("forward", "backward", "seq_half", "head_dim", "overlapped", "widths")
@@ -87,8 +87,7 @@ def _width(where: str, raw: Any) -> MeasuredWidth:
         return raw
     if not isinstance(raw, Mapping) or set(raw) != set(WIDTH_KEYS):
         raise PresetError(f"{where}={raw!r} must be a mapping of exactly {', '.join(WIDTH_KEYS)}")
-    require_positive(f"{where}.head_dim", raw["head_dim"])
-    return MeasuredWidth(**raw)
+    return MeasuredWidth(**raw)  # its values are checked with the kernel's
 
 
 def _kernel(name: str, raw: Any) -> AttentionKernel:
@@ -346,7 +345,7 @@ class DeviceSpec:
         ramp = seq / (seq + k.seq_half)
         if head_dim is None:
             return k.forward * ramp, k.backward * ramp
-        points = sorted(k.measured(), key=lambda w: w.head_dim)
+        points = k.measured()
         below = [w for w in points if w.head_dim <= head_dim]
         above = [w for w in points if w.head_dim >= head_dim]
         if below and above:  # at or between measured widths: a score's time linear in the width
