@@ -105,29 +105,39 @@ def measure(checkpointed: bool, compiled: bool, batch: int = 2, seq: int = 8192,
     return _timed(lambda: fn(x).backward(torch.ones_like(x)), checkpointed, compiled, batch, seq)
 
 
+def profiled(step) -> tuple[dict[str, float], dict[str, int], dict[str, float]]:
+    """One call of ``step`` under PyTorch's profiler: its kernels' seconds and counts by :func:`kind`, and
+    their seconds by name (the first 90 characters)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    by_kind: dict[str, float] = defaultdict(float)
+    kernels: dict[str, int] = defaultdict(int)
+    by_name: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            dt = getattr(e, "device_time", getattr(e, "cuda_time", 0.0)) / 1e6
+            by_kind[kind(e.name)] += dt
+            kernels[kind(e.name)] += 1
+            by_name[e.name[:90]] += dt
+    return dict(by_kind), dict(kernels), dict(by_name)
+
+
 def _timed(step, checkpointed: bool, compiled: bool, batch: int, seq: int) -> dict:
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         for _ in range(2):
             step()
         torch.cuda.synchronize()
         t = event_time(step, n=5)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            step()
-            torch.cuda.synchronize()
-    by_kind: dict[str, float] = defaultdict(float)
-    kernels: dict[str, int] = defaultdict(int)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            by_kind[kind(e.name)] += getattr(e, "device_time", getattr(e, "cuda_time", 0.0)) / 1e6
-            kernels[kind(e.name)] += 1
+        by_kind, kernels, _ = profiled(step)
     row = {
         "checkpointed": checkpointed,
         "compiled": compiled,
         "batch": batch,
         "seq": seq,
         "s": t,
-        "kernel_s": dict(by_kind),
-        "kernels": dict(kernels),
+        "kernel_s": by_kind,
+        "kernels": kernels,
     }
     print(json.dumps(row), flush=True)
     return row

@@ -208,6 +208,12 @@ def block(batch: int, seq: int, compiled: bool) -> dict:
     return {"batch": batch, "seq": seq, "compiled": compiled, "s": t, "first_call_s": warm}
 
 
+def device_record(method: str) -> dict:
+    """What a result file says of where and how it was measured: the GPU, its SMs, PyTorch, ``method``."""
+    props = torch.cuda.get_device_properties(0)
+    return {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__, "method": method}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -217,17 +223,13 @@ def main() -> None:
     )
     args = p.parse_args()
     start = time.perf_counter()
-    props = torch.cuda.get_device_properties(0)
-    res: dict = {
-        "device": props.name,
-        "sms": props.multi_processor_count,
-        "torch": torch.__version__,
-        "method": "CUDA graphs of back-to-back products over operands rotated past L2, median of 5 replays; "
-        "attention and blocks: CUDA events, median of 5 eager calls",
-    }
+    res = device_record(
+        "CUDA graphs of back-to-back products over operands rotated past L2, median of 5 replays; "
+        "attention and blocks: CUDA events, median of 5 eager calls"
+    )
     if args.only and args.out.exists():  # the other sections of an earlier run on the same device are kept
         earlier = json.loads(args.out.read_text())
-        res = {**earlier, **res} if earlier.get("device") == props.name else res
+        res = {**earlier, **res} if earlier.get("device") == res["device"] else res
     tokens = 16384  # torchtitan's Llama 3.1 8B: local batch 2 x 8192
     sections = {
         "attention": lambda: [

@@ -35,15 +35,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from gpu_block_measure import kind
-from gpu_kernels_measure import event_time, graph_time
+from gpu_block_measure import profiled
+from gpu_kernels_measure import device_record, event_time, graph_time
 
 CASES = {
     # a rank of Megatron Bridge's GPT-OSS 120B run (EP 8): 16 local experts, 1,024 copies each
@@ -202,18 +201,7 @@ def run_case(name: str, c: dict, variants: tuple[str, ...]) -> list[dict]:
             torch.cuda.synchronize()
             first = time.perf_counter() - t0
             s = event_time(step, n=5)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                step()
-                torch.cuda.synchronize()
-        by_kind: dict[str, float] = defaultdict(float)
-        kernels: dict[str, int] = defaultdict(int)
-        by_name: dict[str, float] = defaultdict(float)
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                dt = getattr(e, "device_time", getattr(e, "cuda_time", 0.0)) / 1e6
-                by_kind[kind(e.name)] += dt
-                kernels[kind(e.name)] += 1
-                by_name[e.name[:90]] += dt
+            by_kind, kernels, by_name = profiled(step)
         busy = sum(by_kind.values())
         top = sorted(by_name.items(), key=lambda kv: -kv[1])
         row = {
@@ -225,8 +213,8 @@ def run_case(name: str, c: dict, variants: tuple[str, ...]) -> list[dict]:
             "layers": LAYERS,
             "s": s,
             "first_call_s": first,
-            "kernel_s": dict(by_kind),
-            "kernels": dict(kernels),
+            "kernel_s": by_kind,
+            "kernels": kernels,
             "idle_s": max(0.0, s - busy),
             "top_kernels": [{"name": k, "s": v} for k, v in top],
         }
@@ -264,16 +252,11 @@ def main() -> None:
     p.add_argument("--cases", nargs="*", default=list(CASES))
     p.add_argument("--no-decode", dest="decode", action="store_false", help="skip the decode grouped products")
     args = p.parse_args()
-    props = torch.cuda.get_device_properties(0)
-    res: dict = {
-        "device": props.name,
-        "sms": props.multi_processor_count,
-        "torch": torch.__version__,
-        "method": "one block forward and backward, CUDA events, median of 5 eager calls after one; one more "
-        "under PyTorch's profiler, kernels summed by kind",
-        "blocks": [],
-        "errors": {},
-    }
+    method = (
+        "one block forward and backward, CUDA events, median of 5 eager calls after one; one more under "
+        "PyTorch's profiler, kernels summed by kind"
+    )
+    res: dict = {**device_record(method), "blocks": [], "errors": {}}
     for name in args.cases:
         t0 = time.perf_counter()
         try:
