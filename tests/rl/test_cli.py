@@ -118,6 +118,15 @@ def test_plan_searches_the_split(capsys):
     assert "fastest iterations that fit" in capsys.readouterr().out
 
 
+def test_plan_of_rl_names_a_preset_it_cannot_honour(capsys):
+    """train.fp8 on a device without FP8 products: exit 2 naming the key and its fix, no search run."""
+    fp8 = ["--set", "hardware=dgx-a100-80g", "--set", "train.fp8.recipe=tensorwise"]
+    assert main(["plan", GRPO, "--devices", "8", *fp8]) == 2
+    err = capsys.readouterr().err
+    assert "train.fp8 (recipe tensorwise) multiplies in FP8" in err and "set train.fp8: null" in err
+    assert "Traceback" not in err
+
+
 def test_predict_prices_where_state_waits(capsys):
     plain = predicted(capsys, *COLOCATED)
     host = predicted(capsys, *COLOCATED, "--set", "rl.reference=host")

@@ -1,4 +1,6 @@
+import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 
@@ -8,7 +10,7 @@ import yaml
 from hyperjax import ConfigError, estimate, load_config, load_hardware, plan, resolve
 from hyperjax.cli.main import main
 from hyperjax.config import Config, build
-from hyperjax.search import candidate, strategies
+from hyperjax.search import candidate, strategies, submesh_strategies
 
 ROOT = Path(__file__).parents[2]
 
@@ -232,3 +234,38 @@ def test_accumulated_micro_batches_of_one_stage_are_searched_paired():
     alone = plan(cfg, 16, keep=4000, accumulate=True, one_program=True)
     one = [c for c in alone.best if c.overrides["parallel.pipeline"] == 1 and c.run.microbatches > 1]
     assert one and not any(c.run.overlap == "fb-pair" for c in one)
+
+
+def test_mpmd_splits_are_searched_with_and_without_fsdp_in_each_submesh():
+    """A vision-language model's MPMD splits: whole tier groups for the encoder, the rest for the language
+    model, each submesh's weights whole on its data ranks or sharded over as many as its model width divides;
+    sharding a submesh's state stores less of it on each device, and the search keeps such splits."""
+    cfg = load_config(ROOT / "configs/vlm-8b-cm384.yaml")
+    hw = load_hardware(cfg.hardware)
+    splits = list(submesh_strategies(cfg, hw, 384))
+    node = hw.tiers[0].group_size
+    width = lambda sub: (cfg.model.vision if sub.modules == ("encoder",) else cfg.model).d_model  # 1024, 4096
+    shards = lambda sub: math.gcd(sub.devices // sub.tensor, width(sub))  # FSDP ranks its weights allow
+    for o in splits:
+        encoder, lm = o["mpmd.submeshes"]
+        assert encoder.devices % node == 0 and encoder.devices + lm.devices == 384
+        assert all(sub.fsdp in (1, shards(sub)) and sub.tensor <= node for sub in (encoder, lm))
+    ways = lambda sub: 2 if shards(sub) > 1 else 1  # FSDP over one data rank is no FSDP
+    whole = {(e.devices, e.tensor, lm.tensor): ways(e) * ways(lm) for e, lm in (o["mpmd.submeshes"] for o in splits)}
+    assert len(splits) == sum(whole.values()) > 4 * 300  # each submesh sharded or not, where it has data ranks
+
+    def priced(encoder_fsdp: int, lm_fsdp: int):
+        e, lm = next(
+            (e, lm)
+            for e, lm in (o["mpmd.submeshes"] for o in splits)
+            if (e.devices, e.tensor, lm.tensor) == (192, 2, 2)
+        )
+        subs = (dataclasses.replace(e, fsdp=encoder_fsdp), dataclasses.replace(lm, fsdp=lm_fsdp))
+        return estimate(resolve(candidate(cfg, {"mpmd.submeshes": subs}), 384))
+
+    plain, sharded = priced(1, 1), priced(32, 32)  # 96 data ranks each; widths 1024 and 4096
+    assert [(s.axes["fsdp"], s.axes["data"]) for s in sharded.run.stages] == [(32, 3), (32, 3)]
+    assert sharded.memory_per_device_gib["peak"] < plain.memory_per_device_gib["peak"]
+    found = plan(cfg, 384, keep=10_000)
+    mpmd = [c.overrides["mpmd.submeshes"] for c in found.best if c.overrides.get("mpmd.submeshes")]
+    assert any(sub.fsdp > 1 for subs in mpmd for sub in subs)

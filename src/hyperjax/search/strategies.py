@@ -147,22 +147,30 @@ def strategies(
 def submesh_strategies(cfg: Config, hardware: Hardware, devices: int) -> Iterator[dict[str, Any]]:
     """The MPMD splits of a vision-language model: the encoder on ``n`` devices (whole groups of the
     machine's first tier when there are several), the language model on the rest, each with a tensor
-    degree that divides its heads and stays inside the first tier."""
+    degree that divides its heads and stays inside the first tier, and its weights and optimizer state
+    whole on each of its data ranks or sharded (FSDP) over as many of them as its model width divides."""
     m = cfg.model
     node = hardware.tiers[0].group_size or devices
     step = node if node < devices else 1
     names = [sub.name for sub in cfg.mpmd.submeshes] or ["encoder", "language_model"]
+    sharded = lambda rest, width: (1, math.gcd(rest, width)) if math.gcd(rest, width) > 1 else (1,)
+    schedule = cfg.parallel.schedule if cfg.parallel.schedule != "interleaved" else "1f1b"
+    lm_tensors = lambda rest: (d for d in divisors(rest) if d <= node and math.gcd(m.heads, m.kv_heads) % d == 0)
     for n in range(step, devices, step):
         for t_enc in (d for d in divisors(n) if d <= node and m.vision.heads % d == 0):
-            for t_lm in (d for d in divisors(devices - n) if d <= node and math.gcd(m.heads, m.kv_heads) % d == 0):
-                yield {
-                    "mpmd.submeshes": (
-                        SubmeshConfig(name=names[0], modules=("encoder",), devices=n, tensor=t_enc),
-                        SubmeshConfig(name=names[1], modules=("language_model",), devices=devices - n, tensor=t_lm),
-                    ),
-                    "parallel.pipeline": 1,
-                    "parallel.virtual_stages": 1,
-                    "parallel.schedule": cfg.parallel.schedule if cfg.parallel.schedule != "interleaved" else "1f1b",
-                    "train.micro_batch": None,
-                    "train.microbatches": cfg.train.microbatches,
-                }
+            for t_lm in lm_tensors(devices - n):
+                for f_enc, f_lm in itertools.product(
+                    sharded(n // t_enc, m.vision.d_model), sharded((devices - n) // t_lm, m.d_model)
+                ):
+                    encoder = SubmeshConfig(name=names[0], modules=("encoder",), devices=n, tensor=t_enc, fsdp=f_enc)
+                    lm = SubmeshConfig(
+                        name=names[1], modules=("language_model",), devices=devices - n, tensor=t_lm, fsdp=f_lm
+                    )
+                    yield {
+                        "mpmd.submeshes": (encoder, lm),
+                        "parallel.pipeline": 1,
+                        "parallel.virtual_stages": 1,
+                        "parallel.schedule": schedule,
+                        "train.micro_batch": None,
+                        "train.microbatches": cfg.train.microbatches,
+                    }
