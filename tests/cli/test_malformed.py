@@ -151,6 +151,33 @@ def test_malformed_files_and_overrides_exit_2(command: str, case, capsys):
     _check([command, _write(text), *extra], capsys, "")
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["predict", "BINARY"], "is not UTF-8 text"),
+        (["predict", "FOLDER"], "is a folder with no config.json in it"),
+        (["predict", "QUICK", "--set", "train.lr=.nan"], "train.lr=nan must be a finite number"),
+        (["train", "QUICK", "--plan-only", "--set", "train.grad_clip=.inf"], "train.grad_clip=inf must be a finite"),
+        (["predict", "QUICK", "--set", "train.weight_decay=-0.1"], "train.weight_decay=-0.1 must be >= 0"),
+        (["predict", "QUICK", "--trace", "/proc/version"], "no file can be created in folder '/proc'"),
+        (["train", "QUICK", "--plan-only", "--set", "shard={embd: [tensor]}"], "shard.embd: 'embd' is not a logical"),
+        (["train", "GRPO", "--plan-only", "--set", "train.global_batch=7"], "rl.group_size = 8 x 8 = 64 sequences"),
+    ],
+)
+def test_files_and_values_that_cannot_be_used_exit_2(args, says, capsys, tmp_path):
+    """A file that is not text, a folder, a number that is not finite, a --trace no file can be written
+    beside (/proc takes none), a misspelt logical axis and an rl: config's batch set apart from its rollouts
+    exit 2 naming what is wrong, before any work."""
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe model: {}")
+    paths = {
+        "BINARY": tmp_path / "binary.yaml",
+        "FOLDER": tmp_path,
+        "QUICK": QUICK,
+        "GRPO": QUICK.parent / "grpo-tiny.yaml",
+    }
+    _check([str(paths.get(a, a)) for a in args], capsys, says)
+
+
 @pytest.mark.parametrize("command", ["train", "predict", "plan"])
 def test_from_the_shell(command: str):
     path = _write(_mutated((("train", "global_batch"), "thirty-two")))

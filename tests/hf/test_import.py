@@ -163,6 +163,18 @@ def test_out_may_not_replace_the_model_folder(capsys, tmp_path):
     assert "--out" in capsys.readouterr().err and (folder / "config.json").is_file()
     assert main(["import-hf", str(folder), "--out", str(tmp_path)]) == 2
     assert (folder / "config.json").is_file()
+    other = tmp_path / "other"  # a folder no import wrote, or a file: kept, not replaced
+    other.mkdir()
+    (other / "notes.txt").write_text("keep")
+    (tmp_path / "a-file").write_text("keep")
+    for out, says in ((other, "no config.yaml, so not one this command wrote"), (tmp_path / "a-file", "is a file")):
+        assert main(["import-hf", str(folder), "--out", str(out)]) == 2
+        assert says in capsys.readouterr().err and "keep" in (other / "notes.txt").read_text()
+    assert (tmp_path / "a-file").read_text() == "keep"
+    again = tmp_path / "again"  # an earlier import's folder is replaced whole
+    for _ in range(2):
+        assert main(["import-hf", str(folder), "--out", str(again)]) == 0
+    assert (again / "config.yaml").is_file()
 
 
 def test_a_bad_index_exits_2(capsys, tmp_path):

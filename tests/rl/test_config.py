@@ -88,7 +88,7 @@ def test_missing_devices_are_what_the_other_phase_leaves():
         (["rl.temperature=0"], r"rl.temperature=0.0 must be > 0"),
         (["rl.top_k=300"], r"rl.top_k=300 is more than model.vocab=256"),
         (["rl.seed=-1"], r"rl.seed=-1 must be >= 0"),
-        (["rl.kl_coef=.nan"], r"rl.kl_coef=nan must be >= 0"),
+        (["rl.kl_coef=.nan"], r"rl.kl_coef=nan must be a finite number"),
         (["rl.offload_optimizer=true"], r"rl.offload_optimizer=true frees the learner's devices"),
     ],
 )

@@ -2,7 +2,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from hyperjax import ShardingError
-from hyperjax.shard import mesh_axes_for, strategy_for
+from hyperjax.shard import LOGICAL_AXES, mesh_axes_for, strategy_for
 
 
 def test_data_takes_the_rest():
@@ -49,3 +49,9 @@ def test_overrides():
         match=r"shard.vocab: mesh axis 'tensr' does not exist; the mesh axes are data, fsdp, expert, context, tensor",
     ):
         strategy_for(overrides={"vocab": "tensr"})
+
+
+@pytest.mark.parametrize("flags", [{}, {"sequence_parallel": True, "expert_tensor": False, "fsdp_context": True}])
+def test_logical_axes_are_the_rules_names(flags):
+    """A config's shard: may map exactly the logical axes the rules give (the names the models use)."""
+    assert tuple(strategy_for(zero_stage=0, **flags).rules) == LOGICAL_AXES

@@ -170,6 +170,42 @@ def test_device_memory_values(field, value, pattern):
         hardware_from_dict(raw)
 
 
+@pytest.mark.parametrize(
+    ("where", "value", "pattern"),
+    [
+        # YAML 1.1 reads 84.944e9 (no dot before the exponent's sign) as text: named, not compared as a number
+        (("device", "hbm_bytes"), "84.944e9", r"device.hbm_bytes='84.944e9' must be a finite number \(YAML reads"),
+        (("device", "reserved_bytes"), "1.0e9", r"device.reserved_bytes='1.0e9' must be a finite number"),
+        (("device", "kernel_overhead"), "5.0e-6", r"device.kernel_overhead='5.0e-6' must be a finite number"),
+        (("device", "hbm_bytes"), -1, r"device.hbm_bytes=-1 must be a positive number"),  # not reserved_bytes'
+        (("device", "hbm_bytes"), float("inf"), r"device.hbm_bytes=inf must be a finite number"),
+        (("device", "peak_flops"), [1, 2], r"device.peak_flops=\[1, 2\] must map each dtype to its FLOP/s"),
+        (("device", "peak_flops"), {"bogus16": 1e12}, r"device.peak_flops.bogus16: 'bogus16' is not one of"),
+        (("tiers", "latency"), "3.0e-6", r"tier 'node'.latency='3.0e-6' must be a finite number"),
+        (("tiers", "torus_wrap"), 0, r"torus_wrap=0 must be a positive integer"),
+        (("tiers", "torus_wrap_whole"), "yes", r"torus_wrap_whole='yes' must be true or false"),
+        (("host", "latency"), "1e-5", r"host.latency='1e-5' must be a finite number"),
+        ((None, "default_axes"), [8, 8], r"default_axes=\[8, 8\] must map mesh axes to positive integer degrees"),
+        ((None, "default_axes"), None, r"default_axes=None must map mesh axes"),
+        ((None, "devices"), True, r"devices=True must be a positive integer"),
+    ],
+)
+def test_preset_values_of_the_wrong_type_are_named(where, value, pattern):
+    """A value of the wrong type names its key before any range check compares it (no raw TypeError)."""
+    raw = _raw()
+    section, key = where
+    (raw["tiers"][0] if section == "tiers" else raw[section] if section else raw)[key] = value
+    with pytest.raises(PresetError, match=pattern):
+        hardware_from_dict(raw)
+
+
+def test_a_preset_file_that_is_not_text_is_named(tmp_path):
+    path = tmp_path / "binary.yaml"
+    path.write_bytes(b"\xff\xfe name: x")
+    with pytest.raises(PresetError, match=r"binary.yaml' is not UTF-8 text"):
+        load_hardware(path)
+
+
 def test_default_axes_must_cover_devices():
     raw = _raw() | {"default_axes": {"data": 12, "tensor": 8}}
     with pytest.raises(PresetError, match=r"default_axes=.* multiply to 96, not devices=384"):

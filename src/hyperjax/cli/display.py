@@ -43,6 +43,9 @@ def check_writable(path: str, flag: str) -> None:
         raise HyperjaxError(f"{flag} {path!r} is a folder; give a file path")
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise HyperjaxError(f"{flag} {path!r}: folder {str(folder)!r} does not exist or is not writable")
+    why = _cannot_create(folder)  # the file is written beside its target, then renamed over it
+    if why:
+        raise HyperjaxError(f"{flag} {path!r}: no file can be created in folder {str(folder)!r} ({why})")
 
 
 def check_folder(path: str, flag: str) -> None:
@@ -54,14 +57,21 @@ def check_folder(path: str, flag: str) -> None:
     d = Path(path)
     if d.exists() and not d.is_dir():
         raise HyperjaxError(f"{flag} {path!r} is a file; give a folder (it is created if missing)")
+    why = _cannot_create(d, make=True)
+    if why:
+        raise HyperjaxError(f"{flag} {path!r} cannot be written ({why}); choose a folder you can write")
+
+
+def _cannot_create(folder: Path, *, make: bool = False) -> str | None:
+    """Why no file can be created in ``folder`` (made first with ``make``), or ``None`` when one can."""
     try:
-        d.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=d):
+        if make:
+            folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:
-        raise HyperjaxError(
-            f"{flag} {path!r} cannot be written ({e.strerror or e}); choose a folder you can write"
-        ) from None
+        return e.strerror or str(e)
+    return None
 
 
 def fmt_count(n: float) -> str:

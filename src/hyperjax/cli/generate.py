@@ -68,8 +68,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.temperature < 0:
-        raise ConfigError(f"--temperature {args.temperature} must be 0 (greedy) or more")
+    if not args.temperature >= 0 or args.temperature == float("inf"):  # NaN fails every comparison
+        raise ConfigError(f"--temperature {args.temperature} must be 0 (greedy) or a finite positive number")
     if args.top_k is not None and args.top_k < 1:
         raise ConfigError(f"--top-k {args.top_k} must be a positive integer")
     sets = [*args.sets, *([] if args.devices is None else [f"emulate.devices={args.devices}"])]

@@ -34,7 +34,12 @@ def add_import_parser(sub: argparse._SubParsersAction) -> None:
         ],
     )
     p.add_argument("hf_dir", metavar="HF_DIR", help="a folder with config.json (and safetensors weights)")
-    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write (replaced whole if it exists)")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="the folder to write: new, empty, or an earlier import's (replaced whole)",
+    )
     add_set_argument(p)
     p.add_argument("--devices", type=int, metavar="N", help="read the weights onto N devices (emulate.devices)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -60,7 +65,12 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_config_arguments(p, config_help="the YAML config (or config.json) of the checkpoint's model", hardware=False)
     p.add_argument("--checkpoint-dir", required=True, metavar="DIR", help="the folder train or import-hf wrote")
-    p.add_argument("--out", required=True, metavar="HF_DIR", help="the folder to write (replaced whole if it exists)")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="HF_DIR",
+        help="the folder to write: new, empty, or an earlier export's (replaced whole)",
+    )
     p.add_argument("--max-shard-gib", type=float, default=5.0, metavar="G", help="largest safetensors file (5)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="stored dtype (float32)")
     p.add_argument("--devices", type=int, metavar="N", help="restore onto N devices (emulate.devices)")

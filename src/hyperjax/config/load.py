@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -40,11 +41,14 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     elif path is not None:
         path = Path(path)
         if not path.is_file():
+            what = "is a folder with no config.json in it" if path.is_dir() else "does not exist"
             raise ConfigError(
-                f"config file {str(path)!r} does not exist; pass the path of a YAML file, "
-                "such as configs/quickstart.yaml"
+                f"config file {str(path)!r} {what}; pass the path of a YAML file, such as configs/quickstart.yaml"
             )
-        text = path.read_text()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
         try:
             raw = yaml.safe_load(text) if text.strip() else None
         except yaml.YAMLError as e:
@@ -139,13 +143,14 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             return value
         if option is int and isinstance(value, int) and not isinstance(value, bool):
             return value
-        if option is float and isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if option is float and isinstance(value, str):
+        if option is float and isinstance(value, int | float | str) and not isinstance(value, bool):
             try:
-                return float(value)  # YAML 1.1 reads 3e-4 as a string
+                number = float(value)  # YAML 1.1 reads 3e-4 as a string
             except ValueError:
-                pass
+                continue
+            if not math.isfinite(number):
+                raise ConfigError(f"{key}={value!r} must be a finite number")
+            return number
         if option is str and isinstance(value, str):
             return value
         if option is Any or (typing.get_origin(option) in (Mapping, dict) and isinstance(value, dict)):

@@ -130,8 +130,9 @@ class TrainConfig:
                 "but train.dtype=float32 keeps float32 weights; set train.dtype: bfloat16 or "
                 "train.optimizer_state: float32"
             )
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ConfigError("train.weight_decay and train.grad_clip must be >= 0")
+        for key in ("weight_decay", "grad_clip"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 0 (0 turns it off)")
 
     @property
     def warmup(self) -> int:
@@ -349,6 +350,14 @@ class Config:
                 "an rl: config lays out each phase apart: move the parallel: section's degrees to "
                 "rl.learner.parallel (and choose rl.rollout.parallel), and drop parallel: and mpmd:"
             )
+        if self.rl is not None:  # a batch set apart from the default must be the one the rl: section makes
+            batch = self.rl.prompts_per_step * self.rl.group_size
+            if self.train.global_batch not in (TrainConfig.global_batch, batch):
+                raise ConfigError(
+                    f"train.global_batch={self.train.global_batch}: an rl: config learns from rl.prompts_per_step x "
+                    f"rl.group_size = {self.rl.prompts_per_step} x {self.rl.group_size} = {batch} sequences a step; "
+                    "drop train.global_batch and set those"
+                )
         moe, ep = self.model.moe, self.parallel.expert
         if ep > 1 and moe is None:
             raise ConfigError(

@@ -70,7 +70,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, sets: list[str]) -> Imported:
       ConfigError: an unsupported ``config.json`` (the field is named), or weights of another model.
     """
     hf_dir, out = Path(hf_dir), Path(out)
-    check_out(out, {"HF_DIR": hf_dir})
+    check_out(out, {"HF_DIR": hf_dir}, marker="config.yaml")
     raw, cfg = imported_config(hf_dir, sets)
     run = resolve(cfg)
     hf = read_hf_config(hf_dir)
@@ -153,7 +153,9 @@ def export_hf(
     m = run.config.model
     config = hf_from_model(m)  # refuses a model no type describes before anything is read
     src = Path(config_path).parent if config_path is not None else None
-    check_out(out, {"--checkpoint-dir": checkpoint_dir, **({"the config's folder": src} if src else {})})
+    check_out(
+        out, {"--checkpoint-dir": checkpoint_dir, **({"the config's folder": src} if src else {})}, marker="config.json"
+    )
     like = params_like(run)[3]
     params = dict(_flatten(restore_params(checkpoint_dir, like, command="export-hf").state))
     copied = [n for n in TOKENIZER_FILES if src is not None and (src / n).is_file()]

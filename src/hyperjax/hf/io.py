@@ -238,9 +238,10 @@ def replace_folder(build: Callable[[Path], None], target: Path) -> None:
         raise
 
 
-def check_out(out: str | Path, inputs: dict[str, str | Path]) -> None:
+def check_out(out: str | Path, inputs: dict[str, str | Path], *, marker: str) -> None:
     """``--out`` must neither be nor hold any of ``inputs`` (named by their option): replacing it would
-    delete them.
+    delete them. An existing ``--out`` must be a folder this command wrote before (holding ``marker``,
+    its ``config.yaml`` or ``config.json``) or an empty one: any other folder, or a file, is not replaced.
 
     Raises:
       ConfigError: naming the option and both paths.
@@ -252,3 +253,10 @@ def check_out(out: str | Path, inputs: dict[str, str | Path]) -> None:
             raise ConfigError(
                 f"--out {str(out)!r} holds {option} {str(path)!r}, which writing it would replace; choose another --out"
             )
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a file; give a folder to write (a new one, or one written before)")
+    if target.is_dir() and any(target.iterdir()) and not (target / marker).is_file():
+        raise ConfigError(
+            f"--out {str(out)!r} is a folder with other files in it and no {marker}, so not one this command wrote; "
+            "writing it would replace it whole: choose a new or empty folder"
+        )

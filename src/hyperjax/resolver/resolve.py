@@ -8,6 +8,7 @@ a run that resolves can be priced (``predict``, ``plan``), placed (the offload p
 
 from __future__ import annotations
 
+import difflib
 import functools
 import math
 from collections.abc import Mapping, Sequence
@@ -19,7 +20,7 @@ from hyperjax.errors import ConfigError, EmulationError, ShardingError
 from hyperjax.mpmd.schedules import PAIRED, check_sizes, warm_up
 from hyperjax.resolver.checks import check_preset, check_stage
 from hyperjax.resolver.stages import mpmd_stages, pipeline_axes, pipeline_sizes, pipeline_stages, spmd_stage
-from hyperjax.shard import strategy_for
+from hyperjax.shard import LOGICAL_AXES, strategy_for
 from hyperjax.topology import Hardware, load_hardware
 from hyperjax.topology.mesh import check_capacity
 
@@ -93,6 +94,14 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
             f"train.global_batch={t.global_batch} in {microbatches} micro-batches gives {rows} sequences each, "
             f"which the batch degrees (data x fsdp x expert) {dps} must divide; use a global batch that is a "
             f"multiple of {microbatches * math.lcm(*dps)}"
+        )
+    unknown = [name for name in config.shard if name not in LOGICAL_AXES]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], LOGICAL_AXES, n=1)
+        raise ConfigError(
+            f"shard.{unknown[0]}: {unknown[0]!r} is not a logical axis of the model"
+            + (f"; did you mean {close[0]!r}?" if close else "")
+            + f" The logical axes are {', '.join(LOGICAL_AXES)}"
         )
     shard = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.shard.items()))
     split = p.expert_tensor is None or p.tensor == 1  # experts' hidden split over the tensor axis

@@ -32,8 +32,9 @@ RECOMPUTE = ("none", "selective", "full")
 
 
 def divisors(n: int) -> list[int]:
-    """Divisors of ``n``, ascending."""
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Divisors of ``n``, ascending (pairs ``d, n // d`` up to the square root)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def apply(cfg: Config, overrides: dict[str, Any]) -> Config:

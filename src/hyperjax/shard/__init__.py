@@ -2,10 +2,11 @@
 
 from hyperjax.shard.constrainer import Constrainer
 from hyperjax.shard.explanation import Explanation, TensorPlacement
-from hyperjax.shard.presets import MESH_AXES, mesh_axes_for, strategy_for
+from hyperjax.shard.presets import LOGICAL_AXES, MESH_AXES, mesh_axes_for, strategy_for
 from hyperjax.shard.strategy import Strategy, place
 
 __all__ = [
+    "LOGICAL_AXES",
     "MESH_AXES",
     "Constrainer",
     "Explanation",

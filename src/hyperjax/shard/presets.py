@@ -30,6 +30,11 @@ from hyperjax.errors import ShardingError
 from hyperjax.shard.strategy import MeshAxes, Strategy
 
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
+LOGICAL_AXES = (
+    *("batch", "seq", "res_seq", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab"),
+    *("embed", "heads", "kv_heads", "mlp", "vocab", "head_dim", "layers", "experts", "expert_mlp"),
+)
+"""The logical axes hyperjax's models name (the table above): what a config's ``shard:`` may map."""
 
 
 def mesh_axes_for(

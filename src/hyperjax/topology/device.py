@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -10,9 +11,21 @@ from typing import Any
 from hyperjax.errors import PresetError
 
 
+def require_number(key: str, value: Any, what: str = "a finite number") -> None:
+    """A preset's number: an int or a float, finite (YAML 1.1 reads ``1e9`` as text: ``1.0e+9`` is a number)."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        hint = " (YAML reads 1e9 as text: write 1.0e+9)" if isinstance(value, str) else ""
+        raise PresetError(f"{key}={value!r} must be {what}{hint}")
+
+
 def require_positive(key: str, value: Any) -> None:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+    require_number(key, value, "a positive number")
+    if not value > 0:
         raise PresetError(f"{key}={value!r} must be a positive number")
+
+
+DTYPES = ("bfloat16", "float16", "float32", "tf32", "fp8", "int8")
+"""The dtypes a preset's ``device.peak_flops`` may price."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, order=True)
@@ -174,6 +187,19 @@ class DeviceSpec:
     format_efficiency: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.peak_flops, Mapping) or not self.peak_flops:
+            raise PresetError(
+                f"device.peak_flops={self.peak_flops!r} must map each dtype to its FLOP/s, e.g. {{bfloat16: 989.0e+12}}"
+            )
+        for dtype, flops in self.peak_flops.items():
+            if dtype not in DTYPES:
+                raise PresetError(f"device.peak_flops.{dtype}: {dtype!r} is not one of {', '.join(DTYPES)}")
+            require_positive(f"device.peak_flops.{dtype}", flops)
+        numbers = ("hbm_bytes", "hbm_bandwidth", "matmul_efficiency", "memory_efficiency", "kernel_overhead")
+        for key in (*numbers, "comm_compute_share", "reserved_bytes", "allocator_overhead"):
+            require_number(f"device.{key}", getattr(self, key))
+        require_positive("device.hbm_bytes", self.hbm_bytes)
+        require_positive("device.hbm_bandwidth", self.hbm_bandwidth)
         if not 0 <= self.allocator_overhead < 1:
             raise PresetError(f"device.allocator_overhead={self.allocator_overhead} must be in [0, 1)")
         if not 0 <= self.reserved_bytes < self.hbm_bytes:
@@ -202,12 +228,6 @@ class DeviceSpec:
                 f"device.grouped_gemm_min_rows={self.grouped_gemm_min_rows} exceeds device.grouped_gemm_rows={rows}: "
                 "the smallest tile height a grouped kernel runs must be at most its tile height"
             )
-        if not self.peak_flops:
-            raise PresetError(f"device {self.name!r}: peak_flops is empty; give at least one dtype's FLOP/s")
-        for dtype, flops in self.peak_flops.items():
-            require_positive(f"device.peak_flops.{dtype}", flops)
-        require_positive("device.hbm_bytes", self.hbm_bytes)
-        require_positive("device.hbm_bandwidth", self.hbm_bandwidth)
         for key in ("matmul_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, key) <= 1:
                 raise PresetError(f"device.{key}={getattr(self, key)} must be in (0, 1]")

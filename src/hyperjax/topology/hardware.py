@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from hyperjax.errors import PresetError
-from hyperjax.topology.device import DeviceSpec, require_positive
+from hyperjax.topology.device import DeviceSpec, require_number, require_positive
 
 _TOPOLOGIES = ("switch", "torus", "ring")
 
@@ -60,9 +60,18 @@ class Tier:
 
     def __post_init__(self) -> None:
         where = f"tier {self.name!r}"
-        if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
+        if self.group_size is not None and (
+            not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 1
+        ):
             raise PresetError(f"{where}: group_size={self.group_size!r} must be a positive integer or null")
         require_positive(f"{where}.bandwidth", self.bandwidth)
+        require_number(f"{where}.latency", self.latency)
+        require_number(f"{where}.efficiency", self.efficiency)
+        wrap = self.torus_wrap
+        if not isinstance(wrap, int) or isinstance(wrap, bool) or wrap < 1:
+            raise PresetError(f"{where}: torus_wrap={wrap!r} must be a positive integer (the length that wraps around)")
+        if not isinstance(self.torus_wrap_whole, bool):
+            raise PresetError(f"{where}: torus_wrap_whole={self.torus_wrap_whole!r} must be true or false")
         if self.latency < 0:
             raise PresetError(f"{where}: latency={self.latency} must be >= 0 seconds")
         if not 0 < self.efficiency <= 1:
@@ -111,6 +120,7 @@ class HostSpec:
     def __post_init__(self) -> None:
         require_positive("host.bytes_per_device", self.bytes_per_device)
         require_positive("host.bandwidth", self.bandwidth)
+        require_number("host.latency", self.latency)
         if self.latency < 0:
             raise PresetError(f"host.latency={self.latency} must be >= 0 seconds")
 
@@ -152,8 +162,16 @@ class Hardware:
                     f"preset {self.name!r}: tier {tier.name!r} group_size={outer} must be a multiple of the "
                     f"tier below it ({inner}) and larger"
                 )
-        if not isinstance(self.devices, int) or self.devices < 1:
+        if not isinstance(self.devices, int) or isinstance(self.devices, bool) or self.devices < 1:
             raise PresetError(f"preset {self.name!r}: devices={self.devices!r} must be a positive integer")
+        axes = self.default_axes
+        if not isinstance(axes, Mapping) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in axes.values()
+        ):
+            raise PresetError(
+                f"preset {self.name!r}: default_axes={axes!r} must map mesh axes to positive integer degrees, "
+                "e.g. {data: 8, tensor: 8}"
+            )
         top = sizes[-1]
         if top is not None and self.devices > top:
             raise PresetError(
@@ -255,9 +273,13 @@ def load_hardware(preset: str | Path) -> Hardware:
     if not path.is_file():
         raise PresetError(f"hardware preset file {str(path)!r} does not exist; pass an existing YAML file")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise PresetError(f"hardware preset file {str(path)!r} is not valid YAML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise PresetError(
+            f"hardware preset file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})"
+        ) from None
     return hardware_from_dict(raw, where=str(path))
 
 
