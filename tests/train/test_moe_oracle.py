@@ -84,7 +84,9 @@ LAYOUTS = [
     # ... and a pipeline's forwards and backwards of different micro-batches run as pairs (F-B pairing),
     # under an interleaved schedule a chunk's forward with another chunk's backward (the end chunks hold only
     # the embedding and the output layer: 4 chunks of the 2 blocks)
-    ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4", "parallel.overlap=fb-pair"],
+    pytest.param(
+        ["parallel.expert=2", "parallel.pipeline=2", "train.microbatches=4", "parallel.overlap=fb-pair"], marks=SLOW
+    ),
     pytest.param(
         [
             "parallel.expert=2",
@@ -164,6 +166,7 @@ def test_moe_parts_match_single_device(model, sets):
     np.testing.assert_allclose(sharded, reference(model), rtol=1e-4, atol=0)
 
 
+@pytest.mark.slow  # a pipeline of two replicas
 def test_a_pipelines_replicas_report_the_micro_batches_router_stats():
     """With gradient buckets, each replica of a pipeline stage reports its own router stats; the step's are
     the replicas' (expert loads, balancing loss), and the loss-free bias moves by them, as without."""

@@ -132,6 +132,7 @@ def _bad(args: list[str], capsys) -> str:
     return err
 
 
+@pytest.mark.slow  # a paired run, its resume and two refusals: the other resume tests hold the fast tier
 def test_a_paired_runs_checkpoint_resumes_paired_and_is_refused_elsewhere_by_name(tmp_path: Path, capsys):
     """``parallel.overlap: fb-pair`` without a pipeline runs, and saves, as a pipeline of one stage: its
     checkpoint resumes under the same pairing, and an SPMD run or ``generate`` refuses it, naming fb-pair."""
