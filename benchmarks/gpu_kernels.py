@@ -70,6 +70,36 @@ def grouped(measured: dict, hw) -> list[dict]:
     return out
 
 
+def fp8_products(measured: dict, hw) -> list[dict]:
+    """FP8 products (``torch._scaled_mm``) against ``gemm_time`` at the FP8 rate (one byte an element)."""
+    out = []
+    for g in measured.get("fp8", []):
+        p = gemm_time(g["m"], g["n"], g["k"], bytes_per_element=1, dtype="fp8", hardware=hw)
+        out.append({**g, "predicted_s": p, "error": err(p, g["s"])})
+    return out
+
+
+def fp8_rows(measured: dict, hw) -> list[dict]:
+    """Each FP8 run's layer products (four a layer, forward and both gradients) summed, in BF16 and in FP8,
+    measured and priced by ``gemm_time``: whether the FP8 runs' products are priced at the rate they reach."""
+    sums: dict[str, dict] = {}
+    for r in measured.get("fp8_rows", []):
+        b, f = r["bf16"], r["fp8"]
+        row = sums.setdefault(r["row"], {"row": r["row"], "bf16_s": 0.0, "fp8_s": 0.0, "bf16_pred_s": 0.0})
+        row["fp8_pred_s"] = row.get("fp8_pred_s", 0.0)
+        if "error" in b or "error" in f:
+            row["failed"] = row.get("failed", 0) + 1
+            continue
+        row["bf16_s"] += b["s"]
+        row["fp8_s"] += f["s"]
+        row["bf16_pred_s"] += gemm_time(b["m"], b["n"], b["k"], bytes_per_element=2, dtype="bfloat16", hardware=hw)
+        row["fp8_pred_s"] += gemm_time(f["m"], f["n"], f["k"], bytes_per_element=1, dtype="fp8", hardware=hw)
+    for row in sums.values():
+        row["bf16_error"] = err(row["bf16_pred_s"], row["bf16_s"])
+        row["fp8_error"] = err(row["fp8_pred_s"], row["fp8_s"])
+    return list(sums.values())
+
+
 def attention(measured: dict, hw, key: str = "attention") -> list[dict]:
     names = {"flash": "flash2", "cudnn": "cudnn"}
     peak = hw.matmul_flops("bfloat16")
@@ -144,12 +174,40 @@ def report(path: Path, console: Console) -> dict:
         "attention_widths": attention(measured, hw, "attention_widths"),
         "blocks": blocks(measured, hw),
         "stream": measured.get("stream"),
+        "fp8": fp8_products(measured, hw),
+        "fp8_rows": fp8_rows(measured, hw),
     }
     show(
         console,
         f"BF16 products on one {measured['device']}: measured vs {preset} (roofline + kernel overhead)",
         ("M x K x N", "measured us", "TFLOP/s", "predicted us", "error"),
         [(f"{g['m']} x {g['k']} x {g['n']}", *timing(g)) for g in res["products"]],
+    )
+    show(
+        console,
+        f"FP8 products (torch._scaled_mm, E4M3, per-tensor scales, bf16 out): measured vs {preset} at the FP8 rate",
+        ("M x K x N", "measured us", "TFLOP/s", "predicted us", "error"),
+        [(f"{g['m']} x {g['k']} x {g['n']}", *timing(g)) for g in res["fp8"]],
+    )
+    show(
+        console,
+        "The FP8 runs' layer products (QKV, attention out, MLP in and out; forward and both gradients), one layer, ms",
+        ("run (per GPU)", "BF16", "pred.", "error", "FP8 (hybrid)", "pred.", "error", "speed-up", "pred."),
+        [
+            (
+                r["row"],
+                f"{r['bf16_s'] * 1e3:.2f}",
+                f"{r['bf16_pred_s'] * 1e3:.2f}",
+                f"{r['bf16_error']:+.0%}",
+                f"{r['fp8_s'] * 1e3:.2f}",
+                f"{r['fp8_pred_s'] * 1e3:.2f}",
+                f"{r['fp8_error']:+.0%}",
+                f"{r['bf16_s'] / r['fp8_s']:.2f}",
+                f"{r['bf16_pred_s'] / r['fp8_pred_s']:.2f}",
+            )
+            for r in res["fp8_rows"]
+            if not r.get("failed")
+        ],
     )
     show(
         console,

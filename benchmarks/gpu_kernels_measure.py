@@ -88,12 +88,61 @@ def grouped(groups: int, rows: int, k: int, n: int) -> dict:
     return {"groups": groups, "rows": rows, "k": k, "n": n, "s": t, "tflops": 2 * groups * rows * k * n / t / 1e12}
 
 
-def scaled_mm(m: int, k: int, n: int) -> dict:
-    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn).t()
+def scaled_mm(m: int, k: int, n: int, a_fmt: str = "e4m3", b_fmt: str = "e4m3") -> dict:
+    """cuBLASLt's FP8 product of an ``(m, k)`` by a ``(k, n)`` operand in the given formats (Transformer
+    Engine's hybrid recipe multiplies an E5M2 gradient by an E4M3 weight or activation), bf16 out, operands
+    rotated past L2 as :func:`gemm`'s are."""
+    fmt = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+    c = max(1, min(16, L2_ROTATE_BYTES // max(1, m * k + k * n)))
+    a = [torch.randn(m, k, device="cuda").to(fmt[a_fmt]) for _ in range(c)]
+    b = [torch.randn(n, k, device="cuda").to(fmt[b_fmt]).t() for _ in range(c)]
     one = torch.tensor(1.0, device="cuda")
-    t = graph_time(lambda i: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 16)
-    return {"m": m, "k": k, "n": n, "s": t, "tflops": 2 * m * n * k / t / 1e12}
+    fn = lambda i: torch._scaled_mm(a[i % c], b[i % c], scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    t = graph_time(fn, 16)
+    return {"m": m, "k": k, "n": n, "formats": [a_fmt, b_fmt], "s": t, "tflops": 2 * m * n * k / t / 1e12}
+
+
+FP8_ROWS = {  # tokens a micro-batch (over context ranks), width, heads, key-value heads, head width, MLP, gated, TP
+    "GPT-3 5B": (8192, 4096, 32, 32, 128, 16384, False, 1),
+    "GPT-3 20B, TP 2": (4096, 6144, 48, 48, 128, 24576, False, 2),
+    "GPT-3 175B, TP 4 (128 GPUs)": (2048, 12288, 96, 96, 128, 49152, False, 4),
+    "GPT-3 175B, TP 4 (512 GPUs)": (4096, 12288, 96, 96, 128, 49152, False, 4),
+    "Llama 2 7B": (4096, 4096, 32, 32, 128, 11008, True, 1),
+    "Llama 2 13B": (4096, 5120, 40, 40, 128, 13824, True, 1),
+    "Llama 2 70B, TP 4": (4096, 8192, 64, 8, 128, 28672, True, 4),
+    "Llama 3 8B, CP 2": (4096, 4096, 32, 8, 128, 14336, True, 1),
+    "Llama 3 70B, TP 4 x CP 2": (4096, 8192, 64, 8, 128, 28672, True, 4),
+    "Nemotron-3 8B, TP 2": (16384, 4096, 32, 32, 128, 16384, False, 2),
+    "Nemotron-3 22B, TP 2": (8192, 6144, 48, 48, 128, 24576, False, 2),
+    "Nemotron-4 340B, TP 8": (4096, 18432, 96, 8, 192, 73728, False, 8),
+}
+"""The per-GPU layer products of NeMo 24.07's FP8 runs (``benchmarks/validation/fp8``), from their configs."""
+
+
+def fp8_rows() -> list[dict]:
+    """Each FP8 run's four layer products (QKV, attention out, MLP in, MLP out), forward, data gradient and
+    weight gradient, in BF16 (``torch.matmul``) and FP8 (``_scaled_mm``: E4M3 forward, E5M2 gradients by E4M3
+    backward, Transformer Engine's hybrid format)."""
+    out, seen = [], {}
+    for row, (tokens, d, h, kv, hd, ff, gated, tp) in FP8_ROWS.items():
+        layer = {
+            "qkv": (d, (h + 2 * kv) * hd // tp),
+            "out": (h * hd // tp, d),
+            "mlp_in": (d, (2 if gated else 1) * ff // tp),
+            "mlp_out": (ff // tp, d),
+        }
+        for product, (k, n) in layer.items():
+            passes = {
+                "forward": ((tokens, k, n), ("e4m3", "e4m3")),
+                "data_grad": ((tokens, n, k), ("e5m2", "e4m3")),
+                "weight_grad": ((k, tokens, n), ("e4m3", "e5m2")),
+            }
+            for name, (shape, fmts) in passes.items():
+                if (shape, fmts) not in seen:
+                    seen[shape, fmts] = (tried(gemm, *shape), tried(scaled_mm, *shape, *fmts))
+                bf16, fp8 = seen[shape, fmts]
+                out.append({"row": row, "product": product, "pass": name, "bf16": bf16, "fp8": fp8})
+    return out
 
 
 def attention(batch: int, heads: int, seq: int, dim: int, backend: str) -> dict:
@@ -261,6 +310,7 @@ def main() -> None:
             scaled_mm(*s)
             for s in ((8192, 8192, 8192), (tokens, 4096, 14336), (tokens, 14336, 4096), (tokens, 4096, 4096))
         ],
+        "fp8_rows": fp8_rows,
         "block_compiled": lambda: [block(2, 8192, True)],
         # head widths other than 128 (GPT-OSS's 64; 256), as many query heads as a 4,096-wide model has
         "attention_widths": lambda: [

@@ -74,6 +74,23 @@ def test_grouped_products_follow_the_measured_kernels():
     assert errors[len(errors) // 2] <= 0.08, errors
 
 
+def test_fp8_runs_products_follow_the_measured_kernels():
+    """Every NeMo FP8 run's layer products (forward and both gradients, at its per-GPU shapes), timed on an
+    H100 in FP8 and BF16 (benchmarks/gpu_kernels_measure.py), against gemm_time at each format's rate."""
+    measured = json.loads((ROOT / "benchmarks" / "results" / "kernels-h100-measured.json").read_text())
+    sums: dict[tuple[str, str], list[float]] = {}
+    for r in measured["fp8_rows"]:
+        for fmt, dtype, e in (("fp8", "fp8", 1), ("bf16", "bfloat16", 2)):
+            g = r[fmt]
+            p = gemm_time(g["m"], g["n"], g["k"], bytes_per_element=e, dtype=dtype, hardware=H100)
+            acc = sums.setdefault((r["row"], fmt), [0.0, 0.0])
+            acc[0] += g["s"]
+            acc[1] += p
+    assert len(sums) == 24  # twelve runs, two formats
+    errors = {key: p / s - 1 for key, (s, p) in sums.items()}
+    assert max(abs(e) for e in errors.values()) <= 0.10, errors
+
+
 def test_a_group_of_few_rows_runs_in_a_smaller_tile_down_to_the_devices_smallest():
     kw = dict(bytes_per_element=2, dtype="bfloat16", hardware=H100)
     unit = H100.matmul_flops("bfloat16") * H100.device.matmul_efficiency / 132
