@@ -22,6 +22,23 @@ def test_vocabularies_are_checked_when_read_and_when_built():
         ModelConfig(positions="alibi")
 
 
+def test_a_key_given_twice_is_an_error_naming_it_and_its_lines(tmp_path: Path):
+    """YAML itself keeps the last of two equal keys: a config that sets a key twice is refused instead."""
+    path = tmp_path / "twice.yaml"
+    path.write_text("model:\n  layers: 2\n  d_model: 64\n  layers: 4\n")
+    with pytest.raises(
+        ConfigError, match=r"twice.yaml' is not valid YAML(.|\n)*key 'layers' is given twice \(first on line 2\)"
+    ):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"--set 'model=\{layers: 2, layers: 3\}'.*key 'layers' is given twice"):
+        load_config(None, ["model={layers: 2, layers: 3}"])
+    path.write_text("model: {layers: 2}\ntrain: {lr: 0.001}\nparallel: {tensor: 1}\n")  # equal keys, other mappings
+    assert load_config(path).model.layers == 2
+    path.write_text("base: &m {layers: 2, d_model: 64}\nmodel: {<<: *m, layers: 3}\n")  # a merge overridden
+    with pytest.raises(ConfigError, match="unknown config key base"):  # merged fine; the extra section is the error
+        load_config(path)
+
+
 def test_bad_files(tmp_path: Path):
     with pytest.raises(ConfigError, match=r"config file '.*missing.yaml' does not exist"):
         load_config(tmp_path / "missing.yaml")

@@ -106,6 +106,14 @@ def test_bad_yaml(tmp_path: Path):
         load_hardware(path)
 
 
+def test_a_key_given_twice_in_a_preset_is_an_error(tmp_path: Path):
+    path = tmp_path / "twice.yaml"
+    text = (Path(presets_dir()) / "dgx-h100.yaml").read_text()
+    path.write_text(text.replace("device:\n", "device:\n  hbm_bytes: 1.0e+9\n", 1))
+    with pytest.raises(PresetError, match=r"twice.yaml' is not valid YAML(.|\n)*key 'hbm_bytes' is given twice"):
+        load_hardware(path)
+
+
 def test_unknown_key_did_you_mean():
     raw = _raw()
     raw["device"]["hbm_byte"] = raw["device"].pop("hbm_bytes")
@@ -445,3 +453,14 @@ def test_measured_widths_are_one_kernel_in_any_order_and_rates_beyond_them_follo
     ramp = 1e9 / (1e9 + k.seq_half)
     assert plain.attention_rates("cudnn", 1e9, 512) == pytest.approx((widest.forward * ramp, widest.backward * ramp))
     assert plain.attention_rates("cudnn", 1e9, 32)[0] == pytest.approx(min(k.measured()).forward * ramp)
+
+
+def test_devices_must_fill_whole_groups_of_each_tier_they_exceed():
+    raw = _raw("dgx-h100")  # nodes of 8 under an unbounded network
+    raw["devices"], raw["default_axes"] = 12, {"data": 12}
+    with pytest.raises(
+        PresetError, match=r"devices=12 is not a whole number of tier 'nvlink'.*multiple of 8 \(8 or 16\)"
+    ):
+        hardware_from_dict(raw)
+    raw["devices"], raw["default_axes"] = 4, {"data": 4}  # half a node: a part of one group
+    assert hardware_from_dict(raw).devices == 4

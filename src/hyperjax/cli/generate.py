@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.temperature >= 0 or args.temperature == float("inf"):  # NaN fails every comparison
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise ConfigError(f"--temperature {args.temperature} must be 0 (greedy) or a finite positive number")
     if args.top_k is not None and args.top_k < 1:
         raise ConfigError(f"--top-k {args.top_k} must be a positive integer")

@@ -154,6 +154,19 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ConfigError("--max-restarts supervises the processes it launches; do not combine it with --coordinator")
     if args.profile and (args.plan_only or args.explain):
         raise ConfigError("--profile times the last training step; it does nothing with --plan-only or --explain")
+    joining = [
+        f
+        for f, v in (
+            ("--coordinator", args.coordinator),
+            ("--num-processes", args.num_processes),
+            ("--process-id", args.process_id),
+        )
+        if v is not None
+    ]
+    if joining and args.plan_only:
+        raise ConfigError(
+            f"{joining[0]} joins a running job, but --plan-only prints the run and starts no device; drop one of them"
+        )
     if args.json and not args.plan_only:
         raise ConfigError("--json prints the resolved run; use it with --plan-only")
     if args.elastic and not (args.max_restarts or args.resume or args.devices):

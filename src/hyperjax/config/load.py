@@ -22,6 +22,7 @@ from hyperjax.config import hf
 from hyperjax.config.checks import literal_options
 from hyperjax.config.sections import Config
 from hyperjax.errors import ConfigError
+from hyperjax.files import parse_yaml, read_yaml
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
@@ -45,14 +46,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             raise ConfigError(
                 f"config file {str(path)!r} {what}; pass the path of a YAML file, such as configs/quickstart.yaml"
             )
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-        try:
-            raw = yaml.safe_load(text) if text.strip() else None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+        raw = read_yaml(path, what="config file", error=ConfigError)
         if raw is None:
             raise ConfigError(
                 f"config file {str(path)!r} is empty; give it at least one section (model:, train:, parallel:), "
@@ -75,9 +69,10 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     if not sep or not key.strip():
         raise ConfigError(f"--set {item!r} is not KEY=VALUE; e.g. --set parallel.tensor=4")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
-        raise ConfigError(f"--set {item!r}: value {text!r} is not valid YAML") from None
+        value = parse_yaml(text)
+    except yaml.YAMLError as e:
+        why = f" ({e.problem})" if getattr(e, "problem", None) else ""
+        raise ConfigError(f"--set {item!r}: value {text!r} is not valid YAML{why}") from None
     parts = key.strip().split(".")
     node = raw
     for i, part in enumerate(parts[:-1]):

@@ -154,7 +154,7 @@ def submesh_strategies(cfg: Config, hardware: Hardware, devices: int) -> Iterato
     node = hardware.tiers[0].group_size or devices
     step = node if node < devices else 1
     names = [sub.name for sub in cfg.mpmd.submeshes] or ["encoder", "language_model"]
-    sharded = lambda rest, width: (1, math.gcd(rest, width)) if math.gcd(rest, width) > 1 else (1,)
+    sharded = lambda rest, width: sorted({1, math.gcd(rest, width)})  # whole, or over the ranks the width divides
     schedule = cfg.parallel.schedule if cfg.parallel.schedule != "interleaved" else "1f1b"
     lm_tensors = lambda rest: (d for d in divisors(rest) if d <= node and math.gcd(m.heads, m.kv_heads) % d == 0)
     for n in range(step, devices, step):

@@ -18,6 +18,16 @@ def require_number(key: str, value: Any, what: str = "a finite number") -> None:
         raise PresetError(f"{key}={value!r} must be {what}{hint}")
 
 
+def is_count(value: Any, least: int = 1) -> bool:
+    """Whether a preset's ``value`` is a whole number (not a boolean, which YAML's ``true`` is) of ``least`` or more."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def is_fraction(value: Any) -> bool:
+    """Whether a preset's ``value`` is a number in (0, 1]: a share of a peak or of a rate."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= 1
+
+
 def require_positive(key: str, value: Any) -> None:
     require_number(key, value, "a positive number")
     if not value > 0:
@@ -68,7 +78,7 @@ class AttentionKernel:
         for where, w in (("", self), *((f".widths[{i}]", w) for i, w in enumerate(widths))):
             for key in ("forward", "backward"):
                 value = getattr(w, key)
-                if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 1:
+                if not is_fraction(value):
                     raise PresetError(f"{self.name}{where}.{key}={value!r} must be a fraction of the peak in (0, 1]")
         object.__setattr__(self, "widths", tuple(sorted(widths)))  # the same widths in any order: one kernel
         if not isinstance(self.seq_half, int | float) or isinstance(self.seq_half, bool) or self.seq_half < 0:
@@ -207,11 +217,11 @@ class DeviceSpec:
         if not 0 <= self.comm_compute_share < 1:
             raise PresetError(f"device.comm_compute_share={self.comm_compute_share} must be in [0, 1)")
         rows = self.grouped_gemm_rows
-        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+        if not is_count(rows):
             raise PresetError(f"device.grouped_gemm_rows={rows!r} must be a positive integer")
         for key in ("grouped_gemm_cols", "grouped_gemm_min_rows", "compute_units"):
             value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if not is_count(value, least=0):
                 raise PresetError(f"device.{key}={value!r} must be a non-negative integer (0: not modelled)")
         if (self.grouped_gemm_cols > 0) != (self.compute_units > 0):
             raise PresetError(
@@ -253,7 +263,7 @@ class DeviceSpec:
                     f"device.format_efficiency.{fmt}: {fmt!r} has no peak_flops entry; it lists "
                     f"{sorted(self.peak_flops)}"
                 )
-            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 1:
+            if not is_fraction(value):
                 raise PresetError(f"device.format_efficiency.{fmt}={value!r} must be in (0, 1]")
         object.__setattr__(self, "format_efficiency", MappingProxyType(dict(self.format_efficiency)))
         if not isinstance(self.attention_kernels, Mapping):

@@ -17,10 +17,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import yaml
-
 from hyperjax.errors import PresetError
-from hyperjax.topology.device import DeviceSpec, require_number, require_positive
+from hyperjax.files import read_yaml
+from hyperjax.topology.device import DeviceSpec, is_count, require_number, require_positive
 
 _TOPOLOGIES = ("switch", "torus", "ring")
 
@@ -60,15 +59,13 @@ class Tier:
 
     def __post_init__(self) -> None:
         where = f"tier {self.name!r}"
-        if self.group_size is not None and (
-            not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 1
-        ):
+        if self.group_size is not None and not is_count(self.group_size):
             raise PresetError(f"{where}: group_size={self.group_size!r} must be a positive integer or null")
         require_positive(f"{where}.bandwidth", self.bandwidth)
         require_number(f"{where}.latency", self.latency)
         require_number(f"{where}.efficiency", self.efficiency)
         wrap = self.torus_wrap
-        if not isinstance(wrap, int) or isinstance(wrap, bool) or wrap < 1:
+        if not is_count(wrap):
             raise PresetError(f"{where}: torus_wrap={wrap!r} must be a positive integer (the length that wraps around)")
         if not isinstance(self.torus_wrap_whole, bool):
             raise PresetError(f"{where}: torus_wrap_whole={self.torus_wrap_whole!r} must be true or false")
@@ -162,16 +159,22 @@ class Hardware:
                     f"preset {self.name!r}: tier {tier.name!r} group_size={outer} must be a multiple of the "
                     f"tier below it ({inner}) and larger"
                 )
-        if not isinstance(self.devices, int) or isinstance(self.devices, bool) or self.devices < 1:
+        if not is_count(self.devices):
             raise PresetError(f"preset {self.name!r}: devices={self.devices!r} must be a positive integer")
         axes = self.default_axes
-        if not isinstance(axes, Mapping) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in axes.values()
-        ):
+        if not isinstance(axes, Mapping) or not all(is_count(n) for n in axes.values()):
             raise PresetError(
                 f"preset {self.name!r}: default_axes={axes!r} must map mesh axes to positive integer degrees, "
                 "e.g. {data: 8, tensor: 8}"
             )
+        for tier in self.tiers:  # a tier's groups hold whole numbers of devices, or the machine is part of one
+            g = tier.group_size
+            if g is not None and self.devices > g and self.devices % g:
+                raise PresetError(
+                    f"preset {self.name!r}: devices={self.devices} is not a whole number of tier {tier.name!r}'s "
+                    f"groups of {g} devices; set devices to a multiple of {g} ({self.devices // g * g} or "
+                    f"{-(-self.devices // g) * g})"
+                )
         top = sizes[-1]
         if top is not None and self.devices > top:
             raise PresetError(
@@ -272,14 +275,7 @@ def load_hardware(preset: str | Path) -> Hardware:
         path = presets_dir() / f"{preset}.yaml"
     if not path.is_file():
         raise PresetError(f"hardware preset file {str(path)!r} does not exist; pass an existing YAML file")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise PresetError(f"hardware preset file {str(path)!r} is not valid YAML: {e}") from None
-    except UnicodeDecodeError as e:
-        raise PresetError(
-            f"hardware preset file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})"
-        ) from None
+    raw = read_yaml(path, what="hardware preset file", error=PresetError)
     return hardware_from_dict(raw, where=str(path))
 
 
