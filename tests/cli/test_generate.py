@@ -72,11 +72,26 @@ def test_sampling_is_seeded(capsys, checkpoint):
         (["--set", "model.d_model=128"], "was saved with shape"),
         (["--set", "parallel.pipeline=2", "--set", "parallel.tensor=1"], "parallel.pipeline=2"),
         (["--top-k", "0"], "--top-k 0"),
+        (["--set", "parallel.context=2"], "parallel.context=2 cannot split over devices; set --set parallel.context=1"),
+        (["--set", "parallel.sequence_parallel=true"], "set --set parallel.sequence_parallel=false"),
+        (["--prompt-ids", "1,,2"], "--prompt-ids '1,,2' must be comma-separated integers"),
+        (["--prompt-ids", "1,2,"], "--prompt-ids '1,2,' must be comma-separated integers"),
     ],
-    ids=["no-new-tokens", "long-prompt", "past-positions", "other-model", "pipeline", "top-k"],
+    ids=[
+        "no-new-tokens",
+        "long-prompt",
+        "past-positions",
+        "other-model",
+        "pipeline",
+        "top-k",
+        "context",
+        "sequence-parallel",
+        "empty-id",
+        "trailing-comma",
+    ],
 )
 def test_bad_input_exits_2_naming_it(capsys, checkpoint, extra, message):
-    prompt = [] if "--prompt" in extra else ["--prompt", "In"]
+    prompt = [] if {"--prompt", "--prompt-ids"} & set(extra) else ["--prompt", "In"]
     base = ["generate", QUICK, *SMALL, "--checkpoint-dir", checkpoint, "--max-new-tokens", "4", *prompt]
     assert main([*base, *extra]) == 2
     err = capsys.readouterr().err
@@ -87,3 +102,14 @@ def test_no_checkpoint_exits_2(capsys, tmp_path):
     args = ["generate", QUICK, "--checkpoint-dir", str(tmp_path), "--prompt", "In", "--max-new-tokens", "4"]
     assert main(args) == 2
     assert "no checkpoint in --checkpoint-dir" in capsys.readouterr().err
+
+
+def test_a_tokenizer_that_drops_characters_exits_2_naming_one(capsys, checkpoint, tmp_path):
+    """A vocabulary without a prompt's character and without an unknown token drops it silently in
+    ``tokenizers``; generate refuses the prompt instead of continuing a different one."""
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text(json.dumps({"model": {"type": "BPE", "vocab": {"a": 0, "h": 1}, "merges": []}}))
+    base = ["generate", QUICK, *SMALL, "--checkpoint-dir", checkpoint, "--max-new-tokens", "2", "--tokenizer", str(tok)]
+    assert main([*base, "--prompt", "ahia"]) == 2
+    err = capsys.readouterr().err
+    assert "drops 'i' of 'ahia'" in err and "Traceback" not in err

@@ -162,12 +162,24 @@ def test_malformed_files_and_overrides_exit_2(command: str, case, capsys):
         (["predict", "QUICK", "--trace", "/proc/version"], "no file can be created in folder '/proc'"),
         (["train", "QUICK", "--plan-only", "--set", "shard={embd: [tensor]}"], "shard.embd: 'embd' is not a logical"),
         (["train", "GRPO", "--plan-only", "--set", "train.global_batch=7"], "rl.group_size = 8 x 8 = 64 sequences"),
+        (["predict", "QUICK", "--set", "parallel.dispatcher=alltoall"], "but the model has no MoE layers"),
+        (
+            ["train", "QUICK", "--plan-only", "--set", "parallel.dispatcher_sms=20"],
+            "parallel.dispatcher_sms=20: the SMs of a mixture",
+        ),
+        (["predict", "QUICK", "--set", "train.fp8={recipe: rowwise, block: 64}"], "train.fp8.block=64 sets its tiles"),
+        (["predict", "QUICK", "--hardware", ""], "--hardware '' names no preset"),
+        (
+            ["predict", "QUICK", "--inference", "--set", "serve.prompt_len=128"],
+            "leaves none of it; set serve.new_tokens",
+        ),
     ],
 )
 def test_files_and_values_that_cannot_be_used_exit_2(args, says, capsys, tmp_path):
     """A file that is not text, a folder, a number that is not finite, a --trace no file can be written
-    beside (/proc takes none), a misspelt logical axis and an rl: config's batch set apart from its rollouts
-    exit 2 naming what is wrong, before any work."""
+    beside (/proc takes none), a misspelt logical axis, an rl: config's batch set apart from its rollouts and
+    settings no part of the run reads (a dispatcher without experts, an FP8 key of another recipe) exit 2
+    naming what is wrong, before any work."""
     (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe model: {}")
     paths = {
         "BINARY": tmp_path / "binary.yaml",

@@ -61,6 +61,7 @@ def test_explain(capsys):
         (["--metrics-out", "/nonexistent/m.jsonl"], r"folder '/nonexistent' does not exist"),
         (["--profile", "--plan-only"], r"--profile times the last training step"),
         (["--plan-only", "--process-id", "1"], r"--process-id joins a running job, but --plan-only .* drop one"),
+        (["--plan-only", "--explain"], r"--explain prints where every parameter lives .* drop one of them"),
         (
             ["--set", "parallel.gradient_buckets=true", "--set", "parallel.data=1", "--set", "parallel.tensor=8"],
             r"parallel.gradient_buckets=true needs data-parallel replicas .* set it to null or false",

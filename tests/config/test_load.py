@@ -55,3 +55,12 @@ def test_bad_files(tmp_path: Path):
         bad.write_text(text)
         with pytest.raises(ConfigError, match=r"config file '.*bad.yaml' is empty"):
             load_config(bad)
+
+
+def test_an_fp8_key_of_another_recipe_is_an_error():
+    with pytest.raises(ConfigError, match=r"train.fp8.amax_history=16 sets its scales for recipe delayed only, but "):
+        load_config(None, ["train.fp8={recipe: tensorwise, amax_history: 16}"])
+    with pytest.raises(ConfigError, match=r"train.fp8.block=64 .* recipe blockwise only, .*recipe: blockwise"):
+        load_config(None, ["train.fp8={recipe: delayed, block: 64}"])
+    assert load_config(None, ["train.fp8={recipe: delayed, amax_history: 16}"]).train.fp8.amax_history == 16
+    assert load_config(None, ["train.fp8={recipe: blockwise, block: 64}"]).train.fp8.block == 64

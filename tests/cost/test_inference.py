@@ -105,7 +105,7 @@ def test_inference_fits_the_offload_budget_and_places_what_does_not(capsys):
     base = [
         "predict", str(ROOT / "configs/llama3-70b.yaml"), "--inference", "--json", "--devices", "8",
         "--set", "parallel.data=1", "--set", "parallel.pipeline=1", "--set", "serve.prompt_len=32000",
-        "--set", "serve.batch=4",
+        "--set", "serve.new_tokens=1", "--set", "serve.batch=4",
     ]  # fmt: skip
 
     def answer(*sets: str) -> dict:

@@ -183,3 +183,29 @@ def test_a_bad_index_exits_2(capsys, tmp_path):
     assert main(["import-hf", str(folder), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "weight_map must map tensor names to file names" in err and "Traceback" not in err
+
+
+def test_weights_not_stored_as_floats_exit_2_naming_the_tensor(capsys, tmp_path):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    folder = write(tmp_path / "hf", num_hidden_layers=1)
+    save_file({"model.embed_tokens.weight": np.zeros((256, 64), np.int32)}, str(folder / "model.safetensors"))
+    assert main(["import-hf", str(folder), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "tensor 'model.embed_tokens.weight' is stored as I32, not a float type" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_with_both_a_single_file_and_an_index_exits_2(capsys, tmp_path):
+    """transformers loads model.safetensors where both are present; hyperjax asks which is meant."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    folder = write(tmp_path / "hf", num_hidden_layers=1)
+    save_file({"model.embed_tokens.weight": np.zeros((256, 64), np.float32)}, str(folder / "model.safetensors"))
+    index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00001.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert main(["import-hf", str(folder), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "holds both model.safetensors and model.safetensors.index.json" in err and "Traceback" not in err

@@ -59,6 +59,10 @@ def test_missing_devices_are_what_the_other_phase_leaves():
         (["rl.rollout.parallel.pipeline=2", "rl.rollout.parallel.data=1"], r"rl.rollout.parallel.pipeline=2: rollouts"),
         (["rl.rollout.parallel.context=2", "rl.rollout.parallel.data=1"], r"rl.rollout.parallel.context=2: rollouts"),
         (
+            ["rl.rollout.parallel.sequence_parallel=true", "rl.rollout.parallel.tensor=2"],
+            r"rl.rollout.parallel.sequence_parallel=true: rollouts",
+        ),
+        (
             ["rl.learner.parallel.pipeline=2", "rl.learner.parallel.fsdp=2"],
             r"rl.learner.parallel.pipeline=2: the learner",
         ),

@@ -64,6 +64,21 @@ def test_plan_cli_json(capsys):
     assert {"parallel.tensor", "parallel.pipeline", "train.recompute", "step_time_s"} <= set(data["best"])
 
 
+def test_plan_cli_holds_a_searched_key_set_on_the_command_line(capsys):
+    """``--set parallel.tensor=4`` keeps the search to tensor 4 (it was ignored, the search varying it anyway);
+    a value no strategy passes exits 2 naming it; a key the search does not vary stays a plain setting."""
+    quick = str(ROOT / "configs/quickstart.yaml")
+    base = ["plan", quick, "--devices", "8", "--json", "--top", "50"]
+    assert main([*base, "--set", "parallel.tensor=4", "--set", "parallel.zero_stage=1"]) == 0
+    found = json.loads(capsys.readouterr().out)["candidates"]
+    assert found and {(c["parallel.tensor"], c["parallel.zero_stage"]) for c in found} == {(4, 1)}
+    assert main([*base]) == 0
+    assert len({c["parallel.tensor"] for c in json.loads(capsys.readouterr().out)["candidates"]}) > 1
+    assert main(["plan", quick, "--devices", "8", "--set", "parallel.tensor=3"]) == 2
+    assert "with parallel.tensor=3: check that heads" in capsys.readouterr().err
+    assert main([*base, "--set", "parallel.tp_overlap=bulk"]) == 0
+
+
 def test_plan_cli_accumulate(capsys):
     """``plan --accumulate`` searches one stage in micro-batches of ``train.micro_batch`` too, an MoE's
     forwards paired with the previous backward (fb-pair); without a micro-batch to accumulate it exits 2."""

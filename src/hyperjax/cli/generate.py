@@ -143,7 +143,7 @@ def _ids(items: list[str]) -> list[list[int]]:
     rows = []
     for item in items:
         try:
-            rows.append([int(x) for x in item.replace(" ", "").split(",") if x != ""])
+            rows.append([int(x) for x in item.replace(" ", "").split(",")])  # "1,,2" and "1,2," are errors
         except ValueError:
             raise ConfigError(f"--prompt-ids {item!r} must be comma-separated integers, e.g. 1,2,3") from None
     return rows

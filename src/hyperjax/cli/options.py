@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Sequence
 
 from hyperjax.config import Config, load_config
+from hyperjax.errors import ConfigError
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -74,6 +75,9 @@ def config_from_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> Con
       ConfigError: as :func:`hyperjax.load_config`.
     """
     sets = [*args.sets, *extra]
-    if getattr(args, "hardware", None):
-        sets.append(f"hardware={args.hardware}")
+    hardware = getattr(args, "hardware", None)
+    if hardware is not None and not hardware.strip():
+        raise ConfigError("--hardware '' names no preset; give a preset name (hyperjax topology lists them) or a path")
+    if hardware:
+        sets.append(f"hardware={hardware}")
     return load_config(args.config, sets)

@@ -33,13 +33,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=(
             "Search every valid strategy (data, fsdp, ZeRO, tensor and sequence, context, expert, pipeline with "
             "its schedule, micro-batch, recomputation), price each with the cost model, drop those that do not "
-            "fit device memory, and list the fastest."
+            "fit device memory, and list the fastest. A searched parallel.* key given with --set holds the search "
+            "to its value."
         ),
         examples=[
             "hyperjax plan configs/deepseek-v3-671b.yaml --devices 384",
             "hyperjax plan configs/quickstart.yaml --devices 64 --set train.global_batch=64",
             "hyperjax plan configs/llama3-70b.yaml --devices 1024 --top 5 --json",
             "hyperjax plan configs/mixtral-8x7b.yaml --devices 64 --accumulate",
+            "hyperjax plan configs/llama3-70b.yaml --devices 512 --set parallel.tensor=8",
         ],
     )
     p.add_argument("--devices", type=int, required=True, metavar="N", help="devices to plan for")
@@ -53,6 +55,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "with each forward beside the previous backward: parallel.overlap fb-pair)",
     )
     p.set_defaults(run=run)
+
+
+SEARCHED = frozenset(
+    [
+        "data",
+        "fsdp",
+        "tensor",
+        "sequence_parallel",
+        "context",
+        "pipeline",
+        "virtual_stages",
+        "schedule",
+        "zero_stage",
+        "expert",
+        "expert_tensor",
+        "overlap",
+    ]
+)
+"""The ``parallel.*`` keys the search varies: one given with ``--set`` holds the search to its value."""
+
+
+def _held(sets: list[str], cfg: Config) -> dict[str, Any]:
+    """The searched ``parallel.*`` keys ``--set`` gives, at their values in ``cfg``: what the plan keeps fixed."""
+    keys = (item.partition("=")[0].strip() for item in sets)
+    named = (k for k in keys if k.startswith("parallel.") and k.removeprefix("parallel.") in SEARCHED)
+    return {k: getattr(cfg.parallel, k.removeprefix("parallel.")) for k in named}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
             "--set train.micro_batch=1"
         )
     hw = load_hardware(cfg.hardware)
+    where = _held(args.sets, cfg)
     bar = None if args.json or not sys.stderr.isatty() else _progress_bar()
     try:
         found = plan(
@@ -78,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
             hardware=hw,
             progress=bar[1] if bar else None,
             accumulate=args.accumulate,
+            where=where,
         )
     except NothingFits as e:
         if args.json:  # the answer is "nothing fits": say so in the JSON too, then exit 2 with the message

@@ -152,6 +152,11 @@ def _check_flags(args: argparse.Namespace) -> None:
         )
     if args.max_restarts and args.coordinator is not None:
         raise ConfigError("--max-restarts supervises the processes it launches; do not combine it with --coordinator")
+    if args.explain and args.plan_only:
+        raise ConfigError(
+            "--explain prints where every parameter lives on the started devices; --plan-only starts "
+            "none: drop one of them"
+        )
     if args.profile and (args.plan_only or args.explain):
         raise ConfigError("--profile times the last training step; it does nothing with --plan-only or --explain")
     joining = [

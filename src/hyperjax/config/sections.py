@@ -66,6 +66,13 @@ class Fp8Config:
     def __post_init__(self) -> None:
         vocabularies(self, "train.fp8")
         positive(self, "train.fp8", ("amax_history", "block"))
+        defaults = {f.name: f.default for f in dataclasses.fields(Fp8Config)}
+        for key, recipe, what in (("amax_history", "delayed", "its scales"), ("block", "blockwise", "its tiles")):
+            if self.recipe != recipe and getattr(self, key) != defaults[key]:
+                raise ConfigError(
+                    f"train.fp8.{key}={getattr(self, key)} sets {what} for recipe {recipe} only, but "
+                    f"train.fp8.recipe={self.recipe}; drop train.fp8.{key} or set train.fp8.recipe: {recipe}"
+                )
         if self.all_gather and self.recipe == "rowwise":
             raise ConfigError(
                 "train.fp8.all_gather=true gathers FSDP weight shards in FP8, but train.fp8.recipe=rowwise scales a "

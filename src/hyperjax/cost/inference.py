@@ -120,13 +120,19 @@ def estimate_inference(run: Run) -> InferenceEstimate:
     """Predict serving ``run.config.serve`` on ``run``'s mesh and hardware.
 
     Raises:
-      ConfigError: a batch the data-parallel replicas cannot split, or a prompt and its new tokens
-        longer than learned positions reach.
+      ConfigError: a batch the data-parallel replicas cannot split, a prompt and its new tokens longer than
+        learned positions reach, or a prompt that leaves no new tokens of ``model.seq_len`` to a null
+        ``serve.new_tokens``.
     """
     cfg, m, hw = run.config, run.config.model, run.hardware
     serve = cfg.serve
     prompt = serve.prompt_len or max(1, m.seq_len // 2)
-    new_tokens = serve.new_tokens or max(1, m.seq_len - prompt)
+    if serve.new_tokens is None and prompt >= m.seq_len:
+        raise ConfigError(
+            f"serve.new_tokens is null (the rest of model.seq_len={m.seq_len}), but serve.prompt_len={prompt} leaves "
+            "none of it; set serve.new_tokens"
+        )
+    new_tokens = serve.new_tokens or m.seq_len - prompt
     total = prompt + new_tokens
     if m.positions == "learned" and total > m.seq_len:
         raise ConfigError(

@@ -30,6 +30,8 @@ from hyperjax.hf.names import View, stored_shapes, views
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+FLOATS = ("F16", "BF16", "F32", "F64")
+"""The safetensors element types a weight is read from (as float32)."""
 
 UNUSED_BUFFERS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 """Stored tensors older ``transformers`` versions save that are not parameters (rotary tables, GPT-2's
@@ -61,6 +63,11 @@ class Stored:
                 raise ConfigError(f"{str(index)!r} is not a safetensors index ({e})") from None
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise ConfigError(f"{str(index)!r}: weight_map must map tensor names to file names")
+            if (self.folder / SINGLE).is_file():  # transformers would load the single file: which is meant?
+                raise ConfigError(
+                    f"{str(self.folder)!r} holds both {SINGLE} and {INDEX}; transformers loads {SINGLE}, the index "
+                    "names other files: remove the one that is not this model's weights"
+                )
         elif (self.folder / SINGLE).is_file():
             weight_map = None
         else:
@@ -96,6 +103,10 @@ class Stored:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The stored element type of tensor ``name``, as safetensors names it (``F32``, ``BF16``, ``I64``)."""
+        return self._slice(name).get_dtype()
+
     def fetch(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """Block ``index`` of tensor ``name``, as float32."""
         return np.asarray(self._slice(name)[index], dtype=np.float32)
@@ -113,13 +124,19 @@ def check_stored(m: ModelConfig, stored: Stored, *, extra_layers: int = 0) -> No
     multi-token-prediction module, which ``transformers`` leaves unloaded too).
 
     Raises:
-      ConfigError: a missing tensor, one of another shape (both shapes named), or one the model lacks.
+      ConfigError: a missing tensor, one not stored as floats, one of another shape (both shapes named), or one
+        the model lacks.
     """
     want = stored_shapes(m)
     where = str(stored.folder)
     for name, shape in want.items():
         if stored.find(name) is None:
             raise ConfigError(f"{where}: tensor {name!r} is missing; the config.json describes a model that has it")
+        if stored.dtype(name) not in FLOATS:
+            raise ConfigError(
+                f"{where}: tensor {name!r} is stored as {stored.dtype(name)}, not a float type "
+                f"({', '.join(FLOATS)}); the weights are not this model's, or need converting first"
+            )
         if stored.shape(name) != shape:
             hint = "the weights belong to another model"
             if name.endswith("wpe.weight"):

@@ -235,9 +235,12 @@ def plan(
         fitting += _with_offload(cfg, devices, hw, too_big, best)
         best = sorted(best, key=lambda c: c.estimate.step_time_s)[:keep]
     if not priced:
+        held = ", ".join(f"{k}={v}" for k, v in (where or {}).items())
         raise ConfigError(
-            f"no valid strategy for this model on {devices} devices: check that heads, layers, "
-            "sequence length and global batch have divisors that multiply to the device count"
+            f"no valid strategy for this model on {devices} devices"
+            + (f" with {held}" if held else "")
+            + ": check that heads, layers, sequence length and global batch have divisors that multiply to the "
+            "device count" + (f"; or drop {', '.join(where or {})}" if held else "")
         )
     if not best and leanest is not None:
         error = _nothing_fits(cfg, devices, hw, budget_gib, priced, leanest, too_big)

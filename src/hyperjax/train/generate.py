@@ -81,9 +81,24 @@ class Tokenizer:
             self._tok = HfTokenizer.from_file(str(path))
         except Exception as e:
             raise ConfigError(f"--tokenizer {str(path)!r} cannot be read as a tokenizer.json ({e})") from None
+        self.path = str(path)
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        """``text``'s tokens.
+
+        Raises:
+          ConfigError: a character no token covers (a vocabulary without it or an unknown token drops it).
+        """
+        found = self._tok.encode(text, add_special_tokens=False)
+        lost = [
+            c for c in dict.fromkeys(text) if not c.isspace() and not self._tok.encode(c, add_special_tokens=False).ids
+        ]
+        if lost:
+            raise ConfigError(
+                f"--tokenizer {self.path!r} drops {''.join(lost)!r} of {text[:20]!r}: its vocabulary has no token for "
+                "them and no unknown token; use the model's own tokenizer.json"
+            )
+        return list(found.ids)
 
     def decode(self, tokens: Sequence[int]) -> str:
         return self._tok.decode(list(tokens), skip_special_tokens=False)
@@ -152,7 +167,8 @@ def check_generable(run: Run) -> None:
     """Refuse a run generation cannot lay out: it runs the model as one SPMD program on one process.
 
     Raises:
-      ConfigError: a pipeline or MPMD run, a vision-language model, or more devices than one process holds.
+      ConfigError: a pipeline or MPMD run, a context or sequence split, a vision-language model, or more devices
+        than one process holds.
     """
     m = run.config.model
     if run.pipelined:
@@ -160,6 +176,14 @@ def check_generable(run: Run) -> None:
             f"generate runs the model as one SPMD program; this config has parallel.pipeline="
             f"{run.config.parallel.pipeline}: set --set parallel.pipeline=1 (any data, fsdp, tensor or expert layout)"
         )
+    p = run.config.parallel
+    for key, value, off in (("context", p.context, 1), ("sequence_parallel", p.sequence_parallel, False)):
+        if value != off:
+            raise ConfigError(
+                f"generate decodes one token at a time, which parallel.{key}={str(value).lower()} cannot split over "
+                f"devices; set --set parallel.{key}={str(off).lower()} (a checkpoint trained with it still loads: "
+                "checkpoints are read into the layout generate runs)"
+            )
     if m.vision is not None:
         raise ConfigError("generate covers language models; this config has a model.vision encoder")
     if run.processes != 1:
