@@ -163,10 +163,6 @@ def test_malformed_files_and_overrides_exit_2(command: str, case, capsys):
         (["train", "QUICK", "--plan-only", "--set", "shard={embd: [tensor]}"], "shard.embd: 'embd' is not a logical"),
         (["train", "GRPO", "--plan-only", "--set", "train.global_batch=7"], "rl.group_size = 8 x 8 = 64 sequences"),
         (["predict", "QUICK", "--set", "parallel.dispatcher=alltoall"], "but the model has no MoE layers"),
-        (
-            ["train", "QUICK", "--plan-only", "--set", "parallel.dispatcher_sms=20"],
-            "parallel.dispatcher_sms=20: the SMs of a mixture",
-        ),
         (["predict", "QUICK", "--set", "train.fp8={recipe: rowwise, block: 64}"], "train.fp8.block=64 sets its tiles"),
         (["predict", "QUICK", "--hardware", ""], "--hardware '' names no preset"),
         (

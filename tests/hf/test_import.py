@@ -198,7 +198,8 @@ def test_weights_not_stored_as_floats_exit_2_naming_the_tensor(capsys, tmp_path)
 
 
 def test_a_folder_with_both_a_single_file_and_an_index_exits_2(capsys, tmp_path):
-    """transformers loads model.safetensors where both are present; hyperjax asks which is meant."""
+    """transformers loads model.safetensors where both are present; hyperjax asks which is meant, unless the
+    index names that file alone."""
     import numpy as np
     from safetensors.numpy import save_file
 
@@ -209,3 +210,7 @@ def test_a_folder_with_both_a_single_file_and_an_index_exits_2(capsys, tmp_path)
     assert main(["import-hf", str(folder), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "holds both model.safetensors and model.safetensors.index.json" in err and "Traceback" not in err
+    index = {"weight_map": {"model.embed_tokens.weight": "model.safetensors"}}  # an index of the single file agrees
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert main(["import-hf", str(folder), "--out", str(tmp_path / "out")]) == 2
+    assert "is missing" in capsys.readouterr().err  # read as one model: its other tensors are what is missing

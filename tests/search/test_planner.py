@@ -75,8 +75,14 @@ def test_plan_cli_holds_a_searched_key_set_on_the_command_line(capsys):
     assert main([*base]) == 0
     assert len({c["parallel.tensor"] for c in json.loads(capsys.readouterr().out)["candidates"]}) > 1
     assert main(["plan", quick, "--devices", "8", "--set", "parallel.tensor=3"]) == 2
-    assert "with parallel.tensor=3: check that heads" in capsys.readouterr().err
+    assert "no strategy the search tries on 8 devices has parallel.tensor=3; drop" in capsys.readouterr().err
     assert main([*base, "--set", "parallel.tp_overlap=bulk"]) == 0
+    capsys.readouterr()
+    # as one mapping too; a key a dense model's strategies lack and a null (derived) degree hold nothing
+    assert (
+        main([*base, "--set", "parallel={tensor: 4}", "--set", "parallel.expert=1", "--set", "parallel.data=null"]) == 0
+    )
+    assert {c["parallel.tensor"] for c in json.loads(capsys.readouterr().out)["candidates"]} == {4}
 
 
 def test_plan_cli_accumulate(capsys):

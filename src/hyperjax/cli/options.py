@@ -77,7 +77,9 @@ def config_from_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> Con
     sets = [*args.sets, *extra]
     hardware = getattr(args, "hardware", None)
     if hardware is not None and not hardware.strip():
-        raise ConfigError("--hardware '' names no preset; give a preset name (hyperjax topology lists them) or a path")
+        raise ConfigError(
+            f"--hardware {hardware!r} names no preset; give a preset name (hyperjax topology lists them) or a path"
+        )
     if hardware:
         sets.append(f"hardware={hardware}")
     return load_config(args.config, sets)

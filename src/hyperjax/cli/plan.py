@@ -19,6 +19,7 @@ from hyperjax.cli.display import console, fmt_count
 from hyperjax.cli.options import add_command, add_config_arguments, config_from_args
 from hyperjax.config import Config
 from hyperjax.errors import ConfigError
+from hyperjax.files import parse_yaml
 from hyperjax.search import NothingFits, plan
 from hyperjax.search.rl import plan_rl
 from hyperjax.topology import load_hardware
@@ -77,10 +78,23 @@ SEARCHED = frozenset(
 
 
 def _held(sets: list[str], cfg: Config) -> dict[str, Any]:
-    """The searched ``parallel.*`` keys ``--set`` gives, at their values in ``cfg``: what the plan keeps fixed."""
-    keys = (item.partition("=")[0].strip() for item in sets)
-    named = (k for k in keys if k.startswith("parallel.") and k.removeprefix("parallel.") in SEARCHED)
-    return {k: getattr(cfg.parallel, k.removeprefix("parallel.")) for k in named}
+    """The searched ``parallel.*`` keys ``--set`` gives (one by one or as a ``parallel=`` mapping), at their
+    values in ``cfg``, as the search writes them: what the plan keeps fixed. A null (derived) value holds
+    nothing, nor an expert tensor degree equal to the tensor degree (null's meaning)."""
+    names = set()
+    for item in sets:
+        key, _, text = item.partition("=")
+        key = key.strip()
+        if key == "parallel":
+            value = parse_yaml(text)
+            names |= set(value) if isinstance(value, dict) else set()
+        elif key.startswith("parallel."):
+            names.add(key.removeprefix("parallel."))
+    p = cfg.parallel
+    held = {f"parallel.{n}": getattr(p, n) for n in sorted(names & SEARCHED)}
+    if held.get("parallel.expert_tensor") == p.tensor:
+        held["parallel.expert_tensor"] = None
+    return {k: v for k, v in held.items() if v is not None}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -63,7 +63,7 @@ class Stored:
                 raise ConfigError(f"{str(index)!r} is not a safetensors index ({e})") from None
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise ConfigError(f"{str(index)!r}: weight_map must map tensor names to file names")
-            if (self.folder / SINGLE).is_file():  # transformers would load the single file: which is meant?
+            if (self.folder / SINGLE).is_file() and set(weight_map.values()) != {SINGLE}:  # which is meant?
                 raise ConfigError(
                     f"{str(self.folder)!r} holds both {SINGLE} and {INDEX}; transformers loads {SINGLE}, the index "
                     "names other files: remove the one that is not this model's weights"

@@ -105,13 +105,18 @@ def check_attention_impl(config: Config, hw: Hardware) -> None:
 
 
 def check_dispatcher_sms(config: Config, hw: Hardware) -> None:
-    """``parallel.dispatcher_sms`` can be honoured: a mixture of experts exchanging through DeepEP-style
-    kernels, on a device whose compute units the preset counts, fewer than it has.
+    """``parallel.dispatcher`` and ``parallel.dispatcher_sms`` can be honoured: a mixture of experts to exchange
+    tokens for, and DeepEP-style kernels on a device whose compute units the preset counts, fewer than it has.
 
     Raises:
       ConfigError: naming the key, the sizes and the fix.
     """
     sms, p = config.parallel.dispatcher_sms, config.parallel
+    if config.model.moe is None and p.dispatcher != "deepep":  # the default, which no dense run reads
+        raise ConfigError(
+            f"parallel.dispatcher={p.dispatcher!r} chooses how a mixture of experts exchanges its tokens, but the "
+            "model has no MoE layers (model.moe is null); drop it"
+        )
     if sms is None:
         return
     if config.model.moe is None:

@@ -175,18 +175,12 @@ def _check_fp8_tiles(config: Config) -> None:
 
 
 def _check_overlap(cfg: Config, stages: tuple[Stage, ...], rows: int, microbatches: int, split: bool) -> None:
-    """``parallel.overlap`` can be honoured (an all-to-all to hide, and the sizes its schedule needs), and the
-    dispatcher settings have a mixture of experts to exchange tokens for.
+    """``parallel.overlap`` can be honoured: an all-to-all to hide, and the sizes its schedule needs.
 
     Raises:
       ConfigError: naming the key, the sizes and the fix.
     """
     p, moe, overlap = cfg.parallel, cfg.model.moe, cfg.parallel.overlap
-    if moe is None and p.dispatcher != "deepep":  # the default, read by no dense run
-        raise ConfigError(
-            f"parallel.dispatcher={p.dispatcher!r} chooses how a mixture of experts exchanges its tokens, but the "
-            "model has no MoE layers (model.moe is null); drop it"
-        )
     if overlap == "none":
         return
     if moe is None:

@@ -148,7 +148,8 @@ def plan(
       hardware: the machine (default: ``cfg.hardware``'s preset).
       progress: called with ``(bases done, bases in all)`` as the search goes.
       prune: stop at the first base whose lower bound cannot beat the answer (``False``: price every one).
-      where: search only the strategies with these settings, e.g. ``{"parallel.expert": 64}``.
+      where: search only the strategies with these settings, e.g. ``{"parallel.expert": 64}`` (a strategy
+        that does not set a key, such as a dense model's ``parallel.expert``, is kept).
       accumulate: also try one stage in micro-batches of ``train.micro_batch`` (gradient accumulation), its
         forwards paired with the previous micro-batch's backwards too for a mixture of experts (``fb-pair``).
       one_program: only steps that run as one SPMD program on one stage (no ``fb-pair`` there: an RL learner).
@@ -165,7 +166,8 @@ def plan(
     if cfg.mpmd.submeshes:
         combinations += list(submesh_strategies(cfg, hw, devices))
     if where:
-        combinations = [c for c in combinations if all(c.get(k) == v for k, v in where.items())]
+        # a strategy without the key (a dense model's expert degree, an MPMD split's whole-run degrees) passes
+        combinations = [c for c in combinations if all(c.get(k, v) == v for k, v in where.items())]
     index = {id(c): i for i, c in enumerate(combinations)}  # ties are ranked as the enumeration orders them
     groups = list(bases(combinations).values())
     bound = [
@@ -234,13 +236,16 @@ def plan(
     if cfg.offload.policy in ("auto", "greedy"):
         fitting += _with_offload(cfg, devices, hw, too_big, best)
         best = sorted(best, key=lambda c: c.estimate.step_time_s)[:keep]
-    if not priced:
-        held = ", ".join(f"{k}={v}" for k, v in (where or {}).items())
+    if not priced and where:
+        held = ", ".join(f"{k}={v!r}" for k, v in where.items())
         raise ConfigError(
-            f"no valid strategy for this model on {devices} devices"
-            + (f" with {held}" if held else "")
-            + ": check that heads, layers, sequence length and global batch have divisors that multiply to the "
-            "device count" + (f"; or drop {', '.join(where or {})}" if held else "")
+            f"no strategy the search tries on {devices} devices has {held}; drop {', '.join(where)} to search "
+            "them all, or give a value among those it tries (hyperjax plan --json lists them)"
+        )
+    if not priced:
+        raise ConfigError(
+            f"no valid strategy for this model on {devices} devices: check that heads, layers, "
+            "sequence length and global batch have divisors that multiply to the device count"
         )
     if not best and leanest is not None:
         error = _nothing_fits(cfg, devices, hw, budget_gib, priced, leanest, too_big)

@@ -87,16 +87,17 @@ class Tokenizer:
         """``text``'s tokens.
 
         Raises:
-          ConfigError: a character no token covers (a vocabulary without it or an unknown token drops it).
+          ConfigError: a character no token covers (a vocabulary without it or an unknown token drops it; one
+            the tokenizer's normalizer removes on purpose is not counted).
         """
         found = self._tok.encode(text, add_special_tokens=False)
-        lost = [
-            c for c in dict.fromkeys(text) if not c.isspace() and not self._tok.encode(c, add_special_tokens=False).ids
-        ]
+        norm = self._tok.normalizer
+        kept = (c for c in dict.fromkeys(text) if (norm.normalize_str(c) if norm else c).strip())  # not normalized away
+        lost = [c for c in kept if not self._tok.encode(c, add_special_tokens=False).ids]
         if lost:
             raise ConfigError(
-                f"--tokenizer {self.path!r} drops {''.join(lost)!r} of {text[:20]!r}: its vocabulary has no token for "
-                "them and no unknown token; use the model's own tokenizer.json"
+                f"tokenizer {self.path!r} drops {''.join(lost)!r} of {text[:20]!r}: its vocabulary has no token for "
+                "them and no unknown token; give the model's own tokenizer.json (--tokenizer)"
             )
         return list(found.ids)
 
