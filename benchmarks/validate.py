@@ -25,13 +25,13 @@ import json
 import sys
 from pathlib import Path
 
-import yaml
 from rich.console import Console
 from rich.table import Table
 
 import hyperjax
 from hyperjax.config import Config, build
 from hyperjax.cost import count_params, estimate_inference
+from hyperjax.files import read_yaml
 
 HERE = Path(__file__).parent
 
@@ -66,7 +66,7 @@ def kind_of(cfg: Config, path: Path) -> str:
 
 def row(path: Path) -> dict:
     """One published run, predicted."""
-    doc = yaml.safe_load(path.read_text())
+    doc = read_yaml(path, what="validation row", error=ValueError)
     cfg = build(Config, doc["config"], "")
     est = hyperjax.estimate(hyperjax.resolve(cfg))
     measured = doc["measured"]["step_time_s"]
@@ -101,7 +101,7 @@ def row(path: Path) -> dict:
 
 def serving_row(path: Path) -> dict:
     """One published inference run, predicted: decode time per token and prefill (either may be unpublished)."""
-    doc = yaml.safe_load(path.read_text())
+    doc = read_yaml(path, what="validation row", error=ValueError)
     cfg = build(Config, doc["config"], "")
     est = estimate_inference(hyperjax.resolve(cfg))
     measured = doc["measured"]

@@ -10,7 +10,7 @@ import yaml
 from hyperjax import ConfigError, estimate, load_config, load_hardware, plan, resolve
 from hyperjax.cli.main import main
 from hyperjax.config import Config, build
-from hyperjax.search import candidate, divisors, strategies, submesh_strategies
+from hyperjax.search import SEARCHED, candidate, divisors, strategies, submesh_strategies
 
 ROOT = Path(__file__).parents[2]
 
@@ -51,6 +51,16 @@ def test_every_candidate_is_valid_and_covers_the_devices():
         )
         assert product == 16
         assert cfg.model.heads % o["parallel.tensor"] == 0
+
+
+def test_searched_names_every_parallel_key_a_strategy_sets():
+    """plan holds a searched key given with --set: SEARCHED must name each key the search writes."""
+    written = set()
+    for name, devices, accumulate in (("qwen3-235b-a22b.yaml", 256, True), ("gpt3-175b.yaml", 64, False)):
+        cfg = load_config(ROOT / "configs" / name)
+        for o in strategies(cfg, devices, accumulate=accumulate):
+            written |= {k.removeprefix("parallel.") for k in o if k.startswith("parallel.")}
+    assert written == SEARCHED
 
 
 def test_plan_cli_json(capsys):

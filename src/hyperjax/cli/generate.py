@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hyperjax.cli.display import console
-from hyperjax.cli.options import add_command, add_config_arguments
+from hyperjax.cli.options import add_command, add_config_arguments, refuse_serve_sets
 from hyperjax.config import load_config
 from hyperjax.errors import ConfigError
 from hyperjax.resolver import resolve
@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--temperature {args.temperature} must be 0 (greedy) or a finite positive number")
     if args.top_k is not None and args.top_k < 1:
         raise ConfigError(f"--top-k {args.top_k} must be a positive integer")
+    refuse_serve_sets(args.sets, "generate")
     sets = [*args.sets, *([] if args.devices is None else [f"emulate.devices={args.devices}"])]
     run = resolve(load_config(args.config, sets))
     if args.top_k is not None and args.top_k > run.config.model.vocab:

@@ -29,6 +29,19 @@ def add_join_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def joining(args: argparse.Namespace) -> list[str]:
+    """The joining flags given on the command line (``--coordinator``, ``--num-processes``, ``--process-id``)."""
+    return [
+        flag
+        for flag, value in (
+            ("--coordinator", args.coordinator),
+            ("--num-processes", args.num_processes),
+            ("--process-id", args.process_id),
+        )
+        if value is not None
+    ]
+
+
 def run_on_devices(
     args: argparse.Namespace,
     *,
@@ -49,9 +62,9 @@ def run_on_devices(
     Raises:
       EmulationError: incomplete joining flags, or an impossible device split.
     """
-    join = (args.coordinator, args.num_processes, args.process_id)
-    if any(v is not None for v in join):
-        if any(v is None for v in join):
+    given = joining(args)
+    if given:
+        if len(given) < 3:
             raise EmulationError("--coordinator, --num-processes and --process-id must be given together")
         cluster = Cluster(coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
         plan_processes(devices, cluster.num_processes)

@@ -68,12 +68,36 @@ def add_set_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def config_from_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> Config:
-    """Load the config named on the command line with its ``--set`` (and ``--hardware``) overrides.
+def refuse_serve_sets(sets: Sequence[str], command: str) -> None:
+    """Refuse a ``--set serve...`` that ``command`` would not read: ``serve:`` is the workload ``predict
+    --inference`` prices, and nothing else reads it (an ``rl:`` rollout's is derived from ``rl:``).
 
     Raises:
-      ConfigError: as :func:`hyperjax.load_config`.
+      ConfigError: naming the key and the fix.
     """
+    for item in sets:
+        key = item.partition("=")[0].strip()
+        if key == "serve" or key.startswith("serve."):
+            also = ", or add --inference" if command == "predict" else ""
+            raise ConfigError(
+                f"--set {key}: serve: is the serving workload predict --inference prices; {command} does not read "
+                f"it, so the setting would have no effect: drop it{also}"
+            )
+
+
+def config_from_args(args: argparse.Namespace, extra: Sequence[str] = (), *, serving: bool = False) -> Config:
+    """Load the config named on the command line with its ``--set`` (and ``--hardware``) overrides.
+
+    Args:
+      args: the parsed command line (``args.sets``, ``args.hardware``, ``args.command``).
+      extra: more overrides, after the command line's.
+      serving: whether the command prices serving (reads ``serve:``); if not, ``--set serve...`` is refused.
+
+    Raises:
+      ConfigError: as :func:`hyperjax.load_config`, or an override the command does not read.
+    """
+    if not serving:
+        refuse_serve_sets(args.sets, args.command)
     sets = [*args.sets, *extra]
     hardware = getattr(args, "hardware", None)
     if hardware is not None and not hardware.strip():

@@ -20,7 +20,7 @@ from hyperjax.cli.options import add_command, add_config_arguments, config_from_
 from hyperjax.config import Config
 from hyperjax.errors import ConfigError
 from hyperjax.files import parse_yaml
-from hyperjax.search import NothingFits, plan
+from hyperjax.search import SEARCHED, NothingFits, plan
 from hyperjax.search.rl import plan_rl
 from hyperjax.topology import load_hardware
 
@@ -56,25 +56,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "with each forward beside the previous backward: parallel.overlap fb-pair)",
     )
     p.set_defaults(run=run)
-
-
-SEARCHED = frozenset(
-    [
-        "data",
-        "fsdp",
-        "tensor",
-        "sequence_parallel",
-        "context",
-        "pipeline",
-        "virtual_stages",
-        "schedule",
-        "zero_stage",
-        "expert",
-        "expert_tensor",
-        "overlap",
-    ]
-)
-"""The ``parallel.*`` keys the search varies: one given with ``--set`` holds the search to its value."""
 
 
 def _held(sets: list[str], cfg: Config) -> dict[str, Any]:

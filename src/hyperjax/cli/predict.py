@@ -55,7 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, serving=args.inference)
     if cfg.rl is not None:
         return _rl(args, cfg)
     if args.inference:

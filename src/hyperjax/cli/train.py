@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from hyperjax.cli.display import check_folder, check_writable, console
-from hyperjax.cli.launching import add_join_arguments, run_on_devices
-from hyperjax.cli.options import add_command, add_config_arguments
+from hyperjax.cli.launching import add_join_arguments, joining, run_on_devices
+from hyperjax.cli.options import add_command, add_config_arguments, refuse_serve_sets
 from hyperjax.config import Run, load_config
 from hyperjax.errors import ConfigError, EmulationError
 from hyperjax.files import write_json
@@ -79,6 +79,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_flags(args)
+    refuse_serve_sets(args.sets, "train")
     sets = [*args.sets, *([] if args.steps is None else [f"train.steps={args.steps}"])]  # what children are told
     cfg = load_config(args.config, sets)
     if cfg.rl is not None:
@@ -159,18 +160,10 @@ def _check_flags(args: argparse.Namespace) -> None:
         )
     if args.profile and (args.plan_only or args.explain):
         raise ConfigError("--profile times the last training step; it does nothing with --plan-only or --explain")
-    joining = [
-        f
-        for f, v in (
-            ("--coordinator", args.coordinator),
-            ("--num-processes", args.num_processes),
-            ("--process-id", args.process_id),
-        )
-        if v is not None
-    ]
-    if joining and args.plan_only:
+    given = joining(args)
+    if given and args.plan_only:
         raise ConfigError(
-            f"{joining[0]} joins a running job, but --plan-only prints the run and starts no device; drop one of them"
+            f"{given[0]} joins a running job, but --plan-only prints the run and starts no device; drop one of them"
         )
     if args.json and not args.plan_only:
         raise ConfigError("--json prints the resolved run; use it with --plan-only")

@@ -6,19 +6,17 @@ is read. :func:`hyperjax.resolve` turns a ``Config`` into a ``Run``.
 
 from hyperjax.config.load import apply_override, build, load_config
 from hyperjax.config.model import FAMILY_PARTS, ModelConfig, MoEConfig, RopeScaling, VisionConfig
+from hyperjax.config.parallel import MPMDConfig, ParallelConfig, SubmeshConfig
 from hyperjax.config.rl import RLRun
 from hyperjax.config.run import Run, Stage
 from hyperjax.config.sections import (
     Config,
     EmulateConfig,
     Fp8Config,
-    MPMDConfig,
     OffloadConfig,
-    ParallelConfig,
     PhaseConfig,
     RLConfig,
     ServeConfig,
-    SubmeshConfig,
     TrainConfig,
 )
 from hyperjax.config.types import (

@@ -134,6 +134,20 @@ class Run:
         return len(self.stages) > 1
 
     @property
+    def decode_split(self) -> tuple[str, object] | None:
+        """The ``parallel`` key and value that token-by-token generation cannot lay out, or None: generation runs
+        one SPMD program over one token at a time, so no pipeline, context split or sequence parallelism."""
+        p = self.config.parallel
+        for key, value, on in (
+            ("pipeline", p.pipeline, self.pipelined),
+            ("context", p.context, p.context > 1),
+            ("sequence_parallel", "true", p.sequence_parallel),
+        ):
+            if on:
+                return key, value
+        return None
+
+    @property
     def staged(self) -> bool:
         """Whether the step runs as a schedule of per-chunk programs: several stages, or one stage whose
         forwards and backwards pair (``parallel.overlap: fb-pair`` with ``parallel.pipeline: 1``, as

@@ -132,9 +132,10 @@ def check_stored(m: ModelConfig, stored: Stored, *, extra_layers: int = 0) -> No
     for name, shape in want.items():
         if stored.find(name) is None:
             raise ConfigError(f"{where}: tensor {name!r} is missing; the config.json describes a model that has it")
-        if stored.dtype(name) not in FLOATS:
+        dtype = stored.dtype(name)
+        if dtype not in FLOATS:
             raise ConfigError(
-                f"{where}: tensor {name!r} is stored as {stored.dtype(name)}, not a float type "
+                f"{where}: tensor {name!r} is stored as {dtype}, not a float type "
                 f"({', '.join(FLOATS)}); the weights are not this model's, or need converting first"
             )
         if stored.shape(name) != shape:

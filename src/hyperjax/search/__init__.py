@@ -2,9 +2,10 @@
 
 from hyperjax.search.planner import Candidate, NothingFits, plan, price
 from hyperjax.search.rl import RLSearch, plan_rl
-from hyperjax.search.strategies import apply, candidate, divisors, strategies, submesh_strategies
+from hyperjax.search.strategies import SEARCHED, apply, candidate, divisors, strategies, submesh_strategies
 
 __all__ = [
+    "SEARCHED",
     "Candidate",
     "NothingFits",
     "RLSearch",

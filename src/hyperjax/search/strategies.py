@@ -27,6 +27,24 @@ CLEARED: dict[str, Any] = {
 }
 """What every candidate resets before its own overrides: the search decides these."""
 
+SEARCHED = frozenset(
+    [
+        "data",
+        "fsdp",
+        "tensor",
+        "sequence_parallel",
+        "context",
+        "pipeline",
+        "virtual_stages",
+        "schedule",
+        "zero_stage",
+        "expert",
+        "expert_tensor",
+        "overlap",
+    ]
+)
+"""The ``parallel.*`` keys :func:`strategies` varies (``plan`` holds one given with ``--set`` to its value)."""
+
 RECOMPUTE = ("none", "selective", "full")
 """Tried in this order: each adds time and saves memory, so the first that fits is the fastest."""
 

@@ -172,19 +172,20 @@ def check_generable(run: Run) -> None:
         than one process holds.
     """
     m = run.config.model
-    if run.pipelined:
+    split = run.decode_split
+    if split is not None and split[0] == "pipeline":
         raise ConfigError(
             f"generate runs the model as one SPMD program; this config has parallel.pipeline="
             f"{run.config.parallel.pipeline}: set --set parallel.pipeline=1 (any data, fsdp, tensor or expert layout)"
         )
-    p = run.config.parallel
-    for key, value, off in (("context", p.context, 1), ("sequence_parallel", p.sequence_parallel, False)):
-        if value != off:
-            raise ConfigError(
-                f"generate decodes one token at a time, which parallel.{key}={str(value).lower()} cannot split over "
-                f"devices; set --set parallel.{key}={str(off).lower()} (a checkpoint trained with it still loads: "
-                "checkpoints are read into the layout generate runs)"
-            )
+    if split is not None:
+        key, value = split
+        off = "false" if key == "sequence_parallel" else 1
+        raise ConfigError(
+            f"generate decodes one token at a time, which parallel.{key}={value} cannot split over "
+            f"devices; set --set parallel.{key}={off} (a checkpoint trained with it still loads: "
+            "checkpoints are read into the layout generate runs)"
+        )
     if m.vision is not None:
         raise ConfigError("generate covers language models; this config has a model.vision encoder")
     if run.processes != 1:

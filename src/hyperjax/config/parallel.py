@@ -1,0 +1,91 @@
+"""The layout sections of a run config: its parallel degrees (``parallel:``) and MPMD submeshes (``mpmd:``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hyperjax.config.checks import positive, vocabularies
+from hyperjax.config.types import ContextImpl, Dispatcher, DpOverlap, FsdpUnit, Overlap, ScheduleName, TpOverlap
+from hyperjax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Parallel degrees (``parallel:``); their product is the device count."""
+
+    data: int | None = None  # data-parallel replicas; null: the devices the other degrees leave
+    fsdp: int = 1  # ZeRO-3 degree: parameters, gradients and optimizer state sharded, batch split too
+    expert: int = 1  # expert parallelism: MoE experts sharded over this axis, which carries batch elsewhere
+    expert_tensor: int | None = None  # experts' hidden split over: null = parallel.tensor; 1 = none (the tensor
+    # axis then joins the expert axis inside MoE layers, Megatron's ETP 1; needs sequence_parallel)
+    tensor: int = 1  # Megatron tensor parallelism (attention heads and MLP columns)
+    sequence_parallel: bool = False  # shard the residual stream's sequence over the tensor axis
+    context: int = 1  # context parallelism: the sequence sharded over an axis for attention
+    context_impl: ContextImpl = "allgather"  # how keys and values reach the queries (priced): allgather or ring
+    pipeline: int = 1  # pipeline stages
+    virtual_stages: int = 1  # model chunks per pipeline stage (interleaved schedule when > 1)
+    schedule: ScheduleName = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved or zero-bubble
+    overlap: Overlap = "none"  # MoE all-to-all behind compute: none, two-microbatch or fb-pair
+    dispatcher: Dispatcher = "deepep"  # the MoE token exchange (priced): deepep, alltoall or allgather
+    dispatcher_sms: int | None = None  # SMs deepep's kernels hold beside compute (priced; Megatron-Core's
+    # moe_flex_dispatcher_num_sms, moe_hybridep_num_sms); null: the preset's device.comm_compute_share
+    tp_overlap: TpOverlap = "none"  # tensor-parallel collectives beside products (priced): none, bulk, pipelined
+    dp_overlap: DpOverlap = "backward"  # gradient reduction beside compute (priced): none, backward, full
+    fsdp_unit: FsdpUnit = "tensor"  # what FSDP gathers and reduce-scatters at once (priced): tensor or layer
+    fsdp_context: bool = False  # FSDP shards parameters over fsdp x context (torchtitan's dp_shard x cp)
+    fsdp_reshard: bool = True  # FSDP frees a layer after its forward (priced); false: gathered once a step
+    stage_devices: tuple[int, ...] | None = None  # devices per pipeline stage; null: equal stages
+    stage_layers: tuple[int, ...] | None = None  # layers per chunk (model order); null: balanced by predicted time
+    zero_stage: int = 0  # 1: optimizer state sharded over data; 2: gradients too
+    gradient_buckets: bool | None = None  # each data-parallel replica's gradients summed in flat buffers
+    # (PyTorch DDP's buckets); null: when the replicas span emulating processes
+
+    def __post_init__(self) -> None:
+        vocabularies(self, "parallel")
+        positive(self, "parallel", ("fsdp", "expert", "tensor", "context", "pipeline", "virtual_stages"))
+        if self.stage_devices is not None and any(n < 1 for n in self.stage_devices):
+            raise ConfigError(f"parallel.stage_devices={list(self.stage_devices)} must be positive integers")
+        if self.stage_layers is not None and any(n < 0 for n in self.stage_layers):
+            raise ConfigError(f"parallel.stage_layers={list(self.stage_layers)} must be integers >= 0")
+        if self.stage_devices is not None and len(self.stage_devices) != self.pipeline:
+            raise ConfigError(
+                f"parallel.stage_devices={list(self.stage_devices)} names {len(self.stage_devices)} stages, but "
+                f"parallel.pipeline={self.pipeline}; give one device count per stage"
+            )
+        if (self.schedule == "interleaved") != (self.virtual_stages > 1):
+            raise ConfigError(
+                f"parallel.schedule={self.schedule!r} with parallel.virtual_stages={self.virtual_stages}: the "
+                "interleaved schedule needs virtual_stages > 1, and virtual_stages > 1 needs schedule: interleaved"
+            )
+        positive(self, "parallel", ("data", "dispatcher_sms"), optional=True)
+        if self.zero_stage not in (0, 1, 2):
+            raise ConfigError(
+                f"parallel.zero_stage={self.zero_stage} must be 0, 1 or 2; for stage 3 set parallel.fsdp instead"
+            )
+        if self.sequence_parallel and self.tensor == 1:
+            raise ConfigError(
+                "parallel.sequence_parallel=true needs parallel.tensor > 1 (it splits over the tensor axis)"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SubmeshConfig:
+    """One submesh of an MPMD run (an item of ``mpmd.submeshes``)."""
+
+    name: str = ""  # a label for logs and traces
+    modules: tuple[str, ...] = ()  # the model's modules that run here (vision models: encoder, language_model)
+    devices: int | None = None  # devices of this submesh; null: sized by the cost model
+    data: int | None = None  # data-parallel degree inside it; null: what fsdp and tensor leave
+    fsdp: int = 1  # ZeRO-3 degree inside it
+    tensor: int = 1  # tensor-parallel degree inside it
+
+    def __post_init__(self) -> None:
+        positive(self, "mpmd.submeshes[]", ("fsdp", "tensor"))
+        positive(self, "mpmd.submeshes[]", ("devices", "data"), optional=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MPMDConfig:
+    """Separate programs on separate submeshes (``mpmd:``); empty: one SPMD program (or a pipeline)."""
+
+    submeshes: tuple[SubmeshConfig, ...] = ()  # in the order data flows through them
