@@ -214,14 +214,8 @@ def test_predict_json_reports_the_all_to_all_for_moe_only():
             "model.vision (an encoder and a language model: two chunks) needs more",
         ),
         (
-            "vlm-tiny-mpmd",  # the language submesh's experts spread over its tensor axis: an exchange to hide
-            [
-                "model.moe={experts: 4, top_k: 2, d_ff: 64}",
-                "parallel.overlap=fb-pair",
-                "parallel.expert_tensor=1",
-                "parallel.tensor=2",
-                "parallel.sequence_parallel=true",
-            ],
+            "vlm-tiny-mpmd",  # submeshes of different modules: no chunks of one model to pair
+            ["model.moe={experts: 4, top_k: 2, d_ff: 64}", "parallel.overlap=fb-pair"],
             "not of mpmd submeshes running different modules",
         ),
         ("moe-tiny", ["parallel.overlap=fb-pair", "parallel.pipeline=2", "parallel.schedule=zero-bubble"], "1f1b"),

@@ -60,7 +60,9 @@ CASES += [
     )
     for m in (4, 8)
 ]
-CASES += [["parallel.pipeline=2", "parallel.tensor=2", "train.microbatches=4"]]  # tensor parallel inside stages
+CASES += [  # tensor parallel inside stages (the fast tier's with sequence parallelism and buckets, next)
+    pytest.param(["parallel.pipeline=2", "parallel.tensor=2", "train.microbatches=4"], marks=SLOW)
+]
 # each stage's data replicas accumulate their own gradients, summed once per step (gradient buckets)
 BUCKETS = "parallel.gradient_buckets=true"
 CASES += [

@@ -12,6 +12,8 @@ from hyperjax.train import CaptionBatches
 
 VLM = Path(__file__).parents[2] / "configs" / "vlm-tiny-mpmd.yaml"
 STEPS = ["train.steps=3", "train.warmup_steps=1"]
+MOE = "model.moe={experts: 4, top_k: 2, d_ff: 64}"
+UNSPLIT = "[{modules: [encoder], devices: 2}, {modules: [language_model], devices: 6}]"  # no tensor axis
 
 
 def losses(sets: list[str]) -> list[float]:
@@ -31,8 +33,10 @@ def spmd() -> list[float]:
         pytest.param(["parallel.schedule=zero-bubble"], marks=pytest.mark.slow),
         # remat'd blocks: the plain split
         pytest.param(["parallel.schedule=zero-bubble", "train.recompute=full"], marks=pytest.mark.slow),
+        # the language model's residual stream split over its submesh's tensor axis (no whole-run degree)
+        pytest.param(["parallel.sequence_parallel=true"], marks=pytest.mark.slow),
     ],
-    ids=["1f1b", "gpipe", "zero-bubble", "zero-bubble-recompute"],
+    ids=["1f1b", "gpipe", "zero-bubble", "zero-bubble-recompute", "sequence-parallel"],
 )
 def test_mpmd_matches_spmd(spmd, sets):
     run = resolve(load_config(VLM, [*STEPS, *sets]))
@@ -77,6 +81,16 @@ def test_captions_need_the_image():
         ),
         (["model.vision=null"], "set model.vision"),
         (["train.global_batch=20"], "do not split over its 2 data-parallel replicas"),
+        # the whole run's degrees beside submeshes that take their own would be ignored
+        (["parallel.tensor=2"], r"parallel.tensor=2: mpmd submeshes take their own .* in each mpmd.submeshes item"),
+        (["parallel.data=4"], r"parallel.data=4: mpmd submeshes take their own degrees"),
+        (["parallel.context=2"], r"parallel.context=2: mpmd submeshes have no context axis"),
+        (["parallel.stage_layers=[4]"], r"parallel.stage_layers=\[4\]: an mpmd submesh runs a whole module"),
+        (
+            [MOE, "parallel.expert_tensor=1", "parallel.sequence_parallel=true"],
+            "parallel.expert_tensor=1: experts on an mpmd submesh split over its tensor axis",
+        ),
+        (["parallel.sequence_parallel=true", f"mpmd.submeshes={UNSPLIT}"], "an mpmd.submeshes item with tensor > 1"),
     ],
 )
 def test_invalid_mpmd_names_the_key(sets, match):

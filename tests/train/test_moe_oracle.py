@@ -35,7 +35,7 @@ OVERLAP, FULL = "parallel.overlap=two-microbatch", "train.recompute=full"
 BUCKETS = "parallel.gradient_buckets=true"
 SLOW = pytest.mark.slow  # the rest of the sweep: `pytest -m slow`
 LAYOUTS = [
-    ["parallel.expert=2"],
+    pytest.param(["parallel.expert=2"], marks=SLOW),  # the fast tier's layouts below each hold expert=2
     pytest.param(["parallel.expert=4"], marks=SLOW),  # with data=2
     pytest.param(["parallel.expert=8"], marks=SLOW),
     ["parallel.expert=2", "parallel.tensor=2"],  # each expert's hidden width split over tensor

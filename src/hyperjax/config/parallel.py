@@ -62,10 +62,6 @@ class ParallelConfig:
             raise ConfigError(
                 f"parallel.zero_stage={self.zero_stage} must be 0, 1 or 2; for stage 3 set parallel.fsdp instead"
             )
-        if self.sequence_parallel and self.tensor == 1:
-            raise ConfigError(
-                "parallel.sequence_parallel=true needs parallel.tensor > 1 (it splits over the tensor axis)"
-            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -244,6 +244,13 @@ class RLConfig:
                 "rl.offload_optimizer=true frees the learner's devices for the rollout, but rl.placement="
                 f"{self.placement} gives the rollout devices of its own; set rl.placement: colocated or drop the key"
             )
+        for name in ("rollout", "learner"):
+            p = getattr(self, name).parallel
+            if p.sequence_parallel and p.tensor == 1:
+                raise ConfigError(
+                    f"rl.{name}.parallel.sequence_parallel=true needs rl.{name}.parallel.tensor > 1 (it splits over "
+                    "the tensor axis)"
+                )
         if ":" not in self.reward and not self.reward:
             raise ConfigError("rl.reward is empty; name a built-in reward or give module:function")
 
@@ -277,6 +284,13 @@ class Config:
                     f"rl.group_size = {self.rl.prompts_per_step} x {self.rl.group_size} = {batch} sequences a step; "
                     "drop train.global_batch and set those"
                 )
+        subs = self.mpmd.submeshes
+        if self.parallel.sequence_parallel and max((sub.tensor for sub in subs), default=self.parallel.tensor) == 1:
+            raise ConfigError(
+                "parallel.sequence_parallel=true needs "
+                + ("an mpmd.submeshes item with tensor > 1" if subs else "parallel.tensor > 1")
+                + " (it splits over the tensor axis)"
+            )
         moe, ep = self.model.moe, self.parallel.expert
         if ep > 1 and moe is None:
             raise ConfigError(

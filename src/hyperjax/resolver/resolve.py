@@ -188,6 +188,11 @@ def _check_overlap(cfg: Config, stages: tuple[Stage, ...], rows: int, microbatch
             f"parallel.overlap={overlap!r} hides a mixture of experts' all-to-all, but the model has no MoE "
             "layers (model.moe is null); set parallel.overlap: none"
         )
+    if overlap == "fb-pair" and cfg.mpmd.submeshes:
+        raise ConfigError(
+            "parallel.overlap='fb-pair' pairs forwards and backwards of one model's chunks, not of mpmd "
+            "submeshes running different modules; set parallel.overlap: none"
+        )
     exchanged = [s for s in stages if s.axes.get("expert", 1) > 1 or (not split and s.axes["tensor"] > 1)]
     if not exchanged:
         raise ConfigError(
@@ -216,11 +221,6 @@ def _check_overlap(cfg: Config, stages: tuple[Stage, ...], rows: int, microbatch
                     "replicas); use an even number (a larger global batch or fewer micro-batches)"
                 )
     if overlap == "fb-pair":
-        if cfg.mpmd.submeshes:
-            raise ConfigError(
-                "parallel.overlap='fb-pair' pairs forwards and backwards of one model's chunks, not of mpmd "
-                "submeshes running different modules; set parallel.overlap: none"
-            )
         if len(stages) > 1 and p.schedule not in PAIRED:
             raise ConfigError(
                 f"parallel.overlap='fb-pair' pairs one micro-batch's forward with another's backward in 1F1B's "

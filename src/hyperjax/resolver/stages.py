@@ -206,6 +206,20 @@ def mpmd_stages(cfg: Config, devices: int, rows: int) -> tuple[Stage, ...]:
             f"parallel.expert={p.expert}: mpmd submeshes take their own degrees (data, fsdp, tensor) and have "
             "no expert axis; set parallel.expert: 1, or train the model as one program or a pipeline"
         )
+    own = "mpmd submeshes take their own degrees (data, fsdp, tensor), so the whole run's would be ignored"
+    whole = {  # the whole run's layout keys a submesh would ignore: value, unset value, why and the fix
+        "data": (p.data, None, f"{own}; set it in each mpmd.submeshes item"),
+        "fsdp": (p.fsdp, 1, f"{own}; set it in each mpmd.submeshes item"),
+        "tensor": (p.tensor, 1, f"{own}; set it in each mpmd.submeshes item"),
+        "context": (p.context, 1, "mpmd submeshes have no context axis; drop it"),
+        "expert_tensor": (p.expert_tensor, None, "experts on an mpmd submesh split over its tensor axis; drop it"),
+        "stage_devices": (p.stage_devices, None, "mpmd.submeshes gives each module its devices; drop it"),
+        "stage_layers": (p.stage_layers, None, "an mpmd submesh runs a whole module; drop it"),
+    }
+    for key, (value, unset, why) in whole.items():
+        if value != unset:
+            shown = list(value) if isinstance(value, tuple) else value
+            raise ConfigError(f"parallel.{key}={shown}: {why}")
     placed = [name for sub in subs for name in sub.modules]
     for name in placed:
         if name not in MODULES:
