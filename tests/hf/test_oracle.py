@@ -81,9 +81,7 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("arch", "sets"), sweep(LAYOUTS, fast={0, 1, 2, 3}), ids=[f"{a}-{'-'.join(s)}" for a, s in LAYOUTS]
-)
+@pytest.mark.parametrize(("arch", "sets"), sweep(LAYOUTS, fast={0, 2}), ids=[f"{a}-{'-'.join(s)}" for a, s in LAYOUTS])
 def test_layouts_give_the_same_logits(imported, arch, sets):
     model, _, folder = imported(arch)
     last = logits(model, TOKENS)[:, -1]

@@ -86,8 +86,10 @@ def test_captions_need_the_image():
         (["parallel.data=4"], r"parallel.data=4: mpmd submeshes take their own degrees"),
         (["parallel.context=2"], r"parallel.context=2: mpmd submeshes have no context axis"),
         (["parallel.stage_layers=[4]"], r"parallel.stage_layers=\[4\]: an mpmd submesh runs a whole module"),
+        (["parallel.schedule=interleaved", "parallel.virtual_stages=2"], "virtual_stages=2: an mpmd submesh runs"),
+        (["parallel.pipeline=2"], "parallel.pipeline=2: mpmd.submeshes and parallel.pipeline > 1 both split"),
         (
-            [MOE, "parallel.expert_tensor=1", "parallel.sequence_parallel=true"],
+            [MOE, "parallel.expert_tensor=1"],
             "parallel.expert_tensor=1: experts on an mpmd submesh split over its tensor axis",
         ),
         (["parallel.sequence_parallel=true", f"mpmd.submeshes={UNSPLIT}"], "an mpmd.submeshes item with tensor > 1"),

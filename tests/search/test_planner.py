@@ -302,6 +302,20 @@ def test_mpmd_splits_are_searched_with_and_without_fsdp_in_each_submesh():
     assert any(sub.fsdp > 1 for subs in mpmd for sub in subs)
 
 
+def test_mpmd_splits_reset_the_whole_runs_degrees():
+    """A config whose whole-run degrees an MPMD run would refuse still has its MPMD splits searched: a split
+    takes its submeshes' degrees (and keeps sequence parallelism where a submesh has a tensor axis)."""
+    sets = ["parallel.tensor=2", "parallel.data=2", "parallel.sequence_parallel=true"]
+    cfg = load_config(ROOT / "configs/vlm-tiny-mpmd.yaml", sets)
+    found = plan(cfg, 8, keep=1000)
+    mpmd = [c for c in found.best if c.overrides.get("mpmd.submeshes")]
+    assert mpmd and any(not c.overrides.get("mpmd.submeshes") for c in found.best)
+    for c in mpmd:
+        tensor = max(s.axes["tensor"] for s in c.run.stages)
+        assert c.run.sequence_parallel == (tensor > 1)
+    assert {max(s.axes["tensor"] for s in c.run.stages) for c in mpmd} == {1, 2, 4}
+
+
 def test_divisors_pair_up_to_the_square_root():
     """Every divisor, ascending, found in square-root time: a device count of 10^12 (13 x 13 divisors)
     answers at once rather than counting to it."""

@@ -207,6 +207,7 @@ def test_capacity_drops_the_same_copies_on_every_layout(capacity_reference, sets
     np.testing.assert_allclose([r["dropped_fraction"] for r in got], dropped, rtol=0, atol=1e-7)
 
 
+@pytest.mark.slow  # the fast tier holds these parts' logits on expert x tensor to one device (tests/hf)
 def test_grouped_routing_and_latent_attention_train_as_on_one_device():
     """DeepSeek-V3's parts (latent attention, interleaved rotary pairs, a sigmoid router choosing among its
     best groups, routed scaling, the loss-free bias) under expert x tensor parallelism."""

@@ -66,7 +66,10 @@ def test_resume_is_bitwise_on_the_same_mesh_and_close_on_another(tmp_path: Path)
     [
         ("parallel.tensor=1", "parallel.pipeline=2"),
         # parameters and optimizer state of layer 0 kept in pinned_host: saved from and restored to the host
-        ("offload.policy=manual", 'offload.manual={"layers.0.params": host, "layers.0.optimizer": host}'),
+        pytest.param(
+            ("offload.policy=manual", 'offload.manual={"layers.0.params": host, "layers.0.optimizer": host}'),
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["pipeline", "offload"],
 )

@@ -68,17 +68,18 @@ def add_set_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def refuse_serve_sets(sets: Sequence[str], command: str) -> None:
+def refuse_serve_sets(sets: Sequence[str], command: str, also: str = "") -> None:
     """Refuse a ``--set serve...`` that ``command`` would not read: ``serve:`` is the workload ``predict
-    --inference`` prices, and nothing else reads it (an ``rl:`` rollout's is derived from ``rl:``).
+    --inference`` prices, and nothing else reads it (an ``rl:`` rollout's is derived from ``rl:``). ``also``
+    ends the message (another fix).
 
     Raises:
       ConfigError: naming the key and the fix.
     """
     for item in sets:
-        key = item.partition("=")[0].strip()
-        if key == "serve" or key.startswith("serve."):
-            also = ", or add --inference" if command == "predict" else ""
+        key, equals, _ = item.partition("=")
+        key = key.strip()
+        if equals and (key == "serve" or key.startswith("serve.")):
             raise ConfigError(
                 f"--set {key}: serve: is the serving workload predict --inference prices; {command} does not read "
                 f"it, so the setting would have no effect: drop it{also}"
@@ -91,7 +92,7 @@ def config_from_args(args: argparse.Namespace, extra: Sequence[str] = (), *, ser
     Args:
       args: the parsed command line (``args.sets``, ``args.hardware``, ``args.command``).
       extra: more overrides, after the command line's.
-      serving: whether the command prices serving (reads ``serve:``); if not, ``--set serve...`` is refused.
+      serving: whether the command reads ``serve:`` (or checks it itself); if not, ``--set serve...`` is refused.
 
     Raises:
       ConfigError: as :func:`hyperjax.load_config`, or an override the command does not read.

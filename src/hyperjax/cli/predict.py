@@ -13,7 +13,7 @@ import json
 from rich.table import Table
 
 from hyperjax.cli.display import check_writable, console, fmt_count
-from hyperjax.cli.options import add_command, add_config_arguments, config_from_args
+from hyperjax.cli.options import add_command, add_config_arguments, config_from_args, refuse_serve_sets
 from hyperjax.config import ACTIVATIONS, Config
 from hyperjax.cost import Estimate, estimate, memory_budget, write_trace
 from hyperjax.cost.inference import InferenceEstimate, estimate_inference
@@ -55,7 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args, serving=args.inference)
+    cfg = config_from_args(args, serving=True)
+    if cfg.rl is not None or not args.inference:  # serve: is read by --inference of a config without rl:
+        refuse_serve_sets(args.sets, "predict", "" if cfg.rl is not None else ", or add --inference")
     if cfg.rl is not None:
         return _rl(args, cfg)
     if args.inference:

@@ -85,3 +85,13 @@ class MPMDConfig:
     """Separate programs on separate submeshes (``mpmd:``); empty: one SPMD program (or a pipeline)."""
 
     submeshes: tuple[SubmeshConfig, ...] = ()  # in the order data flows through them
+
+
+def check_sequence_parallel(p: ParallelConfig, key: str, tensor: int, needs: str) -> None:
+    """``p.sequence_parallel`` (config key ``key``) splits over a tensor axis of ``tensor`` devices.
+
+    Raises:
+      ConfigError: sequence parallelism over a tensor axis of one device, naming ``needs`` as the fix.
+    """
+    if p.sequence_parallel and tensor == 1:
+        raise ConfigError(f"{key}=true needs {needs} (it splits over the tensor axis)")

@@ -12,7 +12,7 @@ from typing import Any
 
 from hyperjax.config.checks import positive, vocabularies
 from hyperjax.config.model import ModelConfig
-from hyperjax.config.parallel import MPMDConfig, ParallelConfig
+from hyperjax.config.parallel import MPMDConfig, ParallelConfig, check_sequence_parallel
 from hyperjax.config.types import (
     ACTIVATIONS,
     Activation,
@@ -246,11 +246,8 @@ class RLConfig:
             )
         for name in ("rollout", "learner"):
             p = getattr(self, name).parallel
-            if p.sequence_parallel and p.tensor == 1:
-                raise ConfigError(
-                    f"rl.{name}.parallel.sequence_parallel=true needs rl.{name}.parallel.tensor > 1 (it splits over "
-                    "the tensor axis)"
-                )
+            where = f"rl.{name}.parallel"
+            check_sequence_parallel(p, f"{where}.sequence_parallel", p.tensor, f"{where}.tensor > 1")
         if ":" not in self.reward and not self.reward:
             raise ConfigError("rl.reward is empty; name a built-in reward or give module:function")
 
@@ -285,12 +282,12 @@ class Config:
                     "drop train.global_batch and set those"
                 )
         subs = self.mpmd.submeshes
-        if self.parallel.sequence_parallel and max((sub.tensor for sub in subs), default=self.parallel.tensor) == 1:
-            raise ConfigError(
-                "parallel.sequence_parallel=true needs "
-                + ("an mpmd.submeshes item with tensor > 1" if subs else "parallel.tensor > 1")
-                + " (it splits over the tensor axis)"
-            )
+        check_sequence_parallel(
+            self.parallel,
+            "parallel.sequence_parallel",
+            max((sub.tensor for sub in subs), default=self.parallel.tensor),
+            "an mpmd.submeshes item with tensor > 1" if subs else "parallel.tensor > 1",
+        )
         moe, ep = self.model.moe, self.parallel.expert
         if ep > 1 and moe is None:
             raise ConfigError(

@@ -199,13 +199,6 @@ def mpmd_stages(cfg: Config, devices: int, rows: int) -> tuple[Stage, ...]:
     p, m, subs = cfg.parallel, cfg.model, cfg.mpmd.submeshes
     if m.vision is None:
         raise ConfigError("mpmd.submeshes places the modules of a vision-language model; set model.vision")
-    if p.pipeline > 1:
-        raise ConfigError("mpmd.submeshes and parallel.pipeline > 1 both split the devices; use one of them")
-    if p.expert > 1:
-        raise ConfigError(
-            f"parallel.expert={p.expert}: mpmd submeshes take their own degrees (data, fsdp, tensor) and have "
-            "no expert axis; set parallel.expert: 1, or train the model as one program or a pipeline"
-        )
     own = "mpmd submeshes take their own degrees (data, fsdp, tensor), so the whole run's would be ignored"
     whole = {  # the whole run's layout keys a submesh would ignore: value, unset value, why and the fix
         "data": (p.data, None, f"{own}; set it in each mpmd.submeshes item"),
@@ -215,6 +208,9 @@ def mpmd_stages(cfg: Config, devices: int, rows: int) -> tuple[Stage, ...]:
         "expert_tensor": (p.expert_tensor, None, "experts on an mpmd submesh split over its tensor axis; drop it"),
         "stage_devices": (p.stage_devices, None, "mpmd.submeshes gives each module its devices; drop it"),
         "stage_layers": (p.stage_layers, None, "an mpmd submesh runs a whole module; drop it"),
+        "virtual_stages": (p.virtual_stages, 1, "an mpmd submesh runs a whole module as one chunk; drop it"),
+        "pipeline": (p.pipeline, 1, "mpmd.submeshes and parallel.pipeline > 1 both split the devices; use one"),
+        "expert": (p.expert, 1, "mpmd submeshes have no expert axis; set it to 1, or train as one program"),
     }
     for key, (value, unset, why) in whole.items():
         if value != unset:

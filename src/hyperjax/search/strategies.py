@@ -64,9 +64,25 @@ def apply(cfg: Config, overrides: dict[str, Any]) -> Config:
     return dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **f) for s, f in sections.items()})
 
 
+WHOLE_RUN: dict[str, Any] = {
+    "parallel.data": None,
+    "parallel.fsdp": 1,
+    "parallel.tensor": 1,
+    "parallel.context": 1,
+    "parallel.expert_tensor": None,
+}
+"""The whole run's degrees an MPMD split resets: its submeshes take their own (the resolver refuses them set)."""
+
+
 def candidate(cfg: Config, overrides: dict[str, Any]) -> Config:
-    """The config a candidate's ``overrides`` select: :data:`CLEARED`, then the overrides, over ``cfg``."""
-    return apply(cfg, {**CLEARED, **overrides})
+    """The config a candidate's ``overrides`` select: :data:`CLEARED`, then the overrides, over ``cfg``; an
+    MPMD split also resets :data:`WHOLE_RUN`, keeping sequence parallelism where a submesh has a tensor axis."""
+    subs = overrides.get("mpmd.submeshes")
+    split = {}
+    if subs:
+        tensor = any(sub.tensor > 1 for sub in subs)
+        split = {**WHOLE_RUN, "parallel.sequence_parallel": cfg.parallel.sequence_parallel and tensor}
+    return apply(cfg, {**CLEARED, **split, **overrides})
 
 
 def strategies(

@@ -171,7 +171,8 @@ def check_generable(run: Run) -> None:
       ConfigError: a pipeline or MPMD run, a context or sequence split, a vision-language model, or more devices
         than one process holds.
     """
-    m = run.config.model
+    if run.config.model.vision is not None:
+        raise ConfigError("generate covers language models; this config has a model.vision encoder")
     split = run.decode_split
     if split is not None and split[0] == "pipeline":
         raise ConfigError(
@@ -186,8 +187,6 @@ def check_generable(run: Run) -> None:
             f"devices; set --set parallel.{key}={off} (a checkpoint trained with it still loads: "
             "checkpoints are read into the layout generate runs)"
         )
-    if m.vision is not None:
-        raise ConfigError("generate covers language models; this config has a model.vision encoder")
     if run.processes != 1:
         raise ConfigError(
             f"generate runs in one process; this run's {run.devices} devices need {run.processes or 'more'} "
