@@ -1,6 +1,7 @@
 """A vision-language model under MPMD (encoder and language model on separate submeshes) gives the
 losses of the same model under one SPMD program (fp32, 1e-4)."""
 
+import dataclasses
 import io
 from pathlib import Path
 
@@ -8,6 +9,8 @@ import numpy as np
 import pytest
 
 from hyperjax import HyperjaxError, load_config, resolve, train
+from hyperjax.config.parallel import MPMD_REPLACED, ParallelConfig, mpmd_replaced
+from hyperjax.search.strategies import WHOLE_RUN
 from hyperjax.train import CaptionBatches
 
 VLM = Path(__file__).parents[2] / "configs" / "vlm-tiny-mpmd.yaml"
@@ -98,3 +101,27 @@ def test_captions_need_the_image():
 def test_invalid_mpmd_names_the_key(sets, match):
     with pytest.raises(HyperjaxError, match=match):
         resolve(load_config(VLM, sets))
+
+
+def test_every_replaced_key_is_refused_and_reset_by_a_split():
+    """Each whole-run key an MPMD run's submeshes replace is refused when set, and a planner's MPMD split
+    resets it to what the resolver accepts: one table, read by both."""
+    changed = {
+        "data": {"data": 2},
+        "fsdp": {"fsdp": 2},
+        "tensor": {"tensor": 2},
+        "context": {"context": 2},
+        "expert_tensor": {"expert_tensor": 1},
+        "stage_devices": {"stage_devices": (8,)},
+        "stage_layers": {"stage_layers": (4,)},
+        "virtual_stages": {"virtual_stages": 2, "schedule": "interleaved"},
+        "pipeline": {"pipeline": 2},
+        "expert": {"expert": 2},
+    }
+    assert set(changed) == set(MPMD_REPLACED)
+    assert mpmd_replaced(ParallelConfig()) is None
+    for key, fields in changed.items():
+        p = ParallelConfig(**fields)
+        assert mpmd_replaced(p)[0] == key
+        reset = {k.removeprefix("parallel."): v for k, v in WHOLE_RUN.items()}
+        assert mpmd_replaced(dataclasses.replace(p, **reset, schedule="1f1b")) is None

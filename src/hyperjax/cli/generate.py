@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hyperjax.cli.display import console
-from hyperjax.cli.options import add_command, add_config_arguments, refuse_serve_sets
-from hyperjax.config import load_config
+from hyperjax.cli.options import add_command, add_config_arguments, config_from_args
 from hyperjax.errors import ConfigError
 from hyperjax.resolver import resolve
 
@@ -73,9 +72,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--temperature {args.temperature} must be 0 (greedy) or a finite positive number")
     if args.top_k is not None and args.top_k < 1:
         raise ConfigError(f"--top-k {args.top_k} must be a positive integer")
-    refuse_serve_sets(args.sets, "generate")
-    sets = [*args.sets, *([] if args.devices is None else [f"emulate.devices={args.devices}"])]
-    run = resolve(load_config(args.config, sets))
+    run = resolve(config_from_args(args, [] if args.devices is None else [f"emulate.devices={args.devices}"]))
     if args.top_k is not None and args.top_k > run.config.model.vocab:
         raise ConfigError(f"--top-k {args.top_k} is more than model.vocab={run.config.model.vocab}")
     from hyperjax.train.generate import check_generable, encode, prompt_rows

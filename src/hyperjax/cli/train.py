@@ -13,7 +13,7 @@ from typing import Any
 
 from hyperjax.cli.display import check_folder, check_writable, console
 from hyperjax.cli.launching import add_join_arguments, joining, run_on_devices
-from hyperjax.cli.options import add_command, add_config_arguments, refuse_serve_sets
+from hyperjax.cli.options import add_command, add_config_arguments, config_from_args
 from hyperjax.config import Run, load_config
 from hyperjax.errors import ConfigError, EmulationError
 from hyperjax.files import write_json
@@ -79,9 +79,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_flags(args)
-    refuse_serve_sets(args.sets, "train")
-    sets = [*args.sets, *([] if args.steps is None else [f"train.steps={args.steps}"])]  # what children are told
-    cfg = load_config(args.config, sets)
+    steps = [] if args.steps is None else [f"train.steps={args.steps}"]
+    sets = [*args.sets, *steps]  # what children are told
+    cfg = config_from_args(args, steps)
     if cfg.rl is not None:
         from hyperjax.cli import train_rl
 

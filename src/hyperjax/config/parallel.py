@@ -64,6 +64,35 @@ class ParallelConfig:
             )
 
 
+_OWN = "mpmd submeshes take their own degrees (data, fsdp, tensor), so the whole run's would be ignored"
+
+MPMD_REPLACED: dict[str, str] = {
+    "data": f"{_OWN}; set it in each mpmd.submeshes item",
+    "fsdp": f"{_OWN}; set it in each mpmd.submeshes item",
+    "tensor": f"{_OWN}; set it in each mpmd.submeshes item",
+    "context": "mpmd submeshes have no context axis; drop it",
+    "expert_tensor": "experts on an mpmd submesh split over its tensor axis; drop it",
+    "stage_devices": "mpmd.submeshes gives each module its devices; drop it",
+    "stage_layers": "an mpmd submesh runs a whole module; drop it",
+    "virtual_stages": "an mpmd submesh runs a whole module as one chunk; drop it",
+    "pipeline": "mpmd.submeshes and parallel.pipeline > 1 both split the devices; use one",
+    "expert": "mpmd submeshes have no expert axis; set it to 1, or train as one program",
+}
+"""The ``parallel.*`` keys an MPMD run's submeshes replace, each with why and the fix: set away from its
+:class:`ParallelConfig` default, the run refuses it (:func:`mpmd_replaced`); a planner's MPMD split resets it."""
+
+
+def mpmd_replaced(p: ParallelConfig) -> tuple[str, object, str] | None:
+    """The first key of :data:`MPMD_REPLACED` that ``p`` sets away from its default, with its value (as YAML
+    writes it) and why, or None."""
+    unset = ParallelConfig()
+    for key, why in MPMD_REPLACED.items():
+        value = getattr(p, key)
+        if value != getattr(unset, key):
+            return key, list(value) if isinstance(value, tuple) else value, why
+    return None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SubmeshConfig:
     """One submesh of an MPMD run (an item of ``mpmd.submeshes``)."""

@@ -11,6 +11,7 @@ import functools
 from collections.abc import Sequence
 
 from hyperjax.config import Config, ModelConfig, ModuleName, Stage
+from hyperjax.config.parallel import mpmd_replaced
 from hyperjax.cost.counts import embed_flops_per_token, head_flops_per_token, layer_flops_per_token, module_flops
 from hyperjax.errors import ConfigError, ShardingError
 from hyperjax.shard import mesh_axes_for
@@ -199,23 +200,10 @@ def mpmd_stages(cfg: Config, devices: int, rows: int) -> tuple[Stage, ...]:
     p, m, subs = cfg.parallel, cfg.model, cfg.mpmd.submeshes
     if m.vision is None:
         raise ConfigError("mpmd.submeshes places the modules of a vision-language model; set model.vision")
-    own = "mpmd submeshes take their own degrees (data, fsdp, tensor), so the whole run's would be ignored"
-    whole = {  # the whole run's layout keys a submesh would ignore: value, unset value, why and the fix
-        "data": (p.data, None, f"{own}; set it in each mpmd.submeshes item"),
-        "fsdp": (p.fsdp, 1, f"{own}; set it in each mpmd.submeshes item"),
-        "tensor": (p.tensor, 1, f"{own}; set it in each mpmd.submeshes item"),
-        "context": (p.context, 1, "mpmd submeshes have no context axis; drop it"),
-        "expert_tensor": (p.expert_tensor, None, "experts on an mpmd submesh split over its tensor axis; drop it"),
-        "stage_devices": (p.stage_devices, None, "mpmd.submeshes gives each module its devices; drop it"),
-        "stage_layers": (p.stage_layers, None, "an mpmd submesh runs a whole module; drop it"),
-        "virtual_stages": (p.virtual_stages, 1, "an mpmd submesh runs a whole module as one chunk; drop it"),
-        "pipeline": (p.pipeline, 1, "mpmd.submeshes and parallel.pipeline > 1 both split the devices; use one"),
-        "expert": (p.expert, 1, "mpmd submeshes have no expert axis; set it to 1, or train as one program"),
-    }
-    for key, (value, unset, why) in whole.items():
-        if value != unset:
-            shown = list(value) if isinstance(value, tuple) else value
-            raise ConfigError(f"parallel.{key}={shown}: {why}")
+    replaced = mpmd_replaced(p)
+    if replaced is not None:
+        key, value, why = replaced
+        raise ConfigError(f"parallel.{key}={value}: {why}")
     placed = [name for sub in subs for name in sub.modules]
     for name in placed:
         if name not in MODULES:

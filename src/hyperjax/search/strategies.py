@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from hyperjax.config import Config, SubmeshConfig
+from hyperjax.config.parallel import MPMD_REPLACED, ParallelConfig
 from hyperjax.mpmd.schedules import PAIRED
 from hyperjax.topology import Hardware
 
@@ -64,14 +65,9 @@ def apply(cfg: Config, overrides: dict[str, Any]) -> Config:
     return dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **f) for s, f in sections.items()})
 
 
-WHOLE_RUN: dict[str, Any] = {
-    "parallel.data": None,
-    "parallel.fsdp": 1,
-    "parallel.tensor": 1,
-    "parallel.context": 1,
-    "parallel.expert_tensor": None,
-}
-"""The whole run's degrees an MPMD split resets: its submeshes take their own (the resolver refuses them set)."""
+WHOLE_RUN: dict[str, Any] = {f"parallel.{key}": getattr(ParallelConfig(), key) for key in MPMD_REPLACED}
+"""The whole run's layout keys an MPMD split resets to their defaults: its submeshes replace them (the resolver
+refuses them set); the split's own overrides then set the pipeline and schedule keys it needs."""
 
 
 def candidate(cfg: Config, overrides: dict[str, Any]) -> Config:

@@ -180,8 +180,7 @@ def check_generable(run: Run) -> None:
             f"{run.config.parallel.pipeline}: set --set parallel.pipeline=1 (any data, fsdp, tensor or expert layout)"
         )
     if split is not None:
-        key, value = split
-        off = "false" if key == "sequence_parallel" else 1
+        key, value, off = split
         raise ConfigError(
             f"generate decodes one token at a time, which parallel.{key}={value} cannot split over "
             f"devices; set --set parallel.{key}={off} (a checkpoint trained with it still loads: "
