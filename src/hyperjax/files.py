@@ -13,10 +13,15 @@ import yaml
 
 
 def write_json(path: str | Path, data: Any, *, indent: int | None = 2) -> None:
-    """Write ``data`` as JSON to ``path`` atomically (a temporary file beside it, then a rename)."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".", prefix=f".{target.name}.")
+    """Write ``data`` as JSON to ``path`` atomically (a temporary file beside it, then a rename): through a
+    symbolic link to the file it names, with the mode the file had (a new one: the user's umask)."""
+    target = Path(os.path.realpath(path))
+    umask = os.umask(0)
+    os.umask(umask)
+    mode = target.stat().st_mode & 0o7777 if target.is_file() else 0o666 & ~umask
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
     try:
+        os.chmod(tmp, mode)
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=indent)
         os.replace(tmp, target)

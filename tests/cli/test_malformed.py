@@ -165,6 +165,18 @@ def test_malformed_files_and_overrides_exit_2(command: str, case, capsys):
         (["predict", "QUICK", "--set", "parallel.dispatcher=alltoall"], "but the model has no MoE layers"),
         (["predict", "QUICK", "--set", "train.fp8={recipe: rowwise, block: 64}"], "train.fp8.block=64 sets its tiles"),
         (["predict", "QUICK", "--hardware", ""], "--hardware '' names no preset"),
+        (["predict", "QUICK", "--set", "model.rope_interleave=true"], "model.rope_interleave pairs rotary dim"),
+        (["predict", "MOE", "--set", "model.moe.group_top_k=5"], "group_top_k=5 keeps that many of model.moe.groups=1"),
+        (
+            ["predict", "QUICK", "--set", "parallel.stage_layers=[3]"],
+            "stage_layers=[3] gives each pipeline chunk its layers, but parallel.pipeline=1",
+        ),
+        (
+            ["predict", "QUICK", "--set", "parallel.schedule=interleaved", "--set", "parallel.virtual_stages=2"],
+            "parallel.virtual_stages=2 interleaves pipeline chunks, but parallel.pipeline=1",
+        ),
+        (["train", "QUICK", "--plan-only", "--metrics-out", "m.jsonl"], "--metrics-out names where training writes"),
+        (["train", "GRPO", "--plan-only", "--checkpoint-dir", "ck"], "--checkpoint-dir names where training writes"),
         (
             ["predict", "QUICK", "--inference", "--set", "serve.prompt_len=128"],
             "leaves none of it; set serve.new_tokens",
@@ -192,8 +204,24 @@ def test_files_and_values_that_cannot_be_used_exit_2(args, says, capsys, tmp_pat
         "FOLDER": tmp_path,
         "QUICK": QUICK,
         "GRPO": QUICK.parent / "grpo-tiny.yaml",
+        "MOE": QUICK.parent / "moe-tiny.yaml",
     }
     _check([str(paths.get(a, a)) for a in args], capsys, says)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["predict", "--trace", ""], "argument --trace: '' names no file or folder"),
+        (["train", "--plan-only", "--metrics-out", " "], "argument --metrics-out: ' ' names no file or folder"),
+        (["train", "--out-dir", ""], "argument --out-dir: '' names no file or folder"),
+    ],
+)
+def test_an_empty_path_is_refused_not_read_as_left_out(args, says, capsys):
+    """A file or folder flag given an empty path exits 2 naming the flag (it once wrote nothing, silently)."""
+    with pytest.raises(SystemExit) as e:
+        main([args[0], str(QUICK), *args[1:]])
+    assert e.value.code == 2 and says in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["train", "predict", "plan"])

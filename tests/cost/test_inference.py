@@ -8,7 +8,7 @@ import pytest
 
 import hyperjax
 from hyperjax.cli.main import main
-from hyperjax.cost.inference import estimate_inference
+from hyperjax.cost.inference import TRAINING_ONLY, estimate_inference
 
 ROOT = Path(__file__).parents[2]
 FIELDS = {"prefill_s", "decode_s_per_token", "tokens_per_s_per_device", "kv_cache_gib_per_device"}
@@ -74,12 +74,64 @@ def test_moe_decode_reads_only_the_experts_its_tokens_touch():
         (["serve.batch=3"], "serve.batch=3 is split over 4 data-parallel replicas"),
         (["serve.prompt_len=100", "serve.new_tokens=100"], "learned positions reach model.seq_len=128"),
         (["serve.batch=0"], "serve.batch=0 must be a positive integer"),
+        # training settings serving does not read
+        (["train.recompute=full"], "--set train.recompute: predict --inference prices serving, which does not"),
+        (["parallel.tp_overlap=pipelined"], "--set parallel.tp_overlap: predict --inference prices serving"),
+        (["train.fp8.recipe=rowwise"], "--set train.fp8.recipe: predict --inference prices serving"),
     ],
 )
 def test_bad_serving_settings_exit_2(capsys, sets, message):
     args = ["predict", str(ROOT / "configs/quickstart.yaml"), "--inference", *(a for s in sets for a in ("--set", s))]
     assert main(args) == 2
     assert message in capsys.readouterr().err
+
+
+# a setting of each training-only key away from its default, with what it needs beside it
+CHANGED = {
+    "train.steps": "7",
+    "train.lr": "1e-3",
+    "train.warmup_steps": "0",
+    "train.min_lr_ratio": "0.5",
+    "train.weight_decay": "0.0",
+    "train.beta1": "0.8",
+    "train.beta2": "0.9",
+    "train.grad_clip": "0.5",
+    "train.grad_dtype": "bfloat16",
+    "train.optimizer_state": "bfloat16",
+    "train.elementwise": "eager",
+    "train.cross_entropy": "eager",
+    "train.fp8": "{recipe: tensorwise}",
+    "train.recompute": "full",
+    "train.recompute_modules": "[mlp_act]",
+    "train.checkpoint_every": "3",
+    "train.keep_checkpoints": "1",
+    "parallel.zero_stage": "1",
+    "parallel.dp_overlap": "none",
+    "parallel.tp_overlap": "pipelined",
+    "parallel.fsdp_unit": "layer",
+    "parallel.fsdp_reshard": "false",
+    "parallel.gradient_buckets": "true",
+    "parallel.overlap": "two-microbatch",
+}
+BESIDE = {"train.recompute_modules": ["train.recompute=selective"], "parallel.gradient_buckets": ["parallel.fsdp=1"]}
+
+
+def test_the_training_keys_serving_refuses_are_the_ones_it_does_not_read():
+    """Every key predict --inference refuses leaves the serving estimate as it was, on a layout where each could
+    matter (FSDP, tensor and expert parallelism with sequence parallelism, bfloat16 on an FP8 device): the
+    refused list holds no key serving reads."""
+    base = ["parallel.fsdp=2", "parallel.tensor=2", "parallel.expert=2", "parallel.sequence_parallel=true"]
+    base += ["train.dtype=bfloat16", "hardware=dgx-h100"]
+
+    def served(sets):
+        cfg = hyperjax.load_config(ROOT / "configs/moe-tiny.yaml", [*base, *sets])
+        return {k: v for k, v in estimate_inference(hyperjax.resolve(cfg, 8)).to_dict().items() if k != "run"}
+
+    assert set(CHANGED) == set(TRAINING_ONLY)
+    for key, value in CHANGED.items():
+        beside = BESIDE.get(key, [])
+        assert served([f"{key}={value}", *beside]) == served(beside), key
+    assert served(["parallel.expert=1", "parallel.data=2"]) != served([])  # a read key changes it
 
 
 def test_trace_is_refused_with_inference(capsys, tmp_path):
@@ -104,8 +156,9 @@ def test_published_dense_decode_rows_are_predicted_within_a_third():
 def test_inference_fits_the_offload_budget_and_places_what_does_not(capsys):
     base = [
         "predict", str(ROOT / "configs/llama3-70b.yaml"), "--inference", "--json", "--devices", "8",
-        "--set", "parallel.data=1", "--set", "parallel.pipeline=1", "--set", "serve.prompt_len=32000",
-        "--set", "serve.new_tokens=1", "--set", "serve.batch=4",
+        "--set", "parallel.data=1", "--set", "parallel.pipeline=1", "--set", "parallel.virtual_stages=1",
+        "--set", "parallel.schedule=1f1b", "--set", "serve.prompt_len=32000", "--set", "serve.new_tokens=1",
+        "--set", "serve.batch=4",
     ]  # fmt: skip
 
     def answer(*sets: str) -> dict:

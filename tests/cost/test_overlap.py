@@ -197,11 +197,6 @@ def test_predict_json_reports_the_all_to_all_for_moe_only():
         ("moe-tiny", ["parallel.overlap=two-microbatch", "train.micro_batch=1"], "even number"),
         ("moe-tiny", ["parallel.overlap=fb-pair", "train.microbatches=1"], "train.microbatches >= 2"),
         (
-            "moe-tiny",
-            ["parallel.overlap=fb-pair", "parallel.schedule=interleaved", "parallel.virtual_stages=2"],
-            "parallel.virtual_stages=2 needs more; set parallel.overlap: none, or parallel.virtual_stages: 1",
-        ),
-        (
             "vlm-tiny-mpmd",
             [
                 "mpmd.submeshes=[]",

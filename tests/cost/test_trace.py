@@ -1,6 +1,7 @@
 import dataclasses
 import itertools
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,23 @@ def test_predict_writes_a_trace(tmp_path: Path, capsys):
     assert {"forward", "backward", "optimizer step", "process_name"} <= names
     assert {e["pid"] for e in data["traceEvents"]} == {0, 1}
     assert main(["predict", str(ROOT / "configs/quickstart.yaml"), "--trace", "/nonexistent/t.json"]) == 2
+
+
+def test_a_trace_is_written_through_a_link_and_never_over_a_device_or_pipe(tmp_path: Path):
+    """--trace through a symbolic link writes the file it names (the link stays), with the user's umask;
+    a pipe (or a device) is refused before any work rather than replaced by the rename."""
+    quick = str(ROOT / "configs/quickstart.yaml")
+    real, link = tmp_path / "real.json", tmp_path / "link.json"
+    link.symlink_to(real)
+    assert main(["predict", quick, "--trace", str(link)]) == 0
+    assert link.is_symlink() and json.loads(real.read_text())["traceEvents"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert real.stat().st_mode & 0o777 == 0o666 & ~umask
+    pipe = tmp_path / "pipe.json"
+    os.mkfifo(pipe)
+    assert main(["predict", quick, "--trace", str(pipe)]) == 2
+    assert pipe.is_fifo()
 
 
 def test_all_to_alls_run_in_the_chunks_that_hold_moe_blocks():

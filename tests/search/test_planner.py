@@ -93,6 +93,10 @@ def test_plan_cli_holds_a_searched_key_set_on_the_command_line(capsys):
         main([*base, "--set", "parallel={tensor: 4}", "--set", "parallel.expert=1", "--set", "parallel.data=null"]) == 0
     )
     assert {c["parallel.tensor"] for c in json.loads(capsys.readouterr().out)["candidates"]} == {4}
+    # train.recompute too (the search kept the first that fits, "none" here, whatever it said)
+    for sets in (["train.recompute=full"], ["train={recompute: full}"]):
+        assert main([*base, *(a for s in sets for a in ("--set", s))]) == 0
+        assert {c["train.recompute"] for c in json.loads(capsys.readouterr().out)["candidates"]} == {"full"}
 
 
 def test_plan_cli_accumulate(capsys):

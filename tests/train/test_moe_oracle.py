@@ -207,6 +207,25 @@ def test_capacity_drops_the_same_copies_on_every_layout(capacity_reference, sets
     np.testing.assert_allclose([r["dropped_fraction"] for r in got], dropped, rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["parallel.expert=2", "parallel.pipeline=2"],
+        pytest.param(["parallel.expert=2", "parallel.overlap=fb-pair"], marks=SLOW),  # paired, one stage
+    ],
+    ids=layout_id,
+)
+def test_staged_micro_batches_hold_the_rows_accumulation_does(sets):
+    """A schedule of per-chunk programs splits the batch into the micro-batches one program's accumulation
+    does (every m-th row), so a capacity queue drops the same copies and the balancing loss sees the same
+    tokens: the dropped fractions agree exactly, step by step, with one device's."""
+    micro = [*CAPACITY, "train.microbatches=4"]
+    reference, one = run_moe(micro, devices=1)
+    losses, staged = run_moe([*micro, *sets])
+    np.testing.assert_allclose([r["dropped_fraction"] for r in staged], [r["dropped_fraction"] for r in one], atol=1e-7)
+    np.testing.assert_allclose(losses, reference, rtol=1e-4, atol=0)
+
+
 @pytest.mark.slow  # the fast tier holds these parts' logits on expert x tensor to one device (tests/hf)
 def test_grouped_routing_and_latent_attention_train_as_on_one_device():
     """DeepSeek-V3's parts (latent attention, interleaved rotary pairs, a sigmoid router choosing among its

@@ -35,12 +35,15 @@ def check_writable(path: str, flag: str) -> None:
     """Fail early, before any work, when ``path`` cannot be written.
 
     Raises:
-      HyperjaxError: the folder does not exist or is not writable, or ``path`` is a folder.
+      HyperjaxError: the folder does not exist or is not writable, or ``path`` is a folder or another
+        file that is not a regular one (a device, pipe or socket, which the rename would replace).
     """
-    target = Path(path)
-    folder = target.parent if str(target.parent) else Path(".")
+    target = Path(os.path.realpath(path))  # written through a symbolic link, to the file it names
+    folder = target.parent
     if target.is_dir():
         raise HyperjaxError(f"{flag} {path!r} is a folder; give a file path")
+    if target.exists() and not target.is_file():
+        raise HyperjaxError(f"{flag} {path!r} is not a regular file (a device, pipe or socket); give a file path")
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise HyperjaxError(f"{flag} {path!r}: folder {str(folder)!r} does not exist or is not writable")
     why = _cannot_create(folder)  # the file is written beside its target, then renamed over it

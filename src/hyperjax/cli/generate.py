@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hyperjax.cli.display import console
-from hyperjax.cli.options import add_command, add_config_arguments, config_from_args
+from hyperjax.cli.options import add_command, add_config_arguments, config_from_args, path
 from hyperjax.errors import ConfigError
 from hyperjax.resolver import resolve
 
@@ -44,7 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         ],
     )
     add_config_arguments(p, config_help="the YAML config the model was trained with", hardware=False)
-    p.add_argument("--checkpoint-dir", metavar="DIR", required=True, help="the folder train wrote checkpoints to")
+    p.add_argument(
+        "--checkpoint-dir", type=path, metavar="DIR", required=True, help="the folder train wrote checkpoints to"
+    )
     p.add_argument("--prompt", action="append", metavar="TEXT", help="text to continue (repeat: one batch)")
     p.add_argument(
         "--prompt-ids",

@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 
 from hyperjax.cli.display import console
-from hyperjax.cli.options import add_command, add_config_arguments, add_set_argument, config_from_args
+from hyperjax.cli.options import add_command, add_config_arguments, add_set_argument, config_from_args, path
 from hyperjax.errors import ConfigError
 
 
@@ -36,6 +36,7 @@ def add_import_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("hf_dir", metavar="HF_DIR", help="a folder with config.json (and safetensors weights)")
     p.add_argument(
         "--out",
+        type=path,
         required=True,
         metavar="DIR",
         help="the folder to write: new, empty, or an earlier import's (replaced whole)",
@@ -64,9 +65,12 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
         ],
     )
     add_config_arguments(p, config_help="the YAML config (or config.json) of the checkpoint's model", hardware=False)
-    p.add_argument("--checkpoint-dir", required=True, metavar="DIR", help="the folder train or import-hf wrote")
+    p.add_argument(
+        "--checkpoint-dir", type=path, required=True, metavar="DIR", help="the folder train or import-hf wrote"
+    )
     p.add_argument(
         "--out",
+        type=path,
         required=True,
         metavar="HF_DIR",
         help="the folder to write: new, empty, or an earlier export's (replaced whole)",

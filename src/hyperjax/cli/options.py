@@ -68,6 +68,27 @@ def add_set_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def path(value: str) -> str:
+    """An argparse ``type`` for a file or folder flag: an empty or blank path names nothing, so it is refused
+    (argparse then exits 2 naming the flag) rather than read as the flag not given."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(f"{value!r} names no file or folder; give a path")
+    return value
+
+
+def refuse_sets(sets: Sequence[str], keys: Sequence[str], why: str) -> None:
+    """Refuse a ``--set`` of one of ``keys`` (or of a key inside one), saying ``why`` and the fix.
+
+    Raises:
+      ConfigError: naming the key.
+    """
+    for item in sets:
+        key, equals, _ = item.partition("=")
+        key = key.strip()
+        if equals and any(key == k or key.startswith(f"{k}.") for k in keys):
+            raise ConfigError(f"--set {key}: {why}")
+
+
 def refuse_serve_sets(sets: Sequence[str], command: str, also: str = "") -> None:
     """Refuse a ``--set serve...`` that ``command`` would not read: ``serve:`` is the workload ``predict
     --inference`` prices, and nothing else reads it (an ``rl:`` rollout's is derived from ``rl:``). ``also``
@@ -76,14 +97,12 @@ def refuse_serve_sets(sets: Sequence[str], command: str, also: str = "") -> None
     Raises:
       ConfigError: naming the key and the fix.
     """
-    for item in sets:
-        key, equals, _ = item.partition("=")
-        key = key.strip()
-        if equals and (key == "serve" or key.startswith("serve.")):
-            raise ConfigError(
-                f"--set {key}: serve: is the serving workload predict --inference prices; {command} does not read "
-                f"it, so the setting would have no effect: drop it{also}"
-            )
+    refuse_sets(
+        sets,
+        ("serve",),
+        f"serve: is the serving workload predict --inference prices; {command} does not read it, so the setting "
+        f"would have no effect: drop it{also}",
+    )
 
 
 def config_from_args(args: argparse.Namespace, extra: Sequence[str] = (), *, serving: bool = False) -> Config:

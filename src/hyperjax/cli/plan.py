@@ -35,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "Search every valid strategy (data, fsdp, ZeRO, tensor and sequence, context, expert, pipeline with "
             "its schedule, micro-batch, recomputation), price each with the cost model, drop those that do not "
             "fit device memory, and list the fastest. A searched parallel.* key given with --set holds the search "
-            "to its value."
+            "to its value, as does train.recompute."
         ),
         examples=[
             "hyperjax plan configs/deepseek-v3-671b.yaml --devices 384",
@@ -59,20 +59,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _held(sets: list[str], cfg: Config) -> dict[str, Any]:
-    """The searched ``parallel.*`` keys ``--set`` gives (one by one or as a ``parallel=`` mapping), at their
-    values in ``cfg``, as the search writes them: what the plan keeps fixed. A null (derived) value holds
-    nothing, nor an expert tensor degree equal to the tensor degree (null's meaning)."""
-    names = set()
+    """The searched ``parallel.*`` keys and ``train.recompute`` that ``--set`` gives (one by one or in a
+    ``parallel=`` or ``train=`` mapping), at their values in ``cfg``, as the search writes them: what the plan
+    keeps fixed. A null (derived) value holds nothing, nor an expert tensor degree equal to the tensor degree
+    (null's meaning)."""
+    names, recompute = set(), False
     for item in sets:
         key, _, text = item.partition("=")
         key = key.strip()
-        if key == "parallel":
+        if key in ("parallel", "train"):
             value = parse_yaml(text)
-            names |= set(value) if isinstance(value, dict) else set()
+            given = set(value) if isinstance(value, dict) else set()
+            names |= given if key == "parallel" else set()
+            recompute |= key == "train" and "recompute" in given
         elif key.startswith("parallel."):
             names.add(key.removeprefix("parallel."))
+        recompute |= key == "train.recompute"
     p = cfg.parallel
     held = {f"parallel.{n}": getattr(p, n) for n in sorted(names & SEARCHED)}
+    held |= {"train.recompute": cfg.train.recompute} if recompute else {}
     if held.get("parallel.expert_tensor") == p.tensor:
         held["parallel.expert_tensor"] = None
     return {k: v for k, v in held.items() if v is not None}

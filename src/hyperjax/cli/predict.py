@@ -13,10 +13,17 @@ import json
 from rich.table import Table
 
 from hyperjax.cli.display import check_writable, console, fmt_count
-from hyperjax.cli.options import add_command, add_config_arguments, config_from_args, refuse_serve_sets
+from hyperjax.cli.options import (
+    add_command,
+    add_config_arguments,
+    config_from_args,
+    path,
+    refuse_serve_sets,
+    refuse_sets,
+)
 from hyperjax.config import ACTIVATIONS, Config
 from hyperjax.cost import Estimate, estimate, memory_budget, write_trace
-from hyperjax.cost.inference import InferenceEstimate, estimate_inference
+from hyperjax.cost.inference import TRAINING_ONLY, InferenceEstimate, estimate_inference
 from hyperjax.cost.rl import RLEstimate, estimate_rl
 from hyperjax.errors import ConfigError
 from hyperjax.offload import OffloadResult, ServingPlacement, offload_pass, serving_pass, with_offload
@@ -44,7 +51,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_config_arguments(p, config_help="YAML config", hardware=True)
     p.add_argument("--devices", type=int, metavar="N", help="devices of the run (as train --devices)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--trace", metavar="FILE.json", help="write a Perfetto / Chrome trace of the predicted step")
+    p.add_argument(
+        "--trace", type=path, metavar="FILE.json", help="write a Perfetto / Chrome trace of the predicted step"
+    )
     p.add_argument(
         "--inference",
         action="store_true",
@@ -61,6 +70,12 @@ def run(args: argparse.Namespace) -> int:
     if cfg.rl is not None:
         return _rl(args, cfg)
     if args.inference:
+        refuse_sets(
+            args.sets,
+            TRAINING_ONLY,
+            "predict --inference prices serving, which does not read this training setting, so it would have "
+            "no effect: drop it, or price a training step without --inference",
+        )
         return _inference(args, cfg)
     if args.trace:
         check_writable(args.trace, "--trace")

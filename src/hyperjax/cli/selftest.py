@@ -15,7 +15,7 @@ from rich.table import Table
 
 from hyperjax.cli.display import check_writable, console, fmt_axes, fmt_bytes
 from hyperjax.cli.launching import add_join_arguments, run_on_devices
-from hyperjax.cli.options import add_command
+from hyperjax.cli.options import add_command, path
 from hyperjax.emulate import plan_processes
 from hyperjax.errors import EmulationError
 from hyperjax.files import write_json
@@ -43,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--processes", type=int, metavar="P", help="processes to emulate them in (default: fewest)")
     p.add_argument("--bytes", type=int, default=4096, metavar="B", help="payload per device and collective (4096)")
     p.add_argument("--iters", type=int, default=3, metavar="K", help="timed calls per collective (3)")
-    p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    p.add_argument("--json", metavar="FILE", type=path, help="also write the results as JSON to FILE")
     add_join_arguments(p)
     p.set_defaults(run=run)
 

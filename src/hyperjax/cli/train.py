@@ -13,7 +13,7 @@ from typing import Any
 
 from hyperjax.cli.display import check_folder, check_writable, console
 from hyperjax.cli.launching import add_join_arguments, joining, run_on_devices
-from hyperjax.cli.options import add_command, add_config_arguments, config_from_args
+from hyperjax.cli.options import add_command, add_config_arguments, config_from_args, path
 from hyperjax.config import Run, load_config
 from hyperjax.errors import ConfigError, EmulationError
 from hyperjax.files import write_json
@@ -43,8 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_config_arguments(p, config_help="YAML config, e.g. configs/quickstart.yaml", hardware=False)
     p.add_argument("--steps", type=int, metavar="N", help="override train.steps")
-    p.add_argument("--metrics-out", metavar="FILE", help="write one JSON object per step to FILE (.jsonl)")
-    p.add_argument("--out-dir", metavar="DIR", help="where the loss curve goes (default runs/CONFIG-NAME)")
+    p.add_argument("--metrics-out", type=path, metavar="FILE", help="write one JSON object per step to FILE (.jsonl)")
+    p.add_argument("--out-dir", type=path, metavar="DIR", help="where the loss curve goes (default runs/CONFIG-NAME)")
     p.add_argument("--explain", action="store_true", help="print where every parameter lives, then exit")
     p.add_argument(
         "--plan-only",
@@ -58,7 +58,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="time the last step's collectives (collectives.json)",
     )
     ckpt = p.add_argument_group("checkpoints and failures")
-    ckpt.add_argument("--checkpoint-dir", metavar="DIR", help="checkpoint every train.checkpoint_every steps")
+    ckpt.add_argument(
+        "--checkpoint-dir", type=path, metavar="DIR", help="checkpoint every train.checkpoint_every steps"
+    )
     ckpt.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in DIR")
     ckpt.add_argument(
         "--max-restarts",
@@ -157,6 +159,13 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ConfigError(
             "--explain prints where every parameter lives on the started devices; --plan-only starts "
             "none: drop one of them"
+        )
+    written = [f for f, v in (("--metrics-out", args.metrics_out), ("--out-dir", args.out_dir)) if v is not None]
+    written += ["--checkpoint-dir"] if args.checkpoint_dir is not None else []
+    if written and args.plan_only:
+        raise ConfigError(
+            f"{written[0]} names where training writes, but --plan-only prints the run and trains nothing; "
+            "drop one of them"
         )
     if args.profile and (args.plan_only or args.explain):
         raise ConfigError("--profile times the last training step; it does nothing with --plan-only or --explain")

@@ -205,6 +205,11 @@ class MoEConfig:
         if not self.routed_scaling > 0:
             raise ConfigError(f"model.moe.routed_scaling={self.routed_scaling} must be > 0")
         if self.groups == 1:
+            if self.group_top_k not in (None, 1):
+                raise ConfigError(
+                    f"model.moe.group_top_k={self.group_top_k} keeps that many of model.moe.groups=1 expert group; "
+                    "set it to 1 or null, or split the experts into groups with model.moe.groups"
+                )
             return
         per = self.experts // self.groups
         if self.experts % self.groups or per < 2:
@@ -276,6 +281,11 @@ class ModelConfig:
         if not self.norm_eps > 0:
             raise ConfigError(
                 f"model.norm_eps={self.norm_eps} must be > 0 (RMSNorm and LayerNorm add it to the variance)"
+            )
+        if self.rope_interleave and self.positions != "rope":
+            raise ConfigError(
+                f"model.rope_interleave pairs rotary dimensions, but model.positions={self.positions!r}; set "
+                "model.positions: rope or model.rope_interleave: false"
             )
         if self.rope_scaling is not None and self.positions != "rope":
             raise ConfigError(

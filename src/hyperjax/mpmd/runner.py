@@ -225,8 +225,8 @@ class PipelineRunner:
         losses: list[jax.Array] = []
         routers: list[Any] = [None] * len(chunks)  # each chunk's router stats, summed over micro-batches
 
-        def put(key: str, j: int, c: int) -> jax.Array:
-            part = batch[key][j * rows : (j + 1) * rows]
+        def put(key: str, j: int, c: int) -> jax.Array:  # micro-batch j: every m-th row from j, as one program's
+            part = batch[key][j::m]  # accumulation takes them (a capacity queue and a balancing loss see the same)
             return place(part, self._batch_sharding(c, part.ndim))
 
         for j in range(m):

@@ -85,6 +85,17 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
         check_sizes(p.schedule, p.pipeline, microbatches, p.virtual_stages)
         stages = pipeline_stages(config, sizes, axes)
     else:
+        if p.stage_layers is not None:
+            raise ConfigError(
+                f"parallel.stage_layers={list(p.stage_layers)} gives each pipeline chunk its layers, but "
+                "parallel.pipeline=1 runs them as one; set parallel.stage_layers=null, or parallel.pipeline > 1"
+            )
+        if p.virtual_stages > 1:
+            raise ConfigError(
+                f"parallel.virtual_stages={p.virtual_stages} interleaves pipeline chunks, but parallel.pipeline=1 "
+                "runs the layers as one; set parallel.virtual_stages=1 and parallel.schedule=1f1b, or "
+                "parallel.pipeline > 1"
+            )
         stages = (spmd_stage(config, n),)
         microbatches = _microbatches(config, stages[0].data_parallel, default=1)
     rows = t.global_batch // microbatches
@@ -227,15 +238,11 @@ def _check_overlap(cfg: Config, stages: tuple[Stage, ...], rows: int, microbatch
                 f"steady state; it needs parallel.schedule: 1f1b or interleaved, or parallel.pipeline: 1 (got "
                 f"pipeline={p.pipeline}, schedule={p.schedule!r})"
             )
-        if len(stages) == 1 and (cfg.model.vision is not None or p.virtual_stages > 1):
-            what, fix = (
-                ("model.vision (an encoder and a language model: two chunks)", "")
-                if cfg.model.vision is not None
-                else (f"parallel.virtual_stages={p.virtual_stages}", ", or parallel.virtual_stages: 1")
-            )
+        if len(stages) == 1 and cfg.model.vision is not None:  # (virtual stages need a pipeline: refused above)
             raise ConfigError(
-                f"parallel.overlap='fb-pair' without a pipeline pairs the forwards and backwards of one chunk, the "
-                f"whole model; {what} needs more; set parallel.overlap: none{fix}"
+                "parallel.overlap='fb-pair' without a pipeline pairs the forwards and backwards of one chunk, the "
+                "whole model; model.vision (an encoder and a language model: two chunks) needs more; set "
+                "parallel.overlap: none"
             )
         if len(stages) == 1 and microbatches < 2:
             raise ConfigError(

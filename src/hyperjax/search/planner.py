@@ -149,7 +149,8 @@ def plan(
       progress: called with ``(bases done, bases in all)`` as the search goes.
       prune: stop at the first base whose lower bound cannot beat the answer (``False``: price every one).
       where: search only the strategies with these settings, e.g. ``{"parallel.expert": 64}`` (a strategy
-        that does not set a key, such as a dense model's ``parallel.expert``, is kept).
+        that does not set a key, such as a dense model's ``parallel.expert``, is kept); ``train.recompute``
+        there is the only recomputation tried.
       accumulate: also try one stage in micro-batches of ``train.micro_batch`` (gradient accumulation), its
         forwards paired with the previous micro-batch's backwards too for a mixture of experts (``fb-pair``).
       one_program: only steps that run as one SPMD program on one stage (no ``fb-pair`` there: an RL learner).
@@ -194,7 +195,7 @@ def plan(
         except HyperjaxError:
             continue
         pending = list(groups[g])
-        for recompute in RECOMPUTE:
+        for recompute in (where["train.recompute"],) if "train.recompute" in (where or {}) else RECOMPUTE:
             left = []
             for combo in pending:
                 overlap = combo.get("parallel.overlap", "none")
