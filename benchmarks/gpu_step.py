@@ -156,13 +156,14 @@ def config(name: str):
     return hyperjax.load_config(None, [*COMMON, *CASES[name]])
 
 
-def measure_case(name: str, *, repeats: int, iters: int) -> dict:
-    """Compile case ``name`` on the first local device and time ``iters`` steps, ``repeats`` times."""
+def compile_case(name: str):
+    """Case ``name``'s training step compiled on the first local device: ``(compiled, state, batch,
+    compile_s)``."""
     import jax
     from flax import nnx
 
     import hyperjax
-    from hyperjax.train import Batches, build_train_step, compiled_bytes, init_state, make_optimizer, prepare
+    from hyperjax.train import Batches, build_train_step, init_state, make_optimizer, prepare
 
     cfg = config(name)
     run = hyperjax.resolve(cfg, 1)
@@ -185,7 +186,16 @@ def measure_case(name: str, *, repeats: int, iters: int) -> dict:
     batch = data.global_batch_arrays(0, step.batch_shardings)
     start = time.perf_counter()
     compiled = step.fn.lower(state, batch).compile()
-    compile_s = time.perf_counter() - start
+    return compiled, state, batch, time.perf_counter() - start
+
+
+def measure_case(name: str, *, repeats: int, iters: int) -> dict:
+    """Compile case ``name`` on the first local device and time ``iters`` steps, ``repeats`` times."""
+    import jax
+
+    from hyperjax.train import compiled_bytes
+
+    compiled, state, batch, compile_s = compile_case(name)
     mem = compiled.memory_analysis()
     text = compiled.as_text() or ""
     fp8_gemms = text.count("__cublas$lt$matmul$f8")  # the GEMMs XLA's GPU compiler ran in FP8
@@ -440,12 +450,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "measure":
         measure(args.out, args.cases, repeats=args.repeats, iters=args.iters, decode=args.decode)
         return 0
-    found = sorted(RESULTS.glob("gpu-*-measured.json"))
+    return each_measured("gpu", compare, Path(__file__).name)
+
+
+def each_measured(prefix: str, report, script: str) -> int:
+    """``report(measured, out)`` for every ``results/<prefix>-*-measured.json``, ``out`` its name without
+    ``-measured``; 2, and what to run, when there is none."""
+    found = sorted(RESULTS.glob(f"{prefix}-*-measured.json"))
     if not found:
-        print(f"no {RESULTS}/gpu-*-measured.json; run `python benchmarks/gpu_step.py measure --out FILE` on a GPU")
+        print(f"no {RESULTS}/{prefix}-*-measured.json; run `python benchmarks/{script} measure --out FILE` on a GPU")
         return 2
     for path in found:
-        compare(path, path.with_name(path.name.replace("-measured", "")))
+        report(path, path.with_name(path.name.replace("-measured", "")))
     return 0
 
 

@@ -9,6 +9,7 @@ from hyperjax.config import ModelConfig, VisionConfig
 from hyperjax.cost.counts import count_params as counted_params
 from hyperjax.cost.counts import model_tensors
 from hyperjax.models import build_model, count_params
+from hyperjax.models.layers import attention_core
 
 SMALL = {"layers": 2, "d_model": 64, "heads": 4, "d_ff": 128, "vocab": 256, "seq_len": 16}
 
@@ -132,6 +133,34 @@ def test_causal(name):
     la, lb = model(a), model(b)
     np.testing.assert_allclose(la[0, :10], lb[0, :10], rtol=1e-6)  # the future does not leak back
     assert not np.allclose(la[0, 10:], lb[0, 10:])
+
+
+@pytest.mark.parametrize(("heads", "kv"), [(8, 8), (8, 2), (8, 1)])
+def test_materialized_attention_is_each_heads_softmax_and_transposes_no_score_matrix(heads, kv):
+    """Each query head attends to its key head (``h // (heads / kv)``) as a softmax written out per head; the
+    program, forward and backward, never transposes an array as large as the scores (the layout
+    ``grouped_scores`` keeps: a grouped-query model's scores were moved through memory again)."""
+    rng = np.random.default_rng(0)
+    b, s, d, dv = 2, 24, 16, 12
+    q = rng.standard_normal((b, s, heads, d)).astype(np.float32)
+    k = rng.standard_normal((b, s, kv, d)).astype(np.float32)
+    v = rng.standard_normal((b, s, kv, dv)).astype(np.float32)
+    out = np.asarray(attention_core(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True, kernel="materialized"))
+    for h in range(heads):
+        g = h // (heads // kv)
+        scores = np.einsum("bqd,bsd->bqs", q[:, :, h], k[:, :, g]) / np.sqrt(d)
+        scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        np.testing.assert_allclose(out[:, :, h], np.einsum("bqs,bsd->bqd", probs, v[:, :, g]), rtol=1e-5, atol=1e-6)
+
+    def loss(q, k, v):
+        return attention_core(q, k, v, causal=True, kernel="materialized").sum() ** 2
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
+    moved = [e.outvars[0].aval.shape for e in jaxpr.eqns if e.primitive.name == "transpose"]
+    assert moved, "the small transposes of queries and outputs are in the program"
+    assert all(np.prod(shape) < b * heads * s * s for shape in moved), moved
 
 
 @pytest.mark.parametrize(

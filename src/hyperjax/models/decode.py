@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hyperjax.models.layers import Attention, Constrain, no_constraint, use
+from hyperjax.models.layers import Attention, Constrain, grouped_scores, grouped_values, no_constraint, use
 from hyperjax.models.mla import LatentAttention
 from hyperjax.models.transformer import Block, Transformer, logits, lookup
 
@@ -63,15 +63,12 @@ def _attend(attn: Attention | LatentAttention, x: jax.Array, constrain: Constrai
         layout = ("batch", None, "act_kv_heads", None)
         cache = LayerCache(write(cache.k, k, layout), write(cache.v, v, layout))
         ks, vs = cache
-    b, _, h, d = q.shape
-    kv = ks.shape[2]
-    q = q.reshape(b, t, kv, h // kv, d)
-    scale = attn.score_scale if isinstance(attn, LatentAttention) else 1 / jnp.sqrt(jnp.float32(d))
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, ks).astype(jnp.float32) * scale
-    visible = jnp.arange(ks.shape[1])[None, :] <= positions[:, None]  # (query, key)
+    scale = attn.score_scale if isinstance(attn, LatentAttention) else 1 / jnp.sqrt(jnp.float32(q.shape[-1]))
+    scores = grouped_scores(q, ks).astype(jnp.float32) * scale
+    visible = jnp.arange(ks.shape[1])[None, None, :] <= positions[:, None, None]  # (query, group, key)
     scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(vs.dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, vs).reshape(b, t, h, vs.shape[-1])
+    out = grouped_values(probs, vs)
     out = constrain(out, ("batch", "seq", "act_heads", None))
     return attn.output(out, constrain), cache
 

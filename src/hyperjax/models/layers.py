@@ -180,21 +180,43 @@ def attention_core(
     for rematerialisation policies); ``flash`` calls :func:`jax.nn.dot_product_attention`, which XLA runs
     as a fused kernel where the backend has one (cuDNN on GPUs) and as the same arithmetic elsewhere.
     """
-    b, s, h, d = q.shape
+    s, d = q.shape[1], q.shape[3]
     if kernel == "flash":
         dv = v.shape[-1]
         if dv != d:  # the fused kernel takes one head width: values padded to the queries' and keys'
             v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, d - dv)))
         return jax.nn.dot_product_attention(q, k, v, scale=scale or 1.0 / d**0.5, is_causal=causal)[..., :dv]
-    kv = k.shape[2]
-    q = q.reshape(b, s, kv, h // kv, d)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32)
+    scores = grouped_scores(q, k).astype(jnp.float32)
     scores = scores * scale if scale is not None else scores / jnp.sqrt(jnp.float32(d))
     if causal:
-        mask = jnp.tril(jnp.ones((s, s), dtype=bool))
+        mask = jnp.tril(jnp.ones((s, s), dtype=bool))[:, None, :]  # (query, group, key)
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(v.dtype), "attn_core")
-    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, h, v.shape[-1])
+    return grouped_values(probs, v)
+
+
+def grouped_scores(q: jax.Array, k: jax.Array) -> jax.Array:
+    """The scores ``(b, kv_heads, t, group, s)`` of queries ``(b, t, heads, d)`` against keys ``(b, s, kv_heads,
+    d)``, each key head met by its ``group = heads / kv_heads`` query heads.
+
+    The axes are those the product gives (its batch axes, then the queries' free axes, then the keys'), so
+    the program transposes no score matrix, forward or backward. Laid out ``(b, kv, group, t, s)``, the
+    scores of a grouped-query model were transposed, and its probabilities and their gradients with them:
+    on an H200, the four kernels a block that fused those transposes with the softmax's passes took 167 of
+    the 325 ms a TinyLlama-shaped step spent in kernels (``benchmarks/gpu_step_profile.py``).
+    """
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, h // kv, d)
+    return jax.lax.dot_general(q, k, (((4,), (3,)), ((0, 2), (0, 2))))
+
+
+def grouped_values(probs: jax.Array, v: jax.Array) -> jax.Array:
+    """``(b, t, heads, dv)``: probabilities ``(b, kv_heads, t, group, s)`` (:func:`grouped_scores`'s layout)
+    times values ``(b, s, kv_heads, dv)``."""
+    b, kv, t, g, _ = probs.shape
+    out = jax.lax.dot_general(probs, v, (((4,), (1,)), ((0, 1), (0, 2))))  # (b, kv, t, group, dv)
+    return out.transpose(0, 2, 1, 3, 4).reshape(b, t, kv * g, v.shape[-1])
 
 
 class Attention(nnx.Module):
