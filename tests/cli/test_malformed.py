@@ -177,6 +177,7 @@ def test_malformed_files_and_overrides_exit_2(command: str, case, capsys):
         ),
         (["train", "QUICK", "--plan-only", "--metrics-out", "m.jsonl"], "--metrics-out names where training writes"),
         (["train", "GRPO", "--plan-only", "--checkpoint-dir", "ck"], "--checkpoint-dir names where training writes"),
+        (["train", "QUICK", "--plan-only", "--out-dir", "out"], "--out-dir names where training writes"),
         (
             ["predict", "QUICK", "--inference", "--set", "serve.prompt_len=128"],
             "leaves none of it; set serve.new_tokens",

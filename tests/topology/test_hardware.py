@@ -128,6 +128,30 @@ def test_missing_key():
         hardware_from_dict(raw)
 
 
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda raw: raw.pop("device"), r"^x.yaml: device is missing; it is a mapping of name, peak_flops, hbm_bytes"),
+        (lambda raw: raw.update(host=[1]), r"^x.yaml: host must be a mapping of bytes_per_device, .*got list$"),
+        (lambda raw: raw.pop("name"), r"^x.yaml: missing key 'name'; required keys: name, description"),
+    ],
+)
+def test_a_missing_section_is_named_once_with_what_it_holds(edit, message):
+    raw = _raw()
+    edit(raw)
+    with pytest.raises(PresetError, match=message):
+        hardware_from_dict(raw, where="x.yaml")
+
+
+def test_an_empty_or_listed_preset_file_says_what_a_preset_gives(tmp_path):
+    (tmp_path / "empty.yaml").write_text("")
+    with pytest.raises(PresetError, match=r"empty.yaml is empty; a preset gives name, description, devices, device"):
+        load_hardware(tmp_path / "empty.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(PresetError, match=r"list.yaml: the preset must be a mapping of name, .*, got list"):
+        load_hardware(tmp_path / "list.yaml")
+
+
 def test_tiers_must_nest():
     raw = _raw()
     raw["tiers"][1]["group_size"] = 100

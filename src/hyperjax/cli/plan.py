@@ -67,14 +67,13 @@ def _held(sets: list[str], cfg: Config) -> dict[str, Any]:
     for item in sets:
         key, _, text = item.partition("=")
         key = key.strip()
-        if key in ("parallel", "train"):
-            value = parse_yaml(text)
-            given = set(value) if isinstance(value, dict) else set()
-            names |= given if key == "parallel" else set()
-            recompute |= key == "train" and "recompute" in given
+        given = parse_yaml(text) if key in ("parallel", "train") else None
+        given = set(given) if isinstance(given, dict) else set()
+        if key == "parallel":
+            names |= given
         elif key.startswith("parallel."):
             names.add(key.removeprefix("parallel."))
-        recompute |= key == "train.recompute"
+        recompute |= key == "train.recompute" or (key == "train" and "recompute" in given)
     p = cfg.parallel
     held = {f"parallel.{n}": getattr(p, n) for n in sorted(names & SEARCHED)}
     held |= {"train.recompute": cfg.train.recompute} if recompute else {}

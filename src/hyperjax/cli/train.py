@@ -160,8 +160,8 @@ def _check_flags(args: argparse.Namespace) -> None:
             "--explain prints where every parameter lives on the started devices; --plan-only starts "
             "none: drop one of them"
         )
-    written = [f for f, v in (("--metrics-out", args.metrics_out), ("--out-dir", args.out_dir)) if v is not None]
-    written += ["--checkpoint-dir"] if args.checkpoint_dir is not None else []
+    writes = {"--metrics-out": args.metrics_out, "--out-dir": args.out_dir, "--checkpoint-dir": args.checkpoint_dir}
+    written = [flag for flag, value in writes.items() if value is not None]
     if written and args.plan_only:
         raise ConfigError(
             f"{written[0]} names where training writes, but --plan-only prints the run and trains nothing; "

@@ -285,39 +285,51 @@ def hardware_from_dict(raw: Any, *, where: str = "preset") -> Hardware:
     Raises:
       PresetError: a key is missing or unknown, or a value is invalid.
     """
-    raw = _mapping(raw, where)
+    if raw is None:
+        raise PresetError(f"{where} is empty; a preset gives {', '.join(_required(Hardware))} (see {presets_dir()})")
     try:
-        device = DeviceSpec(**_fields(DeviceSpec, _mapping(raw.get("device"), f"{where}: device"), f"{where}: device"))
+        raw = _mapping(raw, "the preset", Hardware)
+        device = DeviceSpec(**_fields(DeviceSpec, _mapping(raw.get("device"), "device", DeviceSpec), "device"))
         tiers = tuple(
-            Tier(**_fields(Tier, _mapping(t, f"{where}: tiers[{i}]"), f"{where}: tiers[{i}]"))
+            Tier(**_fields(Tier, _mapping(t, f"tiers[{i}]", Tier), f"tiers[{i}]"))
             for i, t in enumerate(raw.get("tiers") or [])
         )
-        host = HostSpec(**_fields(HostSpec, _mapping(raw.get("host"), f"{where}: host"), f"{where}: host"))
+        host = HostSpec(**_fields(HostSpec, _mapping(raw.get("host"), "host", HostSpec), "host"))
         top = {k: v for k, v in raw.items() if k not in ("device", "tiers", "host")}
         return Hardware(
-            device=device, tiers=tiers, host=host, **_fields(Hardware, top, where, skip=("device", "tiers", "host"))
+            device=device, tiers=tiers, host=host, **_fields(Hardware, top, None, skip=("device", "tiers", "host"))
         )
     except PresetError as e:
         raise PresetError(f"{where}: {e}") from None
 
 
-def _mapping(value: Any, where: str) -> dict[str, Any]:
+def _required(cls: type) -> list[str]:
+    """The fields of ``cls`` that have no default: what its part of a preset must give."""
+    return [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+
+
+def _mapping(value: Any, where: str, cls: type) -> dict[str, Any]:
+    if value is None:
+        raise PresetError(f"{where} is missing; it is a mapping of {', '.join(_required(cls))}")
     if not isinstance(value, dict):
-        raise PresetError(f"{where} must be a mapping, got {type(value).__name__}")
+        raise PresetError(f"{where} must be a mapping of {', '.join(_required(cls))}, got {type(value).__name__}")
     return value
 
 
-def _fields(cls: type, raw: dict[str, Any], where: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+def _fields(cls: type, raw: dict[str, Any], where: str | None, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    at = f"{where}: " if where else ""
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in skip}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         close = difflib.get_close_matches(unknown[0], list(fields), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise PresetError(f"{where}: unknown key {unknown[0]!r}{hint}; allowed keys: {', '.join(fields)}")
-    required = [
-        n for n, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
+        raise PresetError(f"{at}unknown key {unknown[0]!r}{hint}; allowed keys: {', '.join(fields)}")
+    required = [n for n in _required(cls) if n not in skip]
     missing = [n for n in required if n not in raw]
     if missing:
-        raise PresetError(f"{where}: missing key {missing[0]!r}; required keys: {', '.join(required)}")
+        raise PresetError(f"{at}missing key {missing[0]!r}; required keys: {', '.join(required)}")
     return dict(raw)
