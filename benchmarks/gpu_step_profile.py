@@ -28,7 +28,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu_step
 
-RESULTS = gpu_step.RESULTS
 KINDS = (  # kernel name pattern -> kind, first match wins
     (r"gemm|nvjet|cutlass|xmma|cublas|sm90_|sm80_", "products"),
     (r"cudnn|flash|fmha", "fused attention"),
