@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -163,7 +164,7 @@ class Checkpoints:
                 reader = self._open(processes={jax.process_index()}, read_only=True)
         else:
             abstract = jax.tree.map(_abstract, _arrays(like))
-        _quiet_abandoned_reads()  # before any read starts: a failed one closes the others' loop at once
+        _quiet_abandoned_reads(self.directory)  # before any read starts: a failed one closes the others' loop
         try:
             try:
                 saved = reader.item_metadata(step)["state"]
@@ -231,7 +232,7 @@ def restore_params(directory: str | Path, like: Any, *, command: str = "generate
     abstract = jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else _abstract(x), like)
     options = ocp.CheckpointManagerOptions(create=False, read_only=True, save_interval_steps=0)
     handlers = {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
-    _quiet_abandoned_reads()
+    _quiet_abandoned_reads(directory)
     with ocp.CheckpointManager(directory, options=options, item_handlers=handlers) as reader:
         try:
             saved = reader.item_metadata(step)["state"]
@@ -312,14 +313,19 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {line[:160]}{'...' if len(line) > 160 else ''}"
 
 
-def _quiet_abandoned_reads() -> None:
-    """Let reads abandoned by a failed restore end silently.
+def _quiet_abandoned_reads(directory: Path) -> None:
+    """Let reads of ``directory`` abandoned by a failed restore end silently.
 
-    orbax reads every array concurrently on an event loop it closes as soon as one read fails; the others
-    then complete into the closed loop, and each would print a ``RuntimeError: Event loop is closed``
-    traceback over the one-line error (through ``sys.excepthook`` or ``sys.unraisablehook``, depending on
-    the thread). Only that exact error is dropped; every other one is reported as before.
+    orbax reads every array concurrently on an event loop it closes as soon as one read fails. The others
+    then end in one of two ways, each of which would print over the one-line error: they complete into the
+    closed loop (a ``RuntimeError: Event loop is closed`` traceback, through ``sys.excepthook`` or
+    ``sys.unraisablehook`` depending on the thread), or they fail themselves and are collected unread
+    (asyncio's "Future exception was never retrieved", logged with the failed read, which names its file).
+    Only those are dropped: the exact closed-loop error, and unread failures that name a file in a folder a
+    restore read; every other error is reported as before.
     """
+    _READ.add(str(directory))
+    logging.getLogger("asyncio").addFilter(_reported_unread)  # once: a logger holds a filter once
     if getattr(sys.excepthook, "_hyperjax_quiet", False):
         return
     previous_except, previous_unraisable = sys.excepthook, sys.unraisablehook
@@ -337,3 +343,17 @@ def _quiet_abandoned_reads() -> None:
 
     excepthook._hyperjax_quiet = True  # type: ignore[attr-defined]
     sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
+
+
+_READ: set[str] = set()  # the folders restores have read, whose abandoned reads end silently
+
+
+def _reported_unread(record: logging.LogRecord) -> bool:
+    """False (drop it) for asyncio's report of an unread failed future that names a file in a folder of
+    ``_READ``: a read a failed restore abandoned, whose failure the restore's own error already named."""
+    text = record.getMessage()
+    if not text.startswith("Future exception was never retrieved"):
+        return True
+    if record.exc_info and record.exc_info[1] is not None:
+        text += str(record.exc_info[1])
+    return not any(folder in text for folder in _READ)
