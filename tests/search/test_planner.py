@@ -99,6 +99,35 @@ def test_plan_cli_holds_a_searched_key_set_on_the_command_line(capsys):
         assert {c["train.recompute"] for c in json.loads(capsys.readouterr().out)["candidates"]} == {"full"}
 
 
+def test_plan_cli_holds_the_micro_batch_and_their_count_set_on_the_command_line(capsys):
+    """``--set train.micro_batch=2`` keeps every candidate to micro-batches of 2 rows (one stage accumulating
+    them, a pipeline running them; both were ignored, the search choosing its own), ``train.microbatches``
+    to that many a step; a count no strategy runs exits 2 naming it."""
+    quick = str(ROOT / "configs/quickstart.yaml")
+    base = ["plan", quick, "--devices", "8", "--json", "--top", "500"]
+
+    def runs(found: list[dict]) -> set[tuple[int, int, int]]:  # (pipeline, rows, micro-batches) of each
+        out = set()
+        for c in found:
+            per_replica = 32 // (c["parallel.data"] * c["parallel.fsdp"])
+            rows = c["train.micro_batch"] or per_replica
+            out.add((c["parallel.pipeline"], rows, per_replica // rows))
+        return out
+
+    assert main(base) == 0
+    assert len({rows for _, rows, _ in runs(json.loads(capsys.readouterr().out)["candidates"])}) > 2
+    for sets in (["train.micro_batch=2"], ["train={micro_batch: 2}"]):
+        assert main([*base, *(a for s in sets for a in ("--set", s))]) == 0
+        held = runs(json.loads(capsys.readouterr().out)["candidates"])
+        assert {rows for _, rows, _ in held} == {2}, held
+        assert {p for p, _, _ in held} > {1} and any(p == 1 and n > 1 for p, _, n in held), held
+    assert main([*base, "--set", "train.microbatches=4"]) == 0
+    held = runs(json.loads(capsys.readouterr().out)["candidates"])
+    assert held and {n for _, _, n in held} == {4}, held
+    assert main([*base, "--set", "train.microbatches=64"]) == 2
+    assert "has train.microbatches=64; drop train.microbatches" in capsys.readouterr().err
+
+
 def test_plan_cli_accumulate(capsys):
     """``plan --accumulate`` searches one stage in micro-batches of ``train.micro_batch`` too, an MoE's
     forwards paired with the previous backward (fb-pair); without a micro-batch to accumulate it exits 2."""
@@ -108,6 +137,8 @@ def test_plan_cli_accumulate(capsys):
     found = json.loads(capsys.readouterr().out)["candidates"]
     one = [c for c in found if c["parallel.pipeline"] == 1 and c["train.micro_batch"] == 1]
     assert {c.get("parallel.overlap", "none") for c in one} >= {"none", "fb-pair"}
+    # the micro-batch given is the size accumulated, beside one stage's every row at once: not held
+    assert any(c["parallel.pipeline"] == 1 and c["train.micro_batch"] is None for c in found)
     assert main(["plan", moe, "--devices", "8", "--accumulate"]) == 2
     assert "--accumulate searches one stage in micro-batches of train.micro_batch" in capsys.readouterr().err
     assert main(["plan", str(ROOT / "configs/grpo-tiny.yaml"), "--devices", "8", "--accumulate"]) == 2

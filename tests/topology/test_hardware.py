@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from hyperjax import Hardware, PresetError, list_presets, load_hardware
+from hyperjax.cli.main import main
 from hyperjax.topology.hardware import hardware_from_dict, presets_dir
 
 REQUIRED = ("cloudmatrix384", "supernode-12x32", "dgx-a100-80g", "dgx-h100", "tpu-v5p")
@@ -143,10 +144,15 @@ def test_a_missing_section_is_named_once_with_what_it_holds(edit, message):
         hardware_from_dict(raw, where="x.yaml")
 
 
-def test_an_empty_or_listed_preset_file_says_what_a_preset_gives(tmp_path):
+def test_an_empty_or_listed_preset_file_says_what_a_preset_gives(tmp_path, capsys):
     (tmp_path / "empty.yaml").write_text("")
     with pytest.raises(PresetError, match=r"empty.yaml is empty; a preset gives name, description, devices, device"):
         load_hardware(tmp_path / "empty.yaml")
+    quick = str(Path(__file__).parents[2] / "configs" / "quickstart.yaml")
+    for command in (["predict", quick], ["plan", quick, "--devices", "8"]):  # from the command line: exit 2
+        assert main([*command, "--hardware", str(tmp_path / "empty.yaml")]) == 2
+        err = capsys.readouterr().err
+        assert "empty.yaml is empty; a preset gives name" in err and "Traceback" not in err, err
     (tmp_path / "list.yaml").write_text("- 1\n")
     with pytest.raises(PresetError, match=r"list.yaml: the preset must be a mapping of name, .*, got list"):
         load_hardware(tmp_path / "list.yaml")

@@ -35,7 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "Search every valid strategy (data, fsdp, ZeRO, tensor and sequence, context, expert, pipeline with "
             "its schedule, micro-batch, recomputation), price each with the cost model, drop those that do not "
             "fit device memory, and list the fastest. A searched parallel.* key given with --set holds the search "
-            "to its value, as does train.recompute."
+            "to its value, as do train.recompute, train.micro_batch (one stage then accumulates micro-batches of "
+            "that size; with --accumulate it is only the size accumulated) and train.microbatches."
         ),
         examples=[
             "hyperjax plan configs/deepseek-v3-671b.yaml --devices 384",
@@ -58,12 +59,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+HELD_TRAIN = ("micro_batch", "microbatches", "recompute")
+"""The ``train.*`` keys the search varies, which ``--set`` holds too."""
+
+
 def _held(sets: list[str], cfg: Config) -> dict[str, Any]:
-    """The searched ``parallel.*`` keys and ``train.recompute`` that ``--set`` gives (one by one or in a
+    """The searched ``parallel.*`` keys and :data:`HELD_TRAIN` keys that ``--set`` gives (one by one or in a
     ``parallel=`` or ``train=`` mapping), at their values in ``cfg``, as the search writes them: what the plan
     keeps fixed. A null (derived) value holds nothing, nor an expert tensor degree equal to the tensor degree
     (null's meaning)."""
-    names, recompute = set(), False
+    names, train = set(), set()
     for item in sets:
         key, _, text = item.partition("=")
         key = key.strip()
@@ -73,10 +78,13 @@ def _held(sets: list[str], cfg: Config) -> dict[str, Any]:
             names |= given
         elif key.startswith("parallel."):
             names.add(key.removeprefix("parallel."))
-        recompute |= key == "train.recompute" or (key == "train" and "recompute" in given)
+        elif key == "train":
+            train |= given
+        elif key.startswith("train."):
+            train.add(key.removeprefix("train."))
     p = cfg.parallel
     held = {f"parallel.{n}": getattr(p, n) for n in sorted(names & SEARCHED)}
-    held |= {"train.recompute": cfg.train.recompute} if recompute else {}
+    held |= {f"train.{n}": getattr(cfg.train, n) for n in HELD_TRAIN if n in train}
     if held.get("parallel.expert_tensor") == p.tensor:
         held["parallel.expert_tensor"] = None
     return {k: v for k, v in held.items() if v is not None}
@@ -97,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         )
     hw = load_hardware(cfg.hardware)
     where = _held(args.sets, cfg)
+    if args.accumulate:  # the micro-batch is the size one stage accumulates, beside all its rows at once
+        where.pop("train.micro_batch", None)
     bar = None if args.json or not sys.stderr.isatty() else _progress_bar()
     try:
         found = plan(
@@ -105,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             keep=args.top,
             hardware=hw,
             progress=bar[1] if bar else None,
-            accumulate=args.accumulate,
+            accumulate=args.accumulate or "train.micro_batch" in where,  # one stage runs the size held too
             where=where,
         )
     except NothingFits as e:

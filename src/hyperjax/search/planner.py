@@ -36,7 +36,7 @@ from hyperjax.errors import ConfigError, HyperjaxError
 from hyperjax.offload import budget_bytes, offload_pass, with_offload
 from hyperjax.resolver import check_preset, resolve
 from hyperjax.search.bounds import lower_bound
-from hyperjax.search.strategies import RECOMPUTE, candidate, strategies, submesh_strategies
+from hyperjax.search.strategies import RECOMPUTE, candidate, micro_batches, strategies, submesh_strategies
 from hyperjax.topology import Hardware, load_hardware
 
 VARIES = ("parallel.zero_stage", "train.recompute", "parallel.overlap")
@@ -150,7 +150,8 @@ def plan(
       prune: stop at the first base whose lower bound cannot beat the answer (``False``: price every one).
       where: search only the strategies with these settings, e.g. ``{"parallel.expert": 64}`` (a strategy
         that does not set a key, such as a dense model's ``parallel.expert``, is kept); ``train.recompute``
-        there is the only recomputation tried.
+        there is the only recomputation tried; ``train.micro_batch`` and ``train.microbatches`` hold the rows of
+        each micro-batch and their count as the step runs them.
       accumulate: also try one stage in micro-batches of ``train.micro_batch`` (gradient accumulation), its
         forwards paired with the previous micro-batch's backwards too for a mixture of experts (``fb-pair``).
       one_program: only steps that run as one SPMD program on one stage (no ``fb-pair`` there: an RL learner).
@@ -167,8 +168,7 @@ def plan(
     if cfg.mpmd.submeshes:
         combinations += list(submesh_strategies(cfg, hw, devices))
     if where:
-        # a strategy without the key (a dense model's expert degree, an MPMD split's whole-run degrees) passes
-        combinations = [c for c in combinations if all(c.get(k, v) == v for k, v in where.items())]
+        combinations = [c for c in combinations if _holds(cfg, c, where)]
     index = {id(c): i for i, c in enumerate(combinations)}  # ties are ranked as the enumeration orders them
     groups = list(bases(combinations).values())
     bound = [
@@ -255,6 +255,24 @@ def plan(
     return Search(
         best=best, searched=len(combinations), priced=priced, fitting=fitting, seconds=time.perf_counter() - start
     )
+
+
+def _holds(cfg: Config, combo: dict[str, Any], where: Mapping[str, Any]) -> bool:
+    """Whether ``combo`` has the settings of ``where``. A strategy without a key (a dense model's expert
+    degree, an MPMD split's whole-run degrees) passes it; the micro-batch's rows and count are compared as
+    the step runs them (one stage of every row at once runs one micro-batch of all its rows)."""
+    counted = "parallel.data" in combo and ("train.micro_batch" in where or "train.microbatches" in where)
+    rows, count = micro_batches(cfg, combo) if counted else (None, None)
+    for key, value in where.items():
+        if key == "train.micro_batch" and counted:
+            got = rows
+        elif key == "train.microbatches" and counted:
+            got = count
+        else:
+            got = combo.get(key, value)
+        if got != value:
+            return False
+    return True
 
 
 def _nothing_fits(

@@ -175,6 +175,15 @@ def strategies(
                             }
 
 
+def micro_batches(cfg: Config, combo: dict[str, Any]) -> tuple[int, int]:
+    """``(rows, count)``: the rows of each micro-batch a candidate of :func:`strategies` runs, and how many a
+    replica runs a step (one stage without ``train.micro_batch`` runs all its rows at once: one)."""
+    dp = combo["parallel.data"] * combo["parallel.fsdp"] * combo.get("parallel.expert", 1)
+    per_replica = cfg.train.global_batch // dp
+    rows = combo["train.micro_batch"] or per_replica
+    return rows, per_replica // rows
+
+
 def submesh_strategies(cfg: Config, hardware: Hardware, devices: int) -> Iterator[dict[str, Any]]:
     """The MPMD splits of a vision-language model: the encoder on ``n`` devices (whole groups of the
     machine's first tier when there are several), the language model on the rest, each with a tensor
