@@ -39,10 +39,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
-    """The slow tier in one process: its tests start a dozen processes or emulate hundreds of devices each,
-    and two at once would share the cores and memory they already fill. The fast tier: xdist's count."""
+    """A selection that can hold a ``large`` or ``multiprocess`` test runs in one process: each of those
+    starts a dozen processes or emulates hundreds of devices, and two at once would share the cores and
+    memory one already fills. The fast tier, and the slow tier's 8-device runs and sweeps alone
+    (``-m "slow and not large and not multiprocess"``), take xdist's count."""
     marks = config.option.markexpr or ""
-    return 0 if "slow" in marks and "not slow" not in marks else None
+    if "slow" not in marks or "not slow" in marks:
+        return None
+    return None if "not large" in marks and "not multiprocess" in marks else 0
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
