@@ -57,9 +57,9 @@ def kernels(trace: dict) -> dict[str, list[float]]:
     return out
 
 
-def profile_case(name: str, *, steps: int, keep: Path | None = None) -> dict:
+def profile_case(name: str, *, steps: int, keep: Path) -> dict:
     """Trace ``steps`` steps of case ``name`` after 3 warm-up steps; its kernels' time on the device (the
-    trace itself copied to ``keep`` when given)."""
+    trace itself copied to ``keep``)."""
     import jax
 
     compiled, state, batch, compile_s = gpu_step.compile_case(name)
@@ -77,8 +77,7 @@ def profile_case(name: str, *, steps: int, keep: Path | None = None) -> dict:
         if not found:
             raise RuntimeError(f"the profiler wrote no perfetto_trace.json.gz under {tmp}")
         raw = found[0].read_bytes()
-    if keep is not None:
-        keep.write_bytes(raw)
+    keep.write_bytes(raw)
     trace = json.loads(gzip.decompress(raw))
     per = kernels(trace)
     rows = sorted(((sum(d) / steps, len(d) / steps, k) for k, d in per.items()), reverse=True)

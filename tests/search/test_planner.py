@@ -111,6 +111,7 @@ def test_plan_cli_holds_the_micro_batch_and_their_count_set_on_the_command_line(
         for c in found:
             per_replica = 32 // (c["parallel.data"] * c["parallel.fsdp"])
             rows = c["train.micro_batch"] or per_replica
+            assert (c["micro_batch_rows"], c["microbatches"]) == (rows, per_replica // rows), c
             out.add((c["parallel.pipeline"], rows, per_replica // rows))
         return out
 
@@ -125,7 +126,8 @@ def test_plan_cli_holds_the_micro_batch_and_their_count_set_on_the_command_line(
     held = runs(json.loads(capsys.readouterr().out)["candidates"])
     assert held and {n for _, _, n in held} == {4}, held
     assert main([*base, "--set", "train.microbatches=64"]) == 2
-    assert "has train.microbatches=64; drop train.microbatches" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "has train.microbatches=64; drop train.microbatches" in err and "micro_batch_rows, microbatches" in err
 
 
 def test_plan_cli_accumulate(capsys):

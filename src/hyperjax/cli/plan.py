@@ -36,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "its schedule, micro-batch, recomputation), price each with the cost model, drop those that do not "
             "fit device memory, and list the fastest. A searched parallel.* key given with --set holds the search "
             "to its value, as do train.recompute, train.micro_batch (one stage then accumulates micro-batches of "
-            "that size; with --accumulate it is only the size accumulated) and train.microbatches."
+            "that size; with --accumulate it is only the size accumulated) and train.microbatches (a pipeline's "
+            "count, or one stage's with train.micro_batch held too)."
         ),
         examples=[
             "hyperjax plan configs/deepseek-v3-671b.yaml --devices 384",

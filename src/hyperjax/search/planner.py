@@ -63,13 +63,16 @@ class Candidate:
         return self.estimate.run
 
     def to_dict(self) -> dict[str, Any]:
-        """The candidate as JSON-ready data: its overrides plus the headline predictions."""
+        """The candidate as JSON-ready data: its overrides, the rows of each micro-batch and their count as
+        the step runs them (``micro_batch_rows``, ``microbatches``), and the headline predictions."""
         e = self.estimate
         plain = {
             k: [dataclasses.asdict(s) for s in v] if k == "mpmd.submeshes" else v for k, v in self.overrides.items()
         }
         out = {
             **plain,
+            "micro_batch_rows": e.run.micro_batch,
+            "microbatches": e.run.microbatches,
             "step_time_s": e.step_time_s,
             "mfu": e.mfu,
             "peak_gib": e.memory_per_device_gib["peak"],
@@ -239,9 +242,12 @@ def plan(
         best = sorted(best, key=lambda c: c.estimate.step_time_s)[:keep]
     if not priced and where:
         held = ", ".join(f"{k}={v!r}" for k, v in where.items())
+        micro = any(k.startswith("train.micro") for k in where)
+        counts = " and its micro-batches: micro_batch_rows, microbatches" if micro else ""
         raise ConfigError(
             f"no strategy the search tries on {devices} devices has {held}; drop {', '.join(where)} to search "
-            "them all, or give a value among those it tries (hyperjax plan --json lists them)"
+            f"them all, or give a value among those it tries (hyperjax plan --json lists each candidate's "
+            f"settings{counts})"
         )
     if not priced:
         raise ConfigError(

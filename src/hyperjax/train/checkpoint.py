@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -164,7 +165,7 @@ class Checkpoints:
                 reader = self._open(processes={jax.process_index()}, read_only=True)
         else:
             abstract = jax.tree.map(_abstract, _arrays(like))
-        _quiet_abandoned_reads(self.directory)  # before any read starts: a failed one closes the others' loop
+        _quiet_abandoned_reads(self.directory / str(step))  # before any read starts: a failed one ends the others
         try:
             try:
                 saved = reader.item_metadata(step)["state"]
@@ -180,6 +181,7 @@ class Checkpoints:
         finally:
             if reader is not self._manager:
                 reader.close()
+        _READ.discard(_folder(self.directory / str(step)))  # read whole: nothing of it was abandoned
         meta = dict(out["meta"] or {})
         records = meta.get("records")
         valid = (
@@ -232,7 +234,7 @@ def restore_params(directory: str | Path, like: Any, *, command: str = "generate
     abstract = jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else _abstract(x), like)
     options = ocp.CheckpointManagerOptions(create=False, read_only=True, save_interval_steps=0)
     handlers = {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
-    _quiet_abandoned_reads(directory)
+    _quiet_abandoned_reads(directory / str(step))
     with ocp.CheckpointManager(directory, options=options, item_handlers=handlers) as reader:
         try:
             saved = reader.item_metadata(step)["state"]
@@ -256,6 +258,7 @@ def restore_params(directory: str | Path, like: Any, *, command: str = "generate
             out = reader.restore(step, args=ocp.args.Composite(state=args, meta=ocp.args.JsonRestore()))
         except Exception as e:
             raise ConfigError(f"{where} cannot be read ({_first_line(e)}); {_fix(directory, step)}") from None
+    _READ.discard(_folder(directory / str(step)))
     meta = dict(out["meta"] or {})
     return Restored(state=out["state"]["params"], step=step, records=meta.pop("records", []), meta=meta)
 
@@ -313,18 +316,18 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {line[:160]}{'...' if len(line) > 160 else ''}"
 
 
-def _quiet_abandoned_reads(directory: Path) -> None:
-    """Let reads of ``directory`` abandoned by a failed restore end silently.
+def _quiet_abandoned_reads(checkpoint: Path) -> None:
+    """Let the reads of ``checkpoint`` (one step's folder) that a failed restore abandons end silently.
 
     orbax reads every array concurrently on an event loop it closes as soon as one read fails. The others
     then end in one of two ways, each of which would print over the one-line error: they complete into the
     closed loop (a ``RuntimeError: Event loop is closed`` traceback, through ``sys.excepthook`` or
     ``sys.unraisablehook`` depending on the thread), or they fail themselves and are collected unread
-    (asyncio's "Future exception was never retrieved", logged with the failed read, which names its file).
-    Only those are dropped: the exact closed-loop error, and unread failures that name a file in a folder a
-    restore read; every other error is reported as before.
+    (asyncio's "... exception was never retrieved", logged with the failed read, which names its file).
+    Only those are dropped: the exact closed-loop error, and unread failures whose error names a file in a
+    checkpoint a restore started reading and did not finish; every other error is reported as before.
     """
-    _READ.add(str(directory))
+    _READ.add(_folder(checkpoint))
     logging.getLogger("asyncio").addFilter(_reported_unread)  # once: a logger holds a filter once
     if getattr(sys.excepthook, "_hyperjax_quiet", False):
         return
@@ -345,15 +348,19 @@ def _quiet_abandoned_reads(directory: Path) -> None:
     sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
 
 
-_READ: set[str] = set()  # the folders restores have read, whose abandoned reads end silently
+_READ: set[str] = set()  # the checkpoints whose restore started and did not finish, as folder paths with a separator
+UNREAD = ("Future exception was never retrieved", "Task exception was never retrieved")  # asyncio's words
+
+
+def _folder(checkpoint: Path) -> str:
+    return os.path.join(str(checkpoint.absolute()), "")
 
 
 def _reported_unread(record: logging.LogRecord) -> bool:
-    """False (drop it) for asyncio's report of an unread failed future that names a file in a folder of
+    """False (drop it) for asyncio's report of an unread failure whose error names a file in a checkpoint of
     ``_READ``: a read a failed restore abandoned, whose failure the restore's own error already named."""
-    text = record.getMessage()
-    if not text.startswith("Future exception was never retrieved"):
+    error = record.exc_info[1] if record.exc_info else None
+    if error is None or not record.getMessage().startswith(UNREAD):
         return True
-    if record.exc_info and record.exc_info[1] is not None:
-        text += str(record.exc_info[1])
+    text = str(error)
     return not any(folder in text for folder in _READ)
