@@ -17,6 +17,7 @@ import pytest
 
 from hyperjax import load_config, resolve, train
 from hyperjax.cli.main import main
+from hyperjax.errors import ConfigError
 from hyperjax.train import prepare
 from hyperjax.train.checkpoint import Checkpoints, saved_steps
 
@@ -205,7 +206,8 @@ def test_checkpoint_mistakes_exit_2(tmp_path: Path, capsys):
 
 def test_reads_a_failed_restore_abandoned_are_not_reported_but_other_failures_are(tmp_path: Path, caplog, monkeypatch):
     """asyncio reports a failed future or task collected unread; those naming a file of a checkpoint whose
-    restore did not finish are dropped, every other one (another folder, a sibling named alike) is kept."""
+    restore did not finish are dropped, every other one (another folder, a sibling named alike, a checkpoint
+    read whole) is kept."""
     import asyncio
     import gc
     import logging
@@ -214,10 +216,13 @@ def test_reads_a_failed_restore_abandoned_are_not_reported_but_other_failures_ar
 
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # the hooks it installs go with the test
     monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
-    checkpoint._quiet_abandoned_reads(tmp_path / "run" / "3")
     try:
+        with checkpoint._reading(tmp_path / "run" / "2"):
+            pass  # a restore that read the whole checkpoint leaves nothing of it quiet
+        with pytest.raises(ConfigError), checkpoint._reading(tmp_path / "run" / "3"):
+            raise ConfigError("cannot be read")  # a failed restore: its abandoned reads end silently
         loop = asyncio.new_event_loop()
-        for file in ("run/3/state/manifest.ocdbt", "run/31/state/x", "other/x"):
+        for file in ("run/3/state/manifest.ocdbt", "run/31/state/x", "run/2/state/x", "other/x"):
             future = loop.create_future()
             future.set_exception(ValueError(f'DATA_LOSS: Error reading "{tmp_path / file}"'))
             del future
@@ -227,7 +232,8 @@ def test_reads_a_failed_restore_abandoned_are_not_reported_but_other_failures_ar
         logging.getLogger("asyncio").removeFilter(checkpoint._reported_unread)
         checkpoint._READ.discard(checkpoint._folder(tmp_path / "run" / "3"))
     reported = sorted(str(r.exc_info[1]) for r in caplog.records if r.name == "asyncio")
-    assert len(reported) == 2 and "other/x" in reported[0] and "run/31/" in reported[1], reported
+    assert len(reported) == 3, reported
+    assert "other/x" in reported[0] and "run/2/" in reported[1] and "run/31/" in reported[2], reported
 
 
 class _Job:

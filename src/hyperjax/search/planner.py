@@ -267,18 +267,10 @@ def _holds(cfg: Config, combo: dict[str, Any], where: Mapping[str, Any]) -> bool
     """Whether ``combo`` has the settings of ``where``. A strategy without a key (a dense model's expert
     degree, an MPMD split's whole-run degrees) passes it; the micro-batch's rows and count are compared as
     the step runs them (one stage of every row at once runs one micro-batch of all its rows)."""
-    counted = "parallel.data" in combo and ("train.micro_batch" in where or "train.microbatches" in where)
-    rows, count = micro_batches(cfg, combo) if counted else (None, None)
-    for key, value in where.items():
-        if key == "train.micro_batch" and counted:
-            got = rows
-        elif key == "train.microbatches" and counted:
-            got = count
-        else:
-            got = combo.get(key, value)
-        if got != value:
-            return False
-    return True
+    if "parallel.data" in combo:  # a whole-run strategy: its micro-batches as the step runs them
+        rows, count = micro_batches(cfg, combo)
+        combo = {**combo, "train.micro_batch": rows, "train.microbatches": count}
+    return all(combo.get(key, value) == value for key, value in where.items())
 
 
 def _nothing_fits(

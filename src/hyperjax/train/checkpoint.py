@@ -18,11 +18,13 @@ its own chunks, so it restores onto any process count.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -165,8 +167,8 @@ class Checkpoints:
                 reader = self._open(processes={jax.process_index()}, read_only=True)
         else:
             abstract = jax.tree.map(_abstract, _arrays(like))
-        _quiet_abandoned_reads(self.directory / str(step))  # before any read starts: a failed one ends the others
-        try:
+        own = contextlib.closing(reader) if reader is not self._manager else contextlib.nullcontext()
+        with _reading(self.directory / str(step)), own:  # from before any read starts: a failed one ends the others
             try:
                 saved = reader.item_metadata(step)["state"]
                 saved_tree = saved.tree if hasattr(saved, "tree") else saved
@@ -178,10 +180,6 @@ class Checkpoints:
                 out = reader.restore(step, args=ocp.args.Composite(state=state, meta=ocp.args.JsonRestore()))
             except Exception as e:
                 raise ConfigError(f"{where} cannot be read ({_first_line(e)}); {_fix(self.directory, step)}") from None
-        finally:
-            if reader is not self._manager:
-                reader.close()
-        _READ.discard(_folder(self.directory / str(step)))  # read whole: nothing of it was abandoned
         meta = dict(out["meta"] or {})
         records = meta.get("records")
         valid = (
@@ -234,8 +232,10 @@ def restore_params(directory: str | Path, like: Any, *, command: str = "generate
     abstract = jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else _abstract(x), like)
     options = ocp.CheckpointManagerOptions(create=False, read_only=True, save_interval_steps=0)
     handlers = {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
-    _quiet_abandoned_reads(directory / str(step))
-    with ocp.CheckpointManager(directory, options=options, item_handlers=handlers) as reader:
+    with (
+        _reading(directory / str(step)),
+        ocp.CheckpointManager(directory, options=options, item_handlers=handlers) as reader,
+    ):
         try:
             saved = reader.item_metadata(step)["state"]
             saved_tree = saved.tree if hasattr(saved, "tree") else saved
@@ -258,7 +258,6 @@ def restore_params(directory: str | Path, like: Any, *, command: str = "generate
             out = reader.restore(step, args=ocp.args.Composite(state=args, meta=ocp.args.JsonRestore()))
         except Exception as e:
             raise ConfigError(f"{where} cannot be read ({_first_line(e)}); {_fix(directory, step)}") from None
-    _READ.discard(_folder(directory / str(step)))
     meta = dict(out["meta"] or {})
     return Restored(state=out["state"]["params"], step=step, records=meta.pop("records", []), meta=meta)
 
@@ -316,7 +315,8 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {line[:160]}{'...' if len(line) > 160 else ''}"
 
 
-def _quiet_abandoned_reads(checkpoint: Path) -> None:
+@contextlib.contextmanager
+def _reading(checkpoint: Path) -> Iterator[None]:
     """Let the reads of ``checkpoint`` (one step's folder) that a failed restore abandons end silently.
 
     orbax reads every array concurrently on an event loop it closes as soon as one read fails. The others
@@ -325,12 +325,20 @@ def _quiet_abandoned_reads(checkpoint: Path) -> None:
     ``sys.unraisablehook`` depending on the thread), or they fail themselves and are collected unread
     (asyncio's "... exception was never retrieved", logged with the failed read, which names its file).
     Only those are dropped: the exact closed-loop error, and unread failures whose error names a file in a
-    checkpoint a restore started reading and did not finish; every other error is reported as before.
+    checkpoint a restore started reading and did not finish (the block raised); every other error is reported
+    as before, and a block that ends cleanly read the whole checkpoint, so nothing of it was abandoned.
     """
     _READ.add(_folder(checkpoint))
     logging.getLogger("asyncio").addFilter(_reported_unread)  # once: a logger holds a filter once
-    if getattr(sys.excepthook, "_hyperjax_quiet", False):
-        return
+    if not getattr(sys.excepthook, "_hyperjax_quiet", False):
+        _quiet_closed_loop()
+    yield
+    _READ.discard(_folder(checkpoint))
+
+
+def _quiet_closed_loop() -> None:
+    """Drop the exact ``RuntimeError: Event loop is closed`` that a read completing into orbax's closed loop
+    raises, from ``sys.excepthook`` and ``sys.unraisablehook``; pass every other error on."""
     previous_except, previous_unraisable = sys.excepthook, sys.unraisablehook
 
     def closed_loop(error: BaseException | None) -> bool:
