@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hyperjax.models.layers import Attention, Constrain, grouped_scores, grouped_values, no_constraint, use
+from hyperjax.models.layers import Attention, Constrain, attention_core, no_constraint, use
 from hyperjax.models.mla import LatentAttention
 from hyperjax.models.transformer import Block, Transformer, logits, lookup
 
@@ -63,12 +63,8 @@ def _attend(attn: Attention | LatentAttention, x: jax.Array, constrain: Constrai
         layout = ("batch", None, "act_kv_heads", None)
         cache = LayerCache(write(cache.k, k, layout), write(cache.v, v, layout))
         ks, vs = cache
-    scale = attn.score_scale if isinstance(attn, LatentAttention) else 1 / jnp.sqrt(jnp.float32(q.shape[-1]))
-    scores = grouped_scores(q, ks).astype(jnp.float32) * scale
-    visible = jnp.arange(ks.shape[1])[None, None, :] <= positions[:, None, None]  # (query, group, key)
-    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(vs.dtype)
-    out = grouped_values(probs, vs)
+    scale = attn.score_scale if isinstance(attn, LatentAttention) else None
+    out = attention_core(q, ks, vs, causal=True, kernel="materialized", scale=scale, start=pos)
     out = constrain(out, ("batch", "seq", "act_heads", None))
     return attn.output(out, constrain), cache
 

@@ -170,18 +170,29 @@ def rope(
 
 
 def attention_core(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, kernel: AttentionKernel, scale: float | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool,
+    kernel: AttentionKernel,
+    scale: float | None = None,
+    start: jax.Array | None = None,
 ) -> jax.Array:
-    """``softmax(q k^T / sqrt(d)) v`` for queries ``(b, s, heads, d)`` over keys ``(b, s, kv_heads, d)`` and values
+    """``softmax(q k^T / sqrt(d)) v`` for queries ``(b, t, heads, d)`` over keys ``(b, s, kv_heads, d)`` and values
     ``(b, s, kv_heads, dv)`` (each key/value head serves ``heads / kv_heads`` query heads); ``scale``, when
-    given, multiplies the scores instead of ``1 / sqrt(d)``.
+    given, multiplies the scores instead of ``1 / sqrt(d)``. Causal attention lets each query see the keys up
+    to its own position: the queries sit at the keys' positions (``t == s``), or, given ``start``, at
+    ``start, start + 1, ..`` of keys from position 0 (a decode step over its cache).
 
     ``materialized`` computes the scores and probabilities as arrays (the probabilities tagged ``attn_core``
     for rematerialisation policies); ``flash`` calls :func:`jax.nn.dot_product_attention`, which XLA runs
     as a fused kernel where the backend has one (cuDNN on GPUs) and as the same arithmetic elsewhere.
     """
-    s, d = q.shape[1], q.shape[3]
+    t, d = q.shape[1], q.shape[3]
     if kernel == "flash":
+        if start is not None:
+            raise ValueError("attention_core: the flash kernel attends queries at the keys' positions; pass start=None")
         dv = v.shape[-1]
         if dv != d:  # the fused kernel takes one head width: values padded to the queries' and keys'
             v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, d - dv)))
@@ -189,8 +200,9 @@ def attention_core(
     scores = grouped_scores(q, k).astype(jnp.float32)
     scores = scores * scale if scale is not None else scores / jnp.sqrt(jnp.float32(d))
     if causal:
-        mask = jnp.tril(jnp.ones((s, s), dtype=bool))[:, None, :]  # (query, group, key)
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+        positions = jnp.arange(t) if start is None else start + jnp.arange(t)
+        visible = jnp.arange(k.shape[1])[None, None, :] <= positions[:, None, None]  # (query, group, key)
+        scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
     probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(v.dtype), "attn_core")
     return grouped_values(probs, v)
 
