@@ -530,3 +530,35 @@ def test_fused_attention_is_priced_at_its_kernels_measured_rate():
     per_layer = flops / hw.matmul_flops(run.dtype) * ((1 / f2 - 1 / fc) + 2.5 * (1 / b2 - 1 / bc))
     extra = (flash2.step_time_s - cudnn.step_time_s) / (m.layers * run.microbatches)
     assert extra == pytest.approx(per_layer, rel=0.02)
+
+
+def test_shard_overrides_the_estimate_does_not_price_are_named(capsys):
+    """An override that moves a logical axis onto or off a mesh axis of more than one device is named by
+    predict (text and JSON) and plan (each candidate); one that restates a rule, or names an axis of one
+    device, changes nothing priced and is not."""
+    from hyperjax.cost.memory import unpriced_overrides
+
+    quick = str(ROOT / "configs/quickstart.yaml")
+
+    def named(shard: dict, **parallel: int) -> tuple[str, ...]:
+        sets = [f"shard={json.dumps(shard)}", *(f"parallel.{k}={v}" for k, v in parallel.items())]
+        return unpriced_overrides(resolve(load_config(quick, sets), 8))
+
+    assert named({}, data=4, tensor=2) == ()
+    moved = {"vocab": None, "act_vocab": None, "heads": "tensor", "embed": "fsdp", "mlp": ["tensor", "data"]}
+    assert named(moved, data=4, tensor=2) == ("shard.act_vocab=null", "shard.mlp=[tensor, data]", "shard.vocab=null")
+    assert named({"vocab": None, "embed": None}, data=8, tensor=1) == ()  # no tensor axis, no fsdp axis to leave
+    sets = ["--set", "parallel.data=4", "--set", "parallel.tensor=2", "--set", "shard={vocab: null, act_vocab: null}"]
+    assert main(["predict", quick, *sets, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["unpriced"] == ["shard.act_vocab=null", "shard.vocab=null"]
+    assert main(["predict", quick, *sets]) == 0
+    assert "not priced: shard.act_vocab=null, shard.vocab=null" in capsys.readouterr().out
+    assert main(["predict", quick, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["unpriced"] == []
+    assert main(["predict", quick, *sets, "--inference", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["unpriced"] == ["shard.act_vocab=null", "shard.vocab=null"]
+    assert main(["plan", quick, "--devices", "8", "--json", "--top", "50", *sets[4:]]) == 0
+    found = json.loads(capsys.readouterr().out)["candidates"]
+    for c in found:
+        assert c["unpriced"] == (["shard.act_vocab=null", "shard.vocab=null"] if c["parallel.tensor"] > 1 else [])
+    assert {c["parallel.tensor"] > 1 for c in found} == {True, False}

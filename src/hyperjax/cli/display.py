@@ -80,3 +80,13 @@ def _cannot_create(folder: Path, *, make: bool = False) -> str | None:
 def fmt_count(n: float) -> str:
     """``3.26e6`` -> ``"3.26 M"``, ``1.75e11`` -> ``"175.00 B"``."""
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
+def print_unpriced(unpriced: tuple[str, ...]) -> None:
+    """The settings the run honours and the estimate does not price, if any."""
+    if unpriced:
+        console().print(
+            f"  [yellow]not priced[/yellow]: {', '.join(unpriced)}; the estimate places every tensor by the "
+            "standard sharding rules, which these overrides change (a run places them as set)",
+            soft_wrap=True,
+        )

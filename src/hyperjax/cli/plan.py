@@ -15,9 +15,10 @@ from typing import Any
 
 from rich.table import Table
 
-from hyperjax.cli.display import console, fmt_count
+from hyperjax.cli.display import console, fmt_count, print_unpriced
 from hyperjax.cli.options import add_command, add_config_arguments, config_from_args
 from hyperjax.config import Config
+from hyperjax.cost.memory import unpriced_overrides
 from hyperjax.errors import ConfigError
 from hyperjax.files import parse_yaml
 from hyperjax.search import SEARCHED, NothingFits, plan
@@ -164,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
             f"{e.memory_per_device_gib['peak']:.3g}",
         )
     out.print(table)
+    print_unpriced(unpriced_overrides(*(c.run for c in best)))
     return 0
 
 
@@ -171,7 +173,7 @@ def _plan_rl(args: argparse.Namespace, cfg: Config) -> int:
     """An ``rl:`` config: the split of the devices between its phases and each phase's layout."""
     found = plan_rl(cfg, args.devices, keep=args.top)
     if args.json:
-        best = [e.to_dict() for e in found.best]
+        best = [e.to_dict() | {"unpriced": list(unpriced_overrides(e.rl.rollout, e.rl.learner))} for e in found.best]
         print(
             json.dumps(
                 {
@@ -209,6 +211,7 @@ def _plan_rl(args: argparse.Namespace, cfg: Config) -> int:
             f"{e.idle_fraction:.0%}",
         )
     out.print(table)
+    print_unpriced(unpriced_overrides(*(run for e in found.best for run in (e.rl.rollout, e.rl.learner))))
     return 0
 
 

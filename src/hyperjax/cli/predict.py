@@ -12,7 +12,7 @@ import json
 
 from rich.table import Table
 
-from hyperjax.cli.display import check_writable, console, fmt_count
+from hyperjax.cli.display import check_writable, console, fmt_count, print_unpriced
 from hyperjax.cli.options import (
     add_command,
     add_config_arguments,
@@ -24,6 +24,7 @@ from hyperjax.cli.options import (
 from hyperjax.config import ACTIVATIONS, Config
 from hyperjax.cost import Estimate, estimate, memory_budget, write_trace
 from hyperjax.cost.inference import TRAINING_ONLY, InferenceEstimate, estimate_inference
+from hyperjax.cost.memory import unpriced_overrides
 from hyperjax.cost.rl import RLEstimate, estimate_rl
 from hyperjax.errors import ConfigError
 from hyperjax.offload import OffloadResult, ServingPlacement, offload_pass, serving_pass, with_offload
@@ -88,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         write_trace(est, args.trace, title=f"{run.config.model.family} on {run.hardware.name}")
     if args.json:
-        print(json.dumps(est.to_dict() | ({"offload": offload.to_dict()} if offload else {}), indent=2))
+        offloaded = {"offload": offload.to_dict()} if offload else {}
+        print(json.dumps(est.to_dict() | offloaded | {"unpriced": list(unpriced_overrides(run))}, indent=2))
         return 0
     print_estimate(est)
     if offload is not None:
@@ -103,11 +105,14 @@ def _rl(args: argparse.Namespace, cfg: Config) -> int:
             f"{'--inference' if args.inference else '--trace'} prices one phase; an rl: config is priced per "
             "iteration (its rollout is the serving estimate inside it); drop the flag"
         )
-    est = estimate_rl(resolve_rl(cfg, args.devices))
+    rl = resolve_rl(cfg, args.devices)
+    est = estimate_rl(rl)
+    unpriced = unpriced_overrides(rl.rollout, rl.learner)
     if args.json:
-        print(json.dumps(est.to_dict(), indent=2))
+        print(json.dumps(est.to_dict() | {"unpriced": list(unpriced)}, indent=2))
         return 0
     print_rl(est)
+    print_unpriced(unpriced)
     return 0
 
 
@@ -155,7 +160,7 @@ def _inference(args: argparse.Namespace, cfg: Config) -> int:
         data = est.to_dict()
         if placed is not None:  # the run's fit is the placement's
             data |= {"fits": placed.fits, "offload": placed.to_dict()}
-        print(json.dumps(data, indent=2))
+        print(json.dumps(data | {"unpriced": list(unpriced_overrides(run))}, indent=2))
         return 0
     print_inference(est)
     if placed is not None:
@@ -194,6 +199,7 @@ def print_inference(est: InferenceEstimate) -> None:
     out.print(memory_table(est.memory_per_device_gib, "{:.3g}"))
     budget = "offload.device_memory_gib" if run.config.offload.device_memory_gib is not None else "device memory"
     out.print(f"  {'fits' if est.fits else '[red]does not fit[/red]'} in {budget} with everything on the device")
+    print_unpriced(unpriced_overrides(run))
 
 
 def share_table(title: str, unit: str, terms: dict[str, float], total: float, *, scale: float = 1.0) -> Table:
@@ -267,3 +273,4 @@ def print_estimate(est: Estimate) -> None:
             f"  FP8 ({f['recipe']}): products {f['products_s']:.3g} s per step ({f['products_s'] / step:.1%} of the "
             f"step), casts {f['cast_s']:.3g} s ({f['cast_s'] / step:.1%})"
         )
+    print_unpriced(unpriced_overrides(run))
