@@ -12,6 +12,7 @@ from hyperjax.config import Config, CrossEntropy, build, load_config
 from hyperjax.cost import count_params, model_flops_per_sequence
 from hyperjax.cost.compute import LOSS_PASSES, gemm_time
 from hyperjax.cost.layer import EAGER_ELEMENTWISE, eager_ratio
+from tests.parts import DEEPSEEK_PARTS
 
 ROOT = Path(__file__).parents[2]
 VALIDATION = sorted((ROOT / "benchmarks" / "validation").glob("korthikanti-*.yaml"))
@@ -536,18 +537,35 @@ def test_shard_overrides_the_estimate_does_not_price_are_named(capsys):
     """An override that moves a logical axis onto or off a mesh axis of more than one device is named by
     predict (text and JSON) and plan (each candidate); one that restates a rule, or names an axis of one
     device, changes nothing priced and is not."""
-    from hyperjax.cost.memory import unpriced_overrides
+    from hyperjax.cost.unpriced import unpriced_overrides
 
     quick = str(ROOT / "configs/quickstart.yaml")
 
-    def named(shard: dict, **parallel: int) -> tuple[str, ...]:
-        sets = [f"shard={json.dumps(shard)}", *(f"parallel.{k}={v}" for k, v in parallel.items())]
-        return unpriced_overrides(resolve(load_config(quick, sets), 8))
+    def named(shard: dict, *sets: str, config: str = quick, **parallel: int) -> tuple[str, ...]:
+        sets = (f"shard={json.dumps(shard)}", *sets, *(f"parallel.{k}={v}" for k, v in parallel.items()))
+        return unpriced_overrides(resolve(load_config(config, sets), 8))
 
     assert named({}, data=4, tensor=2) == ()
     moved = {"vocab": None, "act_vocab": None, "heads": "tensor", "embed": "fsdp", "mlp": ["tensor", "data"]}
     assert named(moved, data=4, tensor=2) == ("shard.act_vocab=null", "shard.mlp=[tensor, data]", "shard.vocab=null")
     assert named({"vocab": None, "embed": None}, data=8, tensor=1) == ()  # no tensor axis, no fsdp axis to leave
+    # axes the model does not name: experts' in a dense model, kv_heads under latent attention, layers
+    absent = {"expert_mlp": None, "experts": "data", "layers": "fsdp"}
+    assert named(absent, data=2, fsdp=2, tensor=2) == ()
+    latent = {"kv_heads": None, "act_kv_heads": None, "heads": None}
+    mla = ("model.layers=2", *DEEPSEEK_PARTS)
+    assert named(latent, *mla, config=str(ROOT / "configs/moe-tiny.yaml"), data=1, expert=4, tensor=2) == (
+        "shard.heads=null",
+    )
+    # MPMD submeshes: an override counts where the stage's modules name the axis
+    vlm = str(ROOT / "configs/vlm-tiny-mpmd.yaml")
+    encoder_split = (
+        "mpmd.submeshes=[{name: vision, modules: [encoder], devices: 2, tensor: 2}, "
+        "{name: language, modules: [language_model], devices: 6}]"
+    )
+    assert named({"vocab": None, "mlp": None}, config=vlm) == ("shard.mlp=null", "shard.vocab=null")
+    # the tensor axis is the encoder's alone, whose modules name no vocabulary
+    assert named({"vocab": None, "mlp": None}, encoder_split, config=vlm) == ("shard.mlp=null",)
     sets = ["--set", "parallel.data=4", "--set", "parallel.tensor=2", "--set", "shard={vocab: null, act_vocab: null}"]
     assert main(["predict", quick, *sets, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["unpriced"] == ["shard.act_vocab=null", "shard.vocab=null"]
@@ -562,3 +580,6 @@ def test_shard_overrides_the_estimate_does_not_price_are_named(capsys):
     for c in found:
         assert c["unpriced"] == (["shard.act_vocab=null", "shard.vocab=null"] if c["parallel.tensor"] > 1 else [])
     assert {c["parallel.tensor"] > 1 for c in found} == {True, False}
+    assert main(["plan", quick, "--devices", "8", "--top", "50", *sets[4:]]) == 0
+    rows = [str(i) for i, c in enumerate(found, 1) if c["unpriced"]]
+    assert f"not priced (rows {', '.join(rows)}): shard.act_vocab=null, shard.vocab=null" in capsys.readouterr().out

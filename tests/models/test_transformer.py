@@ -189,3 +189,18 @@ def test_build_errors():
         build_model(ModelConfig(**SMALL), recompute="some")
     with pytest.raises(ConfigError, match=r"train.dtype='float16' is not one of"):
         build_model(ModelConfig(**SMALL), dtype="float16")
+
+
+def test_queries_from_a_start_position_see_the_keys_up_to_their_own():
+    """A decode step's queries at ``start ..`` over a cache of keys from position 0 attend as the same rows of
+    causal attention over the whole sequence do; keys past a query's position (the cache's unwritten tail)
+    change nothing."""
+    q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 6, 4, 8))  # (b, s, heads, d); grouped over 2 KV heads
+    k, v = k[:, :, :2], v[:, :, :2]
+    whole = attention_core(q, k, v, causal=True, kernel="materialized")
+    part = attention_core(q[:, 3:5], k, v.at[:, 5:].set(1e3), causal=True, kernel="materialized", start=jnp.int32(3))
+    np.testing.assert_allclose(part, whole[:, 3:5], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="start=None"):
+        attention_core(q[:, 3:5], k, v, causal=True, kernel="flash", start=jnp.int32(3))
+    with pytest.raises(ValueError, match="2 queries over 6 keys"):  # a start left out is not taken as 0
+        attention_core(q[:, 3:5], k, v, causal=True, kernel="materialized")

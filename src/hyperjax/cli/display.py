@@ -82,11 +82,16 @@ def fmt_count(n: float) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
 
 
-def print_unpriced(unpriced: tuple[str, ...]) -> None:
-    """The settings the run honours and the estimate does not price, if any."""
-    if unpriced:
-        console().print(
-            f"  [yellow]not priced[/yellow]: {', '.join(unpriced)}; the estimate places every tensor by the "
-            "standard sharding rules, which these overrides change (a run places them as set)",
-            soft_wrap=True,
-        )
+def print_unpriced(*rows: tuple[str, ...]) -> None:
+    """The ``shard`` overrides a run honours and its estimate does not price, if any; given the overrides of
+    each row of a table, the rows they concern when not all."""
+    named = list(dict.fromkeys(k for row in rows for k in row))
+    if not named:
+        return
+    flagged = [str(i) for i, row in enumerate(rows, 1) if row]
+    which = f" (rows {', '.join(flagged)})" if len(flagged) < len(rows) else ""
+    console().print(
+        f"  [yellow]not priced[/yellow]{which}: {', '.join(named)}; the estimate places every tensor by the "
+        "standard sharding rules, which these overrides change (a run places them as set)",
+        soft_wrap=True,
+    )

@@ -18,7 +18,7 @@ from rich.table import Table
 from hyperjax.cli.display import console, fmt_count, print_unpriced
 from hyperjax.cli.options import add_command, add_config_arguments, config_from_args
 from hyperjax.config import Config
-from hyperjax.cost.memory import unpriced_overrides
+from hyperjax.cost import unpriced_overrides
 from hyperjax.errors import ConfigError
 from hyperjax.files import parse_yaml
 from hyperjax.search import SEARCHED, NothingFits, plan
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
             f"{e.memory_per_device_gib['peak']:.3g}",
         )
     out.print(table)
-    print_unpriced(unpriced_overrides(*(c.run for c in best)))
+    print_unpriced(*(unpriced_overrides(c.run) for c in best))
     return 0
 
 
@@ -211,7 +211,7 @@ def _plan_rl(args: argparse.Namespace, cfg: Config) -> int:
             f"{e.idle_fraction:.0%}",
         )
     out.print(table)
-    print_unpriced(unpriced_overrides(*(run for e in found.best for run in (e.rl.rollout, e.rl.learner))))
+    print_unpriced(*(unpriced_overrides(e.rl.rollout, e.rl.learner) for e in found.best))
     return 0
 
 

@@ -22,9 +22,8 @@ from hyperjax.cli.options import (
     refuse_sets,
 )
 from hyperjax.config import ACTIVATIONS, Config
-from hyperjax.cost import Estimate, estimate, memory_budget, write_trace
+from hyperjax.cost import Estimate, estimate, memory_budget, unpriced_overrides, write_trace
 from hyperjax.cost.inference import TRAINING_ONLY, InferenceEstimate, estimate_inference
-from hyperjax.cost.memory import unpriced_overrides
 from hyperjax.cost.rl import RLEstimate, estimate_rl
 from hyperjax.errors import ConfigError
 from hyperjax.offload import OffloadResult, ServingPlacement, offload_pass, serving_pass, with_offload

@@ -22,6 +22,7 @@ from hyperjax.cost.parts import chunk_starts
 from hyperjax.cost.rl import RLEstimate, estimate_rl
 from hyperjax.cost.stage import ChunkCost, PartCost, StageCore, StageCost
 from hyperjax.cost.trace import simulate, stage_metadata, task_events, write_trace
+from hyperjax.cost.unpriced import unpriced_overrides
 
 __all__ = [
     "KINDS",
@@ -60,6 +61,7 @@ __all__ = [
     "state_bytes",
     "stream_time",
     "task_events",
+    "unpriced_overrides",
     "write_trace",
     "zero_share",
 ]

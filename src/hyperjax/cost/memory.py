@@ -8,7 +8,6 @@ from typing import Any, Protocol
 
 from hyperjax.config import ParallelConfig, Run, Stage, TrainConfig
 from hyperjax.cost.fp8 import held_bytes
-from hyperjax.shard import strategy_for
 
 
 class StageCore(Protocol):
@@ -29,32 +28,6 @@ def zero_share(params: float, expert_params: float, axes: Mapping[str, int]) -> 
     them), which the expert axis already splits: theirs over data and context."""
     ways = axes["data"] * axes.get("context", 1)
     return (params - expert_params) / (ways * axes.get("expert", 1)) + expert_params / ways
-
-
-def unpriced_overrides(*runs: Run) -> tuple[str, ...]:
-    """The config's ``shard`` overrides that place a logical axis other than the standard rules do on the mesh
-    of any of ``runs`` (onto or off a mesh axis of more than one device in some stage), as ``shard.<axis>=<mesh
-    axes>``. The cost model prices every tensor under the standard rules, so it does not price these; an
-    override that changes nothing there (a rule restated, an axis of one device) is not listed."""
-    moved: dict[str, str] = {}
-    for run in runs:
-        standard = strategy_for(
-            sequence_parallel=run.sequence_parallel,
-            zero_stage=run.zero_stage,
-            expert_tensor=run.expert_tensor_split,
-            fsdp_context=run.config.parallel.fsdp_context,
-        ).rules
-        for k, v in run.config.shard.items():
-            if _live(run, v) != _live(run, standard.get(k)):
-                moved[k] = "null" if v is None else v if isinstance(v, str) else f"[{', '.join(v)}]"
-    return tuple(f"shard.{k}={moved[k]}" for k in sorted(moved))
-
-
-def _live(run: Run, target: Any) -> set[str]:
-    """The mesh axes of ``target`` (a rule's mesh axis, tuple of them, or ``None``) that span more than one
-    device in some stage of ``run``."""
-    named = (target,) if isinstance(target, str) else tuple(target or ())
-    return {a for a in named if any(s.axes.get(a, 1) > 1 for s in run.stages)}
 
 
 def sharding_axes(parallel: ParallelConfig, axes: Mapping[str, int]) -> dict[str, int]:

@@ -190,9 +190,17 @@ def attention_core(
     as a fused kernel where the backend has one (cuDNN on GPUs) and as the same arithmetic elsewhere.
     """
     t, d = q.shape[1], q.shape[3]
+    if causal and start is None and t != k.shape[1]:
+        raise ValueError(
+            f"attention_core: {t} queries over {k.shape[1]} keys; causal attention of queries that continue the "
+            "keys needs start=, the first query's position"
+        )
     if kernel == "flash":
         if start is not None:
-            raise ValueError("attention_core: the flash kernel attends queries at the keys' positions; pass start=None")
+            raise ValueError(
+                "attention_core: the flash kernel attends queries at the keys' positions; pass start=None, or use "
+                'kernel="materialized" for queries from a start position'
+            )
         dv = v.shape[-1]
         if dv != d:  # the fused kernel takes one head width: values padded to the queries' and keys'
             v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, d - dv)))

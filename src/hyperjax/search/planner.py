@@ -31,8 +31,7 @@ from typing import Any
 
 from hyperjax.config import Config, Run
 from hyperjax.config.run import stage_schedule
-from hyperjax.cost import Estimate, StageCore, estimate
-from hyperjax.cost.memory import unpriced_overrides
+from hyperjax.cost import Estimate, StageCore, estimate, unpriced_overrides
 from hyperjax.errors import ConfigError, HyperjaxError
 from hyperjax.offload import budget_bytes, offload_pass, with_offload
 from hyperjax.resolver import check_preset, resolve
@@ -67,7 +66,7 @@ class Candidate:
         """The candidate as JSON-ready data: its overrides, the rows of each micro-batch and their count as
         the step runs them (``micro_batch_rows``, ``microbatches``), the headline predictions, and the
         config's ``shard`` overrides they do not price (``unpriced``, see
-        :func:`hyperjax.cost.memory.unpriced_overrides`)."""
+        :func:`hyperjax.cost.unpriced_overrides`)."""
         e = self.estimate
         plain = {
             k: [dataclasses.asdict(s) for s in v] if k == "mpmd.submeshes" else v for k, v in self.overrides.items()
