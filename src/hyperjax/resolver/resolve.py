@@ -21,6 +21,7 @@ from hyperjax.mpmd.schedules import PAIRED, check_sizes, warm_up
 from hyperjax.resolver.checks import check_preset, check_stage
 from hyperjax.resolver.stages import mpmd_stages, pipeline_axes, pipeline_sizes, pipeline_stages, spmd_stage
 from hyperjax.shard import LOGICAL_AXES, strategy_for
+from hyperjax.shard.strategy import entry_axes
 from hyperjax.topology import Hardware, load_hardware
 from hyperjax.topology.mesh import check_capacity
 
@@ -292,11 +293,7 @@ def _gradient_buckets(cfg: Config, stages: Sequence[Mapping[str, int]], per_proc
 def _overrides_touch(cfg: Config, replicas: tuple[str, ...]) -> bool:
     """Whether the config's ``shard`` overrides name ``batch`` or put any logical axis on a replica axis (the
     standard rules that :func:`hyperjax.config.run.replica_axes` assumes then may not hold)."""
-    for logical, target in cfg.shard.items():
-        named = (target,) if isinstance(target, str) else tuple(target or ())
-        if logical == "batch" or set(named) & set(replicas):
-            return True
-    return False
+    return any(logical == "batch" or set(entry_axes(target)) & set(replicas) for logical, target in cfg.shard.items())
 
 
 @functools.lru_cache(maxsize=65536)

@@ -27,7 +27,7 @@ import math
 from collections.abc import Mapping
 
 from hyperjax.errors import ShardingError
-from hyperjax.shard.strategy import MeshAxes, Strategy
+from hyperjax.shard.strategy import MeshAxes, Strategy, entry_axes
 
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 LOGICAL_AXES = (
@@ -113,7 +113,7 @@ def strategy_for(
         "expert_mlp": "tensor" if expert_tensor else None,
     }
     for name, axes in (overrides or {}).items():
-        listed = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        listed = entry_axes(axes)
         unknown = [a for a in listed if a not in MESH_AXES]
         if unknown:
             raise ShardingError(
