@@ -168,6 +168,66 @@ def test_gradient_buckets_that_cannot_be_honoured_are_refused(sets, match):
         resolve(load_config(CONFIGS / "quickstart.yaml", sets))
 
 
+ONE_DEVICE_WIDE = ["parallel.tensor=1", "parallel.fsdp=1", "parallel.context=1"]  # quickstart: data 8
+
+
+@pytest.mark.parametrize(
+    ("sets", "match"),
+    [
+        (["parallel.fsdp_reshard=false"], r"parallel.fsdp_reshard=false says how FSDP runs, but no stage has it"),
+        (["parallel.fsdp_unit=layer"], r"parallel.fsdp_unit=layer says how FSDP runs"),
+        (["parallel.fsdp_context=true"], r"parallel.fsdp_context=true says how context parallelism runs"),
+        (["parallel.context_impl=ring", "model.attention_kernel=flash"], r"parallel.context_impl=ring says how"),
+        (["parallel.tp_overlap=bulk"], r"parallel.tp_overlap=bulk says how tensor parallelism runs"),
+    ],
+)
+def test_a_modifier_of_a_feature_no_stage_runs_is_refused(sets, match):
+    """Set away from its default where the layout lacks its feature, a modifier would change nothing: an
+    error names the key, each stage's degrees and the fix, rather than the run ignoring it."""
+    with pytest.raises(ConfigError, match=match) as e:
+        resolve(load_config(CONFIGS / "quickstart.yaml", [*ONE_DEVICE_WIDE, *sets]))
+    assert "(each stage's degrees: fsdp 1, context 1, tensor 1); remove parallel." in str(e.value)
+    assert ", or set parallel." in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["parallel.fsdp_reshard=false", "parallel.fsdp_unit=layer", "parallel.fsdp=2"],
+        # FSDP over fsdp x context: context 2 carries it with fsdp 1
+        ["parallel.fsdp_reshard=false", "parallel.fsdp_context=true", "parallel.context=2"],
+        ["parallel.context_impl=ring", "model.attention_kernel=flash", "parallel.context=2"],
+        ["parallel.tp_overlap=pipelined", "parallel.tensor=2"],
+        ["parallel.fsdp_reshard=true", "parallel.tp_overlap=none"],  # the defaults, restated
+    ],
+)
+def test_a_modifier_resolves_where_a_stage_runs_its_feature(sets):
+    p = resolve(load_config(CONFIGS / "quickstart.yaml", [*ONE_DEVICE_WIDE, *sets])).config.parallel
+    for key, value in (s.split("=") for s in sets if s.startswith("parallel.")):
+        assert str(getattr(p, key.removeprefix("parallel."))).lower() == value  # kept as set
+
+
+def test_an_mpmd_runs_modifiers_follow_its_submeshes():
+    vlm = CONFIGS / "vlm-tiny-mpmd.yaml"  # the language model's submesh has tensor 2, neither has fsdp
+    assert resolve(load_config(vlm, ["parallel.tp_overlap=bulk"])).config.parallel.tp_overlap == "bulk"
+    with pytest.raises(
+        ConfigError,
+        match=r"fsdp 1, context 1, tensor 1 \| fsdp 1, context 1, tensor 2\); remove "
+        r"parallel.fsdp_reshard, or give an mpmd.submeshes item fsdp > 1",
+    ):
+        resolve(load_config(vlm, ["parallel.fsdp_reshard=false"]))
+    with pytest.raises(ConfigError, match=r"remove parallel.context_impl \(mpmd submeshes have none\)"):
+        resolve(load_config(vlm, ["parallel.context_impl=ring", "model.attention_kernel=flash"]))
+
+
+def test_predict_names_a_modifier_it_cannot_honour(capsys):
+    from hyperjax.cli.main import main
+
+    assert main(["predict", str(CONFIGS / "quickstart.yaml"), "--set", "parallel.fsdp_unit=layer"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.fsdp_unit=layer says how FSDP runs" in err and "Traceback" not in err
+
+
 def test_a_pipelined_mixture_of_experts_sums_its_replicas_once_too():
     sets = ["parallel.pipeline=2", "parallel.expert=2"]
     resolved = lambda *more: resolve(load_config(CONFIGS / "moe-tiny.yaml", [*sets, *more]))

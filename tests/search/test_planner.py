@@ -11,6 +11,7 @@ from hyperjax import ConfigError, estimate, load_config, load_hardware, plan, re
 from hyperjax.cli.main import main
 from hyperjax.config import Config, build
 from hyperjax.search import SEARCHED, candidate, divisors, strategies, submesh_strategies
+from hyperjax.search.strategies import apply
 
 ROOT = Path(__file__).parents[2]
 
@@ -351,6 +352,29 @@ def test_mpmd_splits_reset_the_whole_runs_degrees():
         tensor = max(s.axes["tensor"] for s in c.run.stages)
         assert c.run.sequence_parallel == (tensor > 1)
     assert {max(s.axes["tensor"] for s in c.run.stages) for c in mpmd} == {1, 2, 4}
+
+
+def test_a_candidate_without_a_modifiers_feature_resets_it():
+    """The config's modifiers hold where a candidate has their feature and are reset where it has not, so no
+    candidate is lost to the run's refusal of them; its overrides name each reset, and alone over the config
+    they resolve to the run it priced."""
+    quick = ROOT / "configs/quickstart.yaml"
+    sets = ["parallel.fsdp_reshard=false", "parallel.tp_overlap=bulk"]
+    cfg = load_config(quick, sets)
+    found, plain = plan(cfg, 8, keep=1000, prune=False), plan(load_config(quick), 8, keep=1000, prune=False)
+    assert found.priced == plain.priced and len(found.best) == len(plain.best)
+    for c in found.best:
+        p = c.run.config.parallel
+        assert p.fsdp_reshard is (p.fsdp == 1) and p.tp_overlap == ("bulk" if p.tensor > 1 else "none")
+        assert c.overrides.get("parallel.fsdp_reshard", False) is p.fsdp_reshard
+        assert c.overrides.get("parallel.tp_overlap", "bulk") == p.tp_overlap
+        assert resolve(apply(cfg, c.overrides), 8).config.parallel == p
+    assert {(c.run.config.parallel.fsdp > 1, c.run.config.parallel.tensor > 1) for c in found.best} == {
+        (False, False),
+        (False, True),
+        (True, False),
+        (True, True),
+    }
 
 
 def test_divisors_pair_up_to_the_square_root():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from hyperjax.config.checks import positive, vocabularies
 from hyperjax.config.types import ContextImpl, Dispatcher, DpOverlap, FsdpUnit, Overlap, ScheduleName, TpOverlap
@@ -114,6 +115,71 @@ class MPMDConfig:
     """Separate programs on separate submeshes (``mpmd:``); empty: one SPMD program (or a pipeline)."""
 
     submeshes: tuple[SubmeshConfig, ...] = ()  # in the order data flows through them
+
+
+MODIFIERS: dict[str, str] = {
+    "fsdp_reshard": "fsdp",
+    "fsdp_unit": "fsdp",
+    "fsdp_context": "context",
+    "context_impl": "context",
+    "tp_overlap": "tensor",
+}
+"""The ``parallel.*`` keys that say how a feature runs, each with the mesh axis the feature needs (FSDP's is
+``fsdp``, or ``context`` under ``fsdp_context``). Set away from its :class:`ParallelConfig` default where no
+stage spans that axis over more than one device, a key has nothing to act on: the resolver refuses it
+(:func:`idle_modifiers`), and a planner's candidate without the feature resets it."""
+
+FEATURES = {"fsdp": "FSDP", "context": "context parallelism", "tensor": "tensor parallelism"}
+"""What each axis of :data:`MODIFIERS` carries, as an error names it."""
+
+
+def stage_degrees(p: ParallelConfig, submeshes: Sequence[SubmeshConfig] = ()) -> list[dict[str, int]]:
+    """The ``fsdp``, ``context`` and ``tensor`` degrees of each stage: an MPMD run's submeshes' (which have no
+    context axis), else the whole run's (every pipeline stage has them)."""
+    if submeshes:
+        return [{"fsdp": s.fsdp, "context": 1, "tensor": s.tensor} for s in submeshes]
+    return [{"fsdp": p.fsdp, "context": p.context, "tensor": p.tensor}]
+
+
+def idle_modifiers(p: ParallelConfig, submeshes: Sequence[SubmeshConfig] = ()) -> dict[str, object]:
+    """The keys of :data:`MODIFIERS` that ``p`` sets away from their defaults while no stage (of ``submeshes``
+    when given) spans the axis their feature needs over more than one device, each with its value."""
+    stages = stage_degrees(p, submeshes)
+    over = {axis: any(d[axis] > 1 for d in stages) for axis in FEATURES}
+    over["fsdp"] = over["fsdp"] or (p.fsdp_context and over["context"])  # FSDP over fsdp x context
+    unset = ParallelConfig()
+    return {k: getattr(p, k) for k, axis in MODIFIERS.items() if getattr(p, k) != getattr(unset, k) and not over[axis]}
+
+
+def rested(p: ParallelConfig, submeshes: Sequence[SubmeshConfig] = ()) -> ParallelConfig:
+    """``p`` with its :func:`idle_modifiers` back at their defaults (what a planner's candidate runs)."""
+    unset = ParallelConfig()
+    idle = idle_modifiers(p, submeshes)
+    return dataclasses.replace(p, **{k: getattr(unset, k) for k in idle}) if idle else p
+
+
+def check_modifiers(p: ParallelConfig, submeshes: Sequence[SubmeshConfig] = ()) -> None:
+    """``p`` sets no key of :data:`MODIFIERS` whose feature no stage runs.
+
+    Raises:
+      ConfigError: naming the key, its value, each stage's degrees and the fix.
+    """
+    idle = idle_modifiers(p, submeshes)
+    if not idle:
+        return
+    key, value = next(iter(idle.items()))
+    axis = MODIFIERS[key]
+    shown = str(value).lower() if isinstance(value, bool) else value
+    degrees = " | ".join(", ".join(f"{a} {n}" for a, n in d.items()) for d in stage_degrees(p, submeshes))
+    if submeshes:
+        fix = f", or give an mpmd.submeshes item {axis} > 1" if axis != "context" else " (mpmd submeshes have none)"
+    else:
+        fix = f", or set parallel.{axis} > 1"
+        fix += " (or parallel.context > 1 with parallel.fsdp_context: true)" if axis == "fsdp" else ""
+    raise ConfigError(
+        f"parallel.{key}={shown} says how {FEATURES[axis]} runs, but no stage has it (each stage's degrees: "
+        f"{degrees}); remove parallel.{key}{fix}"
+    )
 
 
 def check_sequence_parallel(p: ParallelConfig, key: str, tensor: int, needs: str) -> None:

@@ -14,6 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from hyperjax.config import Config, ModelConfig, Run, Stage
+from hyperjax.config.parallel import check_modifiers
 from hyperjax.config.run import replica_axes, spans_processes, stage_replica_axes, stage_schedule, staged
 from hyperjax.emulate import plan_processes
 from hyperjax.errors import ConfigError, EmulationError, ShardingError
@@ -66,6 +67,7 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
     hw = load_hardware(config.hardware) if hardware is None else hardware
     t, p = config.train, config.parallel
     check_preset(config, hw)
+    check_modifiers(p, config.mpmd.submeshes)
     n = device_count(config, devices)
     check_capacity(hw, n)
     if config.mpmd.submeshes:

@@ -36,7 +36,14 @@ from hyperjax.errors import ConfigError, HyperjaxError
 from hyperjax.offload import budget_bytes, offload_pass, with_offload
 from hyperjax.resolver import check_preset, resolve
 from hyperjax.search.bounds import lower_bound
-from hyperjax.search.strategies import RECOMPUTE, candidate, micro_batches, strategies, submesh_strategies
+from hyperjax.search.strategies import (
+    RECOMPUTE,
+    candidate,
+    micro_batches,
+    resting,
+    strategies,
+    submesh_strategies,
+)
 from hyperjax.topology import Hardware, load_hardware
 
 VARIES = ("parallel.zero_stage", "train.recompute", "parallel.overlap")
@@ -48,7 +55,8 @@ class Candidate:
     """One strategy and its prediction.
 
     Attributes:
-      overrides: the config keys that select it (``parallel.*``, ``train.micro_batch``, ``train.recompute``).
+      overrides: the config keys that select it (``parallel.*``, ``train.micro_batch``, ``train.recompute``),
+        with the config's modifiers whose feature it turns off reset (:func:`~hyperjax.search.strategies.resting`).
       estimate: its predicted step (its ``run`` is the resolved candidate).
       offload: the placement that makes it fit, as ``--json`` prints it, when it needs one.
     """
@@ -236,7 +244,7 @@ def plan(
     if progress is not None:
         progress(len(order), len(order))
     best = [
-        Candidate(overrides=o, estimate=dataclasses.replace(price(cfg, o, devices, hw), fits=True))
+        Candidate(overrides=o | resting(cfg, o), estimate=dataclasses.replace(price(cfg, o, devices, hw), fits=True))
         for _, _, o in sorted(found)[:keep]
     ]
     fitting = len(found)
@@ -289,12 +297,12 @@ def _nothing_fits(
     mem = est.memory_per_device_gib
     term = max(("params", "optimizer", "gradients", "activations"), key=mem.__getitem__)
     report = {"fits": False, "priced": priced, "fitting": 0, "budget_gib": budget_gib}
-    report |= {"leanest": overrides, "leanest_peak_gib": mem["peak"], "cannot_fit": term}
+    report |= {"leanest": overrides | resting(cfg, overrides), "leanest_peak_gib": mem["peak"], "cannot_fit": term}
     hint = "Use more devices, a smaller model or offload.policy: auto."
     if cfg.offload.policy in ("auto", "greedy") and too_big:
         lean = min(too_big, key=lambda oe: oe[1].memory_per_device_gib["peak"])
         offload = offload_pass(resolve(candidate(cfg, lean[0]), devices, hardware=hw))
-        report |= {"leanest": lean[0], "cannot_fit": offload.cannot_fit}
+        report |= {"leanest": lean[0] | resting(cfg, lean[0]), "cannot_fit": offload.cannot_fit}
         report |= {"smallest_budget_gib": offload.smallest_budget_gib}
         term = f"{offload.cannot_fit} (which cannot leave the device)"
         hint = f"Offloading, the leanest strategy needs {offload.smallest_budget_gib:g} GiB; use more devices."
@@ -332,7 +340,7 @@ def _with_offload(
         except HyperjaxError:
             continue  # nothing the pass can place (a vision-language model)
         if offload.fits:
-            chosen = {**overrides, "offload.policy": cfg.offload.policy}
+            chosen = {**overrides, **resting(cfg, overrides), "offload.policy": cfg.offload.policy}
             ranked.append(Candidate(overrides=chosen, estimate=with_offload(offload), offload=offload.to_dict()))
             added += 1
     return added

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from hyperjax.config import Config, ParallelConfig, PhaseConfig
+from hyperjax.config.parallel import rested
 from hyperjax.cost.rl import RLEstimate, estimate_rl
 from hyperjax.errors import ConfigError, HyperjaxError
 from hyperjax.resolver import check_preset, learner_config, resolve_rl
@@ -90,7 +91,8 @@ def with_layouts(
 
     def phase(n: int, overrides: dict[str, Any], own: ParallelConfig) -> PhaseConfig:
         degrees = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("parallel.")}
-        return PhaseConfig(devices=None if colocated else n, parallel=runtime_parallel(own, **degrees))
+        parallel = rested(runtime_parallel(own, **degrees))  # modifiers of features the layout has not: reset
+        return PhaseConfig(devices=None if colocated else n, parallel=parallel)
 
     trains = {k.split(".", 1)[1]: v for k, v in learner[1].items() if k.startswith("train.")}
     rl = dataclasses.replace(
