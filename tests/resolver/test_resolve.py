@@ -106,6 +106,14 @@ def test_overrides_and_yaml_values():
         (["parallel.schedule=1f1"], ConfigError, r"parallel.schedule='1f1' is not one of"),
         (["offload.policy=greed"], ConfigError, r"offload.policy='greed' is not one of .*did you mean 'greedy'"),
         (["train.data=texts"], ConfigError, r"train.data='texts' is not one of"),
+        (["parallel.schedule=gpipe"], ConfigError, r"parallel.schedule='gpipe' orders a pipeline's stages, but "),
+        (
+            ["parallel.schedule=zero-bubble"],
+            ConfigError,
+            r"parallel.pipeline=1 runs one stage .*set parallel.pipeline > 1",
+        ),
+        (["offload.prefetch=2"], ConfigError, r"offload.prefetch=2 sets .* offload.policy='none' places nothing"),
+        (["offload.manual={layers.0.params: host}"], ConfigError, r"offload.manual is given but offload.policy='none'"),
         (["shard.vocab=tensr"], ShardingError, r"shard.vocab: mesh axis 'tensr' does not exist"),
         (["hardware=cm384"], Exception, r"unknown hardware preset 'cm384'"),
         (
@@ -212,12 +220,28 @@ def test_an_mpmd_runs_modifiers_follow_its_submeshes():
     assert resolve(load_config(vlm, ["parallel.tp_overlap=bulk"])).config.parallel.tp_overlap == "bulk"
     with pytest.raises(
         ConfigError,
-        match=r"fsdp 1, context 1, tensor 1 \| fsdp 1, context 1, tensor 2\); remove "
+        match=r"fsdp 1, tensor 1 \| fsdp 1, tensor 2\); remove "
         r"parallel.fsdp_reshard, or give an mpmd.submeshes item fsdp > 1",
     ):
         resolve(load_config(vlm, ["parallel.fsdp_reshard=false"]))
     with pytest.raises(ConfigError, match=r"remove parallel.context_impl \(mpmd submeshes have none\)"):
         resolve(load_config(vlm, ["parallel.context_impl=ring", "model.attention_kernel=flash"]))
+    # a whole-run degree the submeshes replace is named first, not the modifier it would carry
+    with pytest.raises(ConfigError, match=r"parallel.context=2: mpmd submeshes have no context axis"):
+        resolve(load_config(vlm, ["parallel.context=2", "parallel.fsdp_context=true"]))
+
+
+def test_an_elastic_restart_that_drops_a_feature_resets_its_modifiers():
+    from hyperjax.resolver import elastic_overrides
+
+    sets = ["parallel.tensor=2", "parallel.fsdp=2", "parallel.fsdp_reshard=false", "parallel.tp_overlap=bulk"]
+    load = lambda more: load_config(CONFIGS / "quickstart.yaml", [*sets, *more])
+    _, run = elastic_overrides(load, 4)  # tensor 2 x fsdp 2 still fit: the modifiers stay
+    assert (run.axes["tensor"], run.axes["fsdp"]) == (2, 2)
+    assert run.config.parallel.fsdp_reshard is False and run.config.parallel.tp_overlap == "bulk"
+    _, run = elastic_overrides(load, 2)  # data 2 alone: FSDP and tensor parallelism gone, their modifiers reset
+    assert (run.axes["data"], run.axes["tensor"], run.axes["fsdp"]) == (2, 1, 1)
+    assert run.config.parallel.fsdp_reshard is True and run.config.parallel.tp_overlap == "none"
 
 
 def test_predict_names_a_modifier_it_cannot_honour(capsys):

@@ -375,6 +375,24 @@ def test_a_candidate_without_a_modifiers_feature_resets_it():
         (True, False),
         (True, True),
     }
+    # held degrees that leave no strategy the feature: named, not reset in every candidate unsaid
+    with pytest.raises(ConfigError, match=r"parallel.tp_overlap=bulk says how tensor parallelism runs, but no "):
+        plan(cfg, 8, where={"parallel.tensor": 1})
+    assert all(c.run.config.parallel.fsdp_reshard is False for c in plan(cfg, 8, where={"parallel.fsdp": 2}).best)
+
+
+def test_an_mpmd_split_without_a_modifiers_feature_resets_it():
+    cfg = load_config(ROOT / "configs/vlm-tiny-mpmd.yaml", ["parallel.tp_overlap=bulk"])
+    found = plan(cfg, 8, keep=1000).best
+    tensor = lambda c: max(s.axes["tensor"] for s in c.run.stages)
+    assert {(bool(c.overrides.get("mpmd.submeshes")), tensor(c) > 1) for c in found} == {
+        (False, False),
+        (False, True),
+        (True, False),
+        (True, True),
+    }
+    for c in found:
+        assert c.run.config.parallel.tp_overlap == ("bulk" if tensor(c) > 1 else "none")
 
 
 def test_divisors_pair_up_to_the_square_root():

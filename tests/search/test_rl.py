@@ -2,10 +2,13 @@
 
 from pathlib import Path
 
+import pytest
+
+from hyperjax import ConfigError
 from hyperjax.config import load_config
 from hyperjax.cost.rl import estimate_rl
 from hyperjax.resolver import resolve_rl
-from hyperjax.search.rl import plan_rl, residences, splits, waves, with_layouts
+from hyperjax.search.rl import plan_rl, residences, splits, waves
 
 GRPO = str(Path(__file__).parents[2] / "configs" / "grpo-tiny.yaml")
 
@@ -40,22 +43,32 @@ def test_the_answer_is_a_resolved_config_priced_again():
 
 def test_each_phase_keeps_how_its_framework_runs_through_the_search():
     """The search chooses each phase's degrees; what the config says of how the framework runs them (the
-    learner's gradient reduction and FSDP, the rollout's tensor-parallel overlap) is kept where the phase's
-    layout has the feature, and reset to its default where it has not (a run refuses it there)."""
-    sets = ["rl.learner.parallel.dp_overlap=none", "rl.learner.parallel.fsdp_reshard=false"]
-    sets += ["rl.rollout.parallel.tp_overlap=bulk", "rl.rollout.devices=null", "rl.learner.devices=null"]
-    cfg = load_config(GRPO, sets)
-    found = plan_rl(cfg, 16, keep=50).best
-    for e in found:
+    learner's gradient reduction and FSDP) is kept where the phase's layout has the feature, and reset to its
+    default where it has not (a run refuses it there), so no learner is lost."""
+    sets = ["rl.learner.parallel.dp_overlap=none", "rl.rollout.devices=null", "rl.learner.devices=null"]
+    cfg = load_config(GRPO, [*sets, "rl.learner.parallel.fsdp_reshard=false"])
+    found = plan_rl(cfg, 16, keep=50)
+    for e in found.best:
         rollout, learner = e.rl.config.rl.rollout.parallel, e.rl.config.rl.learner.parallel
-        assert learner.dp_overlap == "none" and rollout.dp_overlap == "backward" and learner.tp_overlap == "none"
+        assert learner.dp_overlap == "none" and rollout.dp_overlap == "backward"
         assert learner.fsdp_reshard is (learner.fsdp == 1)
-        assert rollout.tp_overlap == ("bulk" if rollout.tensor > 1 else "none")
-    assert {e.rl.config.rl.learner.parallel.fsdp for e in found} == {1, 2}  # learners with FSDP and without
-    laid = with_layouts(cfg, (8, {"parallel.tensor": 2}), (8, {"parallel.fsdp": 1})).rl
-    assert laid.rollout.parallel.tp_overlap == "bulk" and laid.learner.parallel.fsdp_reshard is True
+    assert {e.rl.config.rl.learner.parallel.fsdp for e in found.best} == {1, 2}  # learners with FSDP and without
+    assert found.priced == plan_rl(load_config(GRPO, sets), 16, keep=50).priced
     plain = plan_rl(load_config(GRPO), 8, keep=1).best[0].rl.config.rl
     assert plain.learner.parallel.dp_overlap == "backward"
+
+
+def test_a_rollout_modifier_is_refused_by_name():
+    """The rollout generates, which reads none of training's modifiers: one set there is an error, in
+    resolving and in planning alike, not a setting each rollout drops."""
+    sets = ["rl.rollout.parallel.tp_overlap=bulk"]
+    words = r"rl.rollout.parallel.tp_overlap=bulk says how training runs tensor parallelism, but the rollout only"
+    with pytest.raises(ConfigError, match=words):
+        resolve_rl(load_config(GRPO, sets))
+    with pytest.raises(ConfigError, match=words):
+        plan_rl(load_config(GRPO, sets), 8)
+    with pytest.raises(ConfigError, match=r"rl.learner: rl.learner.parallel.fsdp_reshard=false says how FSDP runs"):
+        resolve_rl(load_config(GRPO, ["rl.learner.parallel.fsdp=1", "rl.learner.parallel.fsdp_reshard=false"]))
 
 
 def test_plan_rl_names_what_the_preset_cannot_do_first():

@@ -134,10 +134,10 @@ FEATURES = {"fsdp": "FSDP", "context": "context parallelism", "tensor": "tensor 
 
 
 def stage_degrees(p: ParallelConfig, submeshes: Sequence[SubmeshConfig] = ()) -> list[dict[str, int]]:
-    """The ``fsdp``, ``context`` and ``tensor`` degrees of each stage: an MPMD run's submeshes' (which have no
-    context axis), else the whole run's (every pipeline stage has them)."""
+    """The ``fsdp``, ``context`` and ``tensor`` degrees of each stage: an MPMD run's submeshes' (``fsdp`` and
+    ``tensor``: they have no context axis), else the whole run's (every pipeline stage has them)."""
     if submeshes:
-        return [{"fsdp": s.fsdp, "context": 1, "tensor": s.tensor} for s in submeshes]
+        return [{"fsdp": s.fsdp, "tensor": s.tensor} for s in submeshes]
     return [{"fsdp": p.fsdp, "context": p.context, "tensor": p.tensor}]
 
 
@@ -145,17 +145,22 @@ def idle_modifiers(p: ParallelConfig, submeshes: Sequence[SubmeshConfig] = ()) -
     """The keys of :data:`MODIFIERS` that ``p`` sets away from their defaults while no stage (of ``submeshes``
     when given) spans the axis their feature needs over more than one device, each with its value."""
     stages = stage_degrees(p, submeshes)
-    over = {axis: any(d[axis] > 1 for d in stages) for axis in FEATURES}
+    over = {axis: any(d.get(axis, 1) > 1 for d in stages) for axis in FEATURES}
     over["fsdp"] = over["fsdp"] or (p.fsdp_context and over["context"])  # FSDP over fsdp x context
     unset = ParallelConfig()
     return {k: getattr(p, k) for k, axis in MODIFIERS.items() if getattr(p, k) != getattr(unset, k) and not over[axis]}
 
 
-def rested(p: ParallelConfig, submeshes: Sequence[SubmeshConfig] = ()) -> ParallelConfig:
+def without_idle_modifiers(p: ParallelConfig, submeshes: Sequence[SubmeshConfig] = ()) -> ParallelConfig:
     """``p`` with its :func:`idle_modifiers` back at their defaults (what a planner's candidate runs)."""
     unset = ParallelConfig()
     idle = idle_modifiers(p, submeshes)
     return dataclasses.replace(p, **{k: getattr(unset, k) for k in idle}) if idle else p
+
+
+def modifier_value(value: object) -> object:
+    """A modifier's value as YAML and ``--set`` write it (``false``, not ``False``)."""
+    return str(value).lower() if isinstance(value, bool) else value
 
 
 def check_modifiers(p: ParallelConfig, submeshes: Sequence[SubmeshConfig] = ()) -> None:
@@ -169,7 +174,6 @@ def check_modifiers(p: ParallelConfig, submeshes: Sequence[SubmeshConfig] = ()) 
         return
     key, value = next(iter(idle.items()))
     axis = MODIFIERS[key]
-    shown = str(value).lower() if isinstance(value, bool) else value
     degrees = " | ".join(", ".join(f"{a} {n}" for a, n in d.items()) for d in stage_degrees(p, submeshes))
     if submeshes:
         fix = f", or give an mpmd.submeshes item {axis} > 1" if axis != "context" else " (mpmd submeshes have none)"
@@ -177,8 +181,8 @@ def check_modifiers(p: ParallelConfig, submeshes: Sequence[SubmeshConfig] = ()) 
         fix = f", or set parallel.{axis} > 1"
         fix += " (or parallel.context > 1 with parallel.fsdp_context: true)" if axis == "fsdp" else ""
     raise ConfigError(
-        f"parallel.{key}={shown} says how {FEATURES[axis]} runs, but no stage has it (each stage's degrees: "
-        f"{degrees}); remove parallel.{key}{fix}"
+        f"parallel.{key}={modifier_value(value)} says how {FEATURES[axis]} runs, but no stage has it (each "
+        f"stage's degrees: {degrees}); remove parallel.{key}{fix}"
     )
 
 

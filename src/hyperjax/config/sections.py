@@ -161,6 +161,12 @@ class OffloadConfig:
                 raise ConfigError(f"offload.manual[{pattern!r}]={option!r} is not one of {choices(OffloadOption)}")
         if self.manual and self.policy != "manual":
             raise ConfigError(f"offload.manual is given but offload.policy={self.policy!r}; set offload.policy: manual")
+        if self.policy == "none" and self.prefetch != OffloadConfig.prefetch:
+            raise ConfigError(
+                f"offload.prefetch={self.prefetch} sets the layers a host transfer of the placement pass may overlap, "
+                "but offload.policy='none' places nothing on the host; remove offload.prefetch, or set "
+                "offload.policy: auto, greedy or manual"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

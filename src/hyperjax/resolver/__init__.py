@@ -3,7 +3,7 @@
 from hyperjax.resolver.checks import check_attention_impl, check_dispatcher_sms, check_preset
 from hyperjax.resolver.elastic import elastic_overrides
 from hyperjax.resolver.resolve import DEFAULT_DEVICES, device_count, resolve
-from hyperjax.resolver.rl import learner_config, resolve_rl
+from hyperjax.resolver.rl import check_rollout_modifiers, learner_config, resolve_rl
 from hyperjax.resolver.stages import MODULES, balance_layers
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "check_attention_impl",
     "check_dispatcher_sms",
     "check_preset",
+    "check_rollout_modifiers",
     "device_count",
     "elastic_overrides",
     "learner_config",

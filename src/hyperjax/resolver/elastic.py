@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from hyperjax.config import Config, Run
+from hyperjax.config import Config, ParallelConfig, Run
+from hyperjax.config.parallel import MODIFIERS, modifier_value
 from hyperjax.errors import ConfigError, HyperjaxError
 from hyperjax.resolver.resolve import resolve
 
@@ -14,7 +15,14 @@ _ELASTIC_STEPS: tuple[tuple[str, ...], ...] = (
     ("parallel.data=null", "emulate.processes=null"),
     ("parallel.stage_devices=null",),
     ("train.micro_batch=null",),
-    ("parallel.fsdp=1", "parallel.tensor=1", "parallel.sequence_parallel=false", "parallel.context=1"),
+    (
+        "parallel.fsdp=1",
+        "parallel.tensor=1",
+        "parallel.sequence_parallel=false",
+        "parallel.context=1",
+        # the modifiers of the features those turn off, at their defaults (a run without them refuses them set)
+        *(f"parallel.{k}={modifier_value(getattr(ParallelConfig(), k))}" for k in MODIFIERS),
+    ),
 )
 
 

@@ -67,7 +67,6 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
     hw = load_hardware(config.hardware) if hardware is None else hardware
     t, p = config.train, config.parallel
     check_preset(config, hw)
-    check_modifiers(p, config.mpmd.submeshes)
     n = device_count(config, devices)
     check_capacity(hw, n)
     if config.mpmd.submeshes:
@@ -99,8 +98,15 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
                 "runs the layers as one; set parallel.virtual_stages=1 and parallel.schedule=1f1b, or "
                 "parallel.pipeline > 1"
             )
+        if p.schedule != "1f1b":
+            raise ConfigError(
+                f"parallel.schedule={p.schedule!r} orders a pipeline's stages, but parallel.pipeline=1 runs one stage "
+                "(one program, or with parallel.overlap: fb-pair its forwards and backwards paired as 1F1B pairs "
+                "them); remove parallel.schedule, or set parallel.pipeline > 1"
+            )
         stages = (spmd_stage(config, n),)
         microbatches = _microbatches(config, stages[0].data_parallel, default=1)
+    check_modifiers(p, config.mpmd.submeshes)  # after the stages: an MPMD run's refused whole-run keys first
     rows = t.global_batch // microbatches
     dps = [s.data_parallel for s in stages]
     if rows % math.lcm(*dps):

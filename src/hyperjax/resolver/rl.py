@@ -13,6 +13,7 @@ import dataclasses
 import re
 
 from hyperjax.config import Config, EmulateConfig, ParallelConfig, RLRun, Run, ServeConfig
+from hyperjax.config.parallel import FEATURES, MODIFIERS, modifier_value
 from hyperjax.emulate import plan_processes
 from hyperjax.errors import ConfigError, EmulationError, HyperjaxError
 from hyperjax.resolver.resolve import DEFAULT_DEVICES, resolve
@@ -66,6 +67,7 @@ def resolve_rl(config: Config, devices: int | None = None, *, hardware: Hardware
     padded = -(-wave // dp) * dp  # all of an iteration's completions (null) are padded to the replicas
     serve = ServeConfig(batch=padded, prompt_len=prompt_len, new_tokens=r.max_new_tokens)
     generating = dataclasses.replace(base.train, global_batch=padded, micro_batch=None, microbatches=None)
+    check_rollout_modifiers(r.rollout.parallel)
     rollout = _phase(
         dataclasses.replace(base, serve=serve, train=generating), "rollout", r.rollout.parallel, sizes[0], hw
     )
@@ -146,6 +148,20 @@ def _phase(base: Config, name: str, parallel: ParallelConfig, devices: int, hw: 
         message = message.replace("emulate.devices", f"rl.{name}.devices")
         message = message.replace("train.global_batch", "rl.prompts_per_step x rl.group_size (train.global_batch)")
         raise type(e)(f"rl.{name}: {message}") from None
+
+
+def check_rollout_modifiers(p: ParallelConfig) -> None:
+    """The rollout sets no key of :data:`~hyperjax.config.parallel.MODIFIERS`: each says how training runs a
+    feature, and generation reads none of them (its collectives are not overlapped, its weights not gathered
+    by FSDP's schedule, its sequence not split)."""
+    unset = ParallelConfig()
+    for key, axis in MODIFIERS.items():
+        if getattr(p, key) != getattr(unset, key):
+            raise ConfigError(
+                f"rl.rollout.parallel.{key}={modifier_value(getattr(p, key))} says how training runs "
+                f"{FEATURES[axis]}, but the rollout only generates, which reads none of these settings; remove "
+                f"rl.rollout.parallel.{key}"
+            )
 
 
 def _rollout_replicas(config: Config, p: ParallelConfig, devices: int) -> int:

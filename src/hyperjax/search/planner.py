@@ -29,7 +29,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hyperjax.config import Config, Run
+from hyperjax.config import Config, ParallelConfig, Run
+from hyperjax.config.parallel import FEATURES, MODIFIERS, idle_modifiers, modifier_value
 from hyperjax.config.run import stage_schedule
 from hyperjax.cost import Estimate, StageCore, estimate, unpriced_overrides
 from hyperjax.errors import ConfigError, HyperjaxError
@@ -40,7 +41,7 @@ from hyperjax.search.strategies import (
     RECOMPUTE,
     candidate,
     micro_batches,
-    resting,
+    selected,
     strategies,
     submesh_strategies,
 )
@@ -56,7 +57,7 @@ class Candidate:
 
     Attributes:
       overrides: the config keys that select it (``parallel.*``, ``train.micro_batch``, ``train.recompute``),
-        with the config's modifiers whose feature it turns off reset (:func:`~hyperjax.search.strategies.resting`).
+        with the config's modifiers whose feature it turns off reset (:func:`~hyperjax.search.strategies.selected`).
       estimate: its predicted step (its ``run`` is the resolved candidate).
       offload: the placement that makes it fit, as ``--json`` prints it, when it needs one.
     """
@@ -183,6 +184,7 @@ def plan(
         combinations += list(submesh_strategies(cfg, hw, devices))
     if where:
         combinations = [c for c in combinations if _holds(cfg, c, where)]
+        _check_held_modifiers(cfg, combinations, where)
     index = {id(c): i for i, c in enumerate(combinations)}  # ties are ranked as the enumeration orders them
     groups = list(bases(combinations).values())
     bound = [
@@ -244,7 +246,7 @@ def plan(
     if progress is not None:
         progress(len(order), len(order))
     best = [
-        Candidate(overrides=o | resting(cfg, o), estimate=dataclasses.replace(price(cfg, o, devices, hw), fits=True))
+        Candidate(overrides=selected(cfg, o), estimate=dataclasses.replace(price(cfg, o, devices, hw), fits=True))
         for _, _, o in sorted(found)[:keep]
     ]
     fitting = len(found)
@@ -284,6 +286,29 @@ def _holds(cfg: Config, combo: dict[str, Any], where: Mapping[str, Any]) -> bool
     return all(combo.get(key, value) == value for key, value in where.items())
 
 
+def _check_held_modifiers(cfg: Config, combinations: list[dict[str, Any]], where: Mapping[str, Any]) -> None:
+    """The config's modifiers (``parallel.fsdp_reshard``, ``tp_overlap``, ...) act in some strategy ``where``
+    leaves: one that every such strategy turns off would be reset in each candidate unsaid, and is named instead.
+
+    Raises:
+      ConfigError: naming the modifier, the held keys and the fix.
+    """
+    unset = ParallelConfig()
+    kept = [k for k in MODIFIERS if getattr(cfg.parallel, k) != getattr(unset, k)]
+    for c in combinations if kept else ():
+        degrees = {k: c[f"parallel.{k}"] for k in ("fsdp", "context", "tensor") if f"parallel.{k}" in c}
+        idle = idle_modifiers(dataclasses.replace(cfg.parallel, **degrees), c.get("mpmd.submeshes") or ())
+        if not (kept := [k for k in kept if k in idle]):
+            return
+    if combinations and kept:
+        key, held = kept[0], ", ".join(f"{k}={v!r}" for k, v in where.items())
+        raise ConfigError(
+            f"parallel.{key}={modifier_value(getattr(cfg.parallel, key))} says how {FEATURES[MODIFIERS[key]]} runs, "
+            f"but no strategy the search tries with {held} has it; remove parallel.{key}, or hold a layout that "
+            "has it"
+        )
+
+
 def _nothing_fits(
     cfg: Config,
     devices: int,
@@ -297,12 +322,12 @@ def _nothing_fits(
     mem = est.memory_per_device_gib
     term = max(("params", "optimizer", "gradients", "activations"), key=mem.__getitem__)
     report = {"fits": False, "priced": priced, "fitting": 0, "budget_gib": budget_gib}
-    report |= {"leanest": overrides | resting(cfg, overrides), "leanest_peak_gib": mem["peak"], "cannot_fit": term}
+    report |= {"leanest": selected(cfg, overrides), "leanest_peak_gib": mem["peak"], "cannot_fit": term}
     hint = "Use more devices, a smaller model or offload.policy: auto."
     if cfg.offload.policy in ("auto", "greedy") and too_big:
         lean = min(too_big, key=lambda oe: oe[1].memory_per_device_gib["peak"])
         offload = offload_pass(resolve(candidate(cfg, lean[0]), devices, hardware=hw))
-        report |= {"leanest": lean[0] | resting(cfg, lean[0]), "cannot_fit": offload.cannot_fit}
+        report |= {"leanest": selected(cfg, lean[0]), "cannot_fit": offload.cannot_fit}
         report |= {"smallest_budget_gib": offload.smallest_budget_gib}
         term = f"{offload.cannot_fit} (which cannot leave the device)"
         hint = f"Offloading, the leanest strategy needs {offload.smallest_budget_gib:g} GiB; use more devices."
@@ -340,7 +365,7 @@ def _with_offload(
         except HyperjaxError:
             continue  # nothing the pass can place (a vision-language model)
         if offload.fits:
-            chosen = {**overrides, **resting(cfg, overrides), "offload.policy": cfg.offload.policy}
+            chosen = {**selected(cfg, overrides), "offload.policy": cfg.offload.policy}
             ranked.append(Candidate(overrides=chosen, estimate=with_offload(offload), offload=offload.to_dict()))
             added += 1
     return added

@@ -22,10 +22,10 @@ import time
 from typing import Any
 
 from hyperjax.config import Config, ParallelConfig, PhaseConfig
-from hyperjax.config.parallel import rested
+from hyperjax.config.parallel import MODIFIERS
 from hyperjax.cost.rl import RLEstimate, estimate_rl
 from hyperjax.errors import ConfigError, HyperjaxError
-from hyperjax.resolver import check_preset, learner_config, resolve_rl
+from hyperjax.resolver import check_preset, check_rollout_modifiers, learner_config, resolve_rl
 from hyperjax.search.planner import plan
 from hyperjax.search.strategies import divisors
 from hyperjax.topology import Hardware, load_hardware
@@ -61,19 +61,10 @@ def splits(devices: int, placement: str) -> list[int]:
     return [k * granule for k in range(1, devices // granule)]
 
 
-RUNTIME = (
-    "context_impl",
-    "dispatcher",
-    "dispatcher_sms",
-    "tp_overlap",
-    "dp_overlap",
-    "fsdp_unit",
-    "fsdp_context",
-    "fsdp_reshard",
-    "gradient_buckets",
-)
+RUNTIME = (*MODIFIERS, "dispatcher", "dispatcher_sms", "dp_overlap", "gradient_buckets")
 """The ``parallel.*`` keys that say how the framework runs a layout, not the layout: a phase keeps its own
-through the search, which chooses the degrees."""
+through the search, which chooses the degrees (a learner candidate's overrides reset a modifier whose feature
+it turns off; the rollout sets none)."""
 
 
 def runtime_parallel(own: ParallelConfig, **degrees: Any) -> ParallelConfig:
@@ -91,8 +82,7 @@ def with_layouts(
 
     def phase(n: int, overrides: dict[str, Any], own: ParallelConfig) -> PhaseConfig:
         degrees = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("parallel.")}
-        parallel = rested(runtime_parallel(own, **degrees))  # modifiers of features the layout has not: reset
-        return PhaseConfig(devices=None if colocated else n, parallel=parallel)
+        return PhaseConfig(devices=None if colocated else n, parallel=runtime_parallel(own, **degrees))
 
     trains = {k.split(".", 1)[1]: v for k, v in learner[1].items() if k.startswith("train.")}
     rl = dataclasses.replace(
@@ -164,6 +154,7 @@ def plan_rl(cfg: Config, devices: int, *, keep: int = 5, hardware: Hardware | No
     base = learner_config(cfg)  # the learner searched as it will run: its own phase's runtime settings
     base = dataclasses.replace(base, parallel=runtime_parallel(cfg.rl.learner.parallel))
     check_preset(base, hw)  # what the config asks of the device, named before any split is tried
+    check_rollout_modifiers(cfg.rl.rollout.parallel)  # refused by every rollout: named, not a lost candidate
     found: list[RLEstimate] = []
     priced = 0
     refused: HyperjaxError | None = None  # the last reason a candidate did not resolve

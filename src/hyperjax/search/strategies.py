@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from hyperjax.config import Config, SubmeshConfig
-from hyperjax.config.parallel import MODIFIERS, MPMD_REPLACED, ParallelConfig, rested
+from hyperjax.config.parallel import MODIFIERS, MPMD_REPLACED, ParallelConfig, without_idle_modifiers
 from hyperjax.mpmd.schedules import PAIRED
 from hyperjax.topology import Hardware
 
@@ -73,23 +73,22 @@ refuses them set); the split's own overrides then set the pipeline and schedule 
 def candidate(cfg: Config, overrides: dict[str, Any]) -> Config:
     """The config a candidate's ``overrides`` select: :data:`CLEARED`, then the overrides, over ``cfg``; an
     MPMD split also resets :data:`WHOLE_RUN`, keeping sequence parallelism where a submesh has a tensor axis;
-    then the config's modifiers whose feature the candidate turns off are reset (:func:`resting`)."""
+    then the config's modifiers whose feature the candidate turns off are reset (:func:`selected`)."""
     subs = overrides.get("mpmd.submeshes")
     split = {}
     if subs:
         tensor = any(sub.tensor > 1 for sub in subs)
         split = {**WHOLE_RUN, "parallel.sequence_parallel": cfg.parallel.sequence_parallel and tensor}
     chosen = apply(cfg, {**CLEARED, **split, **overrides})
-    return dataclasses.replace(chosen, parallel=rested(chosen.parallel, chosen.mpmd.submeshes))
+    return dataclasses.replace(chosen, parallel=without_idle_modifiers(chosen.parallel, chosen.mpmd.submeshes))
 
 
-def resting(cfg: Config, overrides: dict[str, Any]) -> dict[str, Any]:
-    """The ``parallel.*`` modifiers of ``cfg`` (:data:`hyperjax.config.parallel.MODIFIERS`: ``fsdp_reshard``,
-    ``tp_overlap``, ...) whose feature the candidate ``overrides`` turns off, at the defaults :func:`candidate`
-    resets them to (a run without the feature refuses them set): what a person adds to the overrides to train
-    the candidate from ``cfg``."""
+def selected(cfg: Config, overrides: dict[str, Any]) -> dict[str, Any]:
+    """``overrides`` with the ``parallel.*`` modifiers of ``cfg`` (:data:`hyperjax.config.parallel.MODIFIERS`:
+    ``fsdp_reshard``, ``tp_overlap``, ...) whose feature they turn off, at the defaults :func:`candidate` resets
+    them to (a run without the feature refuses them set): what selects the candidate from ``cfg``."""
     p, chosen = cfg.parallel, candidate(cfg, overrides).parallel
-    return {f"parallel.{k}": getattr(chosen, k) for k in MODIFIERS if getattr(chosen, k) != getattr(p, k)}
+    return overrides | {f"parallel.{k}": getattr(chosen, k) for k in MODIFIERS if getattr(chosen, k) != getattr(p, k)}
 
 
 def strategies(
