@@ -75,3 +75,12 @@ def test_out_may_not_replace_the_checkpoint_or_the_config(capsys, tmp_path):
     assert "--out" in capsys.readouterr().err and (tmp_path / "ck").is_dir()
     assert main([*args, "--out", str(Path(QUICK).parent)]) == 2
     assert "the config's folder" in capsys.readouterr().err and Path(QUICK).is_file()
+
+
+@pytest.mark.parametrize("gib", ["inf", "nan", "0"])
+def test_a_shard_size_that_is_no_finite_positive_number_exits_2(capsys, tmp_path, gib):
+    args = ["export-hf", QUICK, "--checkpoint-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")]
+    assert main([*args, "--max-shard-gib", gib]) == 2
+    err = capsys.readouterr().err
+    assert f"--max-shard-gib {float(gib)} must be a finite number > 0" in err and "Traceback" not in err
+    assert not (tmp_path / "hf").exists()

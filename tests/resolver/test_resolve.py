@@ -112,9 +112,22 @@ def test_overrides_and_yaml_values():
             ConfigError,
             r"parallel.pipeline=1 runs one stage .*set parallel.pipeline > 1",
         ),
+        (
+            ["offload.device_memory_gib=100000"],
+            ConfigError,
+            r"offload.device_memory_gib=100000 is more than preset cloudmatrix384's device .* \(119.2 GiB of HBM",
+        ),
         (["offload.prefetch=2"], ConfigError, r"offload.prefetch=2 sets .* offload.policy='none' places nothing"),
         (["offload.manual={layers.0.params: host}"], ConfigError, r"offload.manual is given but offload.policy='none'"),
         (["shard.vocab=tensr"], ShardingError, r"shard.vocab: mesh axis 'tensr' does not exist"),
+        (["shard={batch: 5}"], ConfigError, r"shard.batch=5 must be a mesh axis, a list of mesh axes, or null"),
+        (["shard={batch: [[data]]}"], ConfigError, r"shard.batch=\[\['data'\]\] must be a mesh axis"),
+        (["shard={batch: {a: 1}}"], ConfigError, r"shard.batch=\{'a': 1\} must be a mesh axis"),
+        (
+            ["offload.policy=manual", "offload.manual={5: host}"],
+            ConfigError,
+            r"offload.manual key 5 must be a group pattern \(a string\)",
+        ),
         (["hardware=cm384"], Exception, r"unknown hardware preset 'cm384'"),
         (
             ["emulate.devices=384", "emulate.processes=1", "train.global_batch=384"],

@@ -158,6 +158,32 @@ def test_an_empty_or_listed_preset_file_says_what_a_preset_gives(tmp_path, capsy
         load_hardware(tmp_path / "list.yaml")
 
 
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda raw: raw["tiers"][1].update(name=raw["tiers"][0]["name"]), r"two tiers are named '\w+' \(.*\); "),
+        (lambda raw: raw.update(tiers=5), r"tiers=5 must be a list of tier mappings"),
+        (lambda raw: raw.update(name=["x"]), r"name=\['x'\] must be a non-empty string"),
+        (lambda raw: raw["device"].update(name={"a": 1}), r"device.name=\{'a': 1\} must be a non-empty string"),
+        (
+            lambda raw: raw["tiers"][0].update(topology="torus", torus_dims=2.0),
+            r"torus_dims=2.0 needs topology: torus and 1, 2 or 3 dimensions",
+        ),
+        (
+            lambda raw: raw["tiers"][0].update(topology="torus", torus_dims=True),
+            r"torus_dims=True needs topology: torus and 1, 2 or 3 dimensions",
+        ),
+    ],
+)
+def test_names_and_shapes_of_the_wrong_kind_are_named(edit, message):
+    """A preset's tiers are told apart by name (two of one name would price an axis at the wrong tier), and a
+    value of the wrong kind is an error naming it, not a traceback."""
+    raw = _raw()
+    edit(raw)
+    with pytest.raises(PresetError, match=message):
+        hardware_from_dict(raw)
+
+
 def test_tiers_must_nest():
     raw = _raw()
     raw["tiers"][1]["group_size"] = 100
@@ -182,6 +208,8 @@ def test_unbounded_tier_must_be_last():
         ("bandwidth", "fast", r"bandwidth='fast' must be a positive number"),
         ("topology", "mesh", r"topology='mesh' must be one of"),
         ("torus_dims", 3, r"torus_dims=3 needs topology: torus"),  # cloudmatrix384's first tier is a switch
+        ("name", ["a", "b"], r"tier name=\['a', 'b'\] must be a non-empty string"),
+        ("name", "", r"tier name='' must be a non-empty string"),
     ],
 )
 def test_tier_values(field, value, pattern):
@@ -292,6 +320,17 @@ def test_matmul_precision_names_a_listed_dtype():
         hardware_from_dict(raw)
     raw["device"]["matmul_precision"] = "tf32"
     with pytest.raises(PresetError, match=r"must be a mapping from a compute dtype"):
+        hardware_from_dict(raw)
+    raw["device"]["matmul_precision"] = {"float32": ["tf32"]}
+    with pytest.raises(PresetError, match=r"device.matmul_precision.float32: \['tf32'\] names a dtype with no peak"):
+        hardware_from_dict(raw)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), -1.0])
+def test_a_kernels_seq_half_is_a_finite_count_of_keys(value):
+    raw = _raw("dgx-h100")
+    raw["device"]["attention_kernels"]["cudnn"]["seq_half"] = value
+    with pytest.raises(PresetError, match=r"device.attention_kernels.cudnn.seq_half=.* must be (a finite|>= 0)"):
         hardware_from_dict(raw)
 
 

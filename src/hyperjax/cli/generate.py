@@ -18,6 +18,7 @@ from typing import Any
 
 from hyperjax.cli.display import console
 from hyperjax.cli.options import add_command, add_config_arguments, config_from_args, path
+from hyperjax.config.sections import MIN_TEMPERATURE
 from hyperjax.errors import ConfigError
 from hyperjax.resolver import resolve
 
@@ -70,10 +71,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise ConfigError(f"--temperature {args.temperature} must be 0 (greedy) or a finite positive number")
+    t = args.temperature
+    if not (math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE)):
+        raise ConfigError(
+            f"--temperature {t:g} must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (below that float32 "
+            "sampling is greedy's argmax, or overflows)"
+        )
     if args.top_k is not None and args.top_k < 1:
         raise ConfigError(f"--top-k {args.top_k} must be a positive integer")
+    if t == 0 and (args.top_k is not None or args.seed != 0):
+        given = f"--top-k {args.top_k}" if args.top_k is not None else f"--seed {args.seed}"
+        raise ConfigError(f"{given} shapes sampling, but --temperature 0 decodes greedily; set --temperature > 0")
     run = resolve(config_from_args(args, [] if args.devices is None else [f"emulate.devices={args.devices}"]))
     if args.top_k is not None and args.top_k > run.config.model.vocab:
         raise ConfigError(f"--top-k {args.top_k} is more than model.vocab={run.config.model.vocab}")

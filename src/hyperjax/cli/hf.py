@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 from pathlib import Path
 
 from hyperjax.cli.display import console
@@ -122,8 +123,8 @@ def run_export(args: argparse.Namespace) -> int:
     from hyperjax.hf.convert import export_hf
     from hyperjax.resolver import resolve
 
-    if not args.max_shard_gib > 0:
-        raise ConfigError(f"--max-shard-gib {args.max_shard_gib} must be > 0")
+    if not 0 < args.max_shard_gib < math.inf:
+        raise ConfigError(f"--max-shard-gib {args.max_shard_gib} must be a finite number > 0 (GiB per file)")
     extra = [] if args.devices is None else [f"emulate.devices={args.devices}"]
     run = resolve(config_from_args(args, extra))
     from hyperjax.config.hf_export import hf_from_model

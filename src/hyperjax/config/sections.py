@@ -7,6 +7,7 @@ inferred value, once, into a :class:`hyperjax.Run`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -141,6 +142,12 @@ class TrainConfig:
         return self.steps // 10 if self.warmup_steps is None else self.warmup_steps
 
 
+MIN_TEMPERATURE = 1e-6
+"""The least positive sampling temperature: below it sampling is greedy's argmax wherever two logits differ by
+more than 1e-4 (their ratio of probabilities under ``exp`` underflows float32), and far below it ``logits / T``
+itself overflows float32 into NaN; 0 asks for greedy decoding."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OffloadConfig:
     """Where each tensor group lives during a step (``offload:``; see :mod:`hyperjax.offload`)."""
@@ -157,6 +164,10 @@ class OffloadConfig:
         if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
             raise ConfigError(f"offload.prefetch={self.prefetch!r} must be an integer >= 0 (layers)")
         for pattern, option in self.manual.items():
+            if not isinstance(pattern, str):
+                raise ConfigError(
+                    f"offload.manual key {pattern!r} must be a group pattern (a string), e.g. layers.*.optimizer"
+                )
             if option not in choices(OffloadOption):
                 raise ConfigError(f"offload.manual[{pattern!r}]={option!r} is not one of {choices(OffloadOption)}")
         if self.manual and self.policy != "manual":
@@ -228,8 +239,11 @@ class RLConfig:
                 f"rl.group_size={self.group_size}: GRPO's advantage is a completion's reward against its group's "
                 "mean and spread, which one completion does not have; set rl.group_size: 2 or more (8 to 64 is usual)"
             )
-        if not self.temperature > 0:
-            raise ConfigError(f"rl.temperature={self.temperature} must be > 0: reinforcement learning samples")
+        if not self.temperature >= MIN_TEMPERATURE or not math.isfinite(self.temperature):
+            raise ConfigError(
+                f"rl.temperature={self.temperature} must be a finite number >= {MIN_TEMPERATURE:g}: reinforcement "
+                "learning samples, and below that float32 sampling is greedy's argmax or overflows"
+            )
         if not self.kl_coef >= 0 or not 0 < self.clip < 1:
             raise ConfigError(f"rl.kl_coef={self.kl_coef} must be >= 0 and rl.clip={self.clip} in (0, 1)")
         if self.max_staleness not in (0, 1):
@@ -274,6 +288,13 @@ class Config:
     rl: RLConfig | None = None  # reinforcement learning of the model (null: supervised training)
 
     def __post_init__(self) -> None:
+        for logical, target in self.shard.items():
+            names = [target] if isinstance(target, str) else target if isinstance(target, list | tuple) else None
+            if target is not None and (names is None or not all(isinstance(a, str) for a in names)):
+                raise ConfigError(
+                    f"shard.{logical}={target!r} must be a mesh axis, a list of mesh axes, or null (replicated), "
+                    "e.g. shard.mlp: tensor or shard.embed: [fsdp, context]"
+                )
         if self.rl is not None and (self.parallel != ParallelConfig() or self.mpmd.submeshes):
             raise ConfigError(
                 "an rl: config lays out each phase apart: move the parallel: section's degrees to "

@@ -28,6 +28,12 @@ def is_fraction(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= 1
 
 
+def require_name(key: str, value: Any) -> None:
+    """A preset's name of something (a preset, a device, a tier): a non-empty string."""
+    if not isinstance(value, str) or not value:
+        raise PresetError(f"{key}={value!r} must be a non-empty string")
+
+
 def require_positive(key: str, value: Any) -> None:
     require_number(key, value, "a positive number")
     if not value > 0:
@@ -81,7 +87,8 @@ class AttentionKernel:
                 if not is_fraction(value):
                     raise PresetError(f"{self.name}{where}.{key}={value!r} must be a fraction of the peak in (0, 1]")
         object.__setattr__(self, "widths", tuple(sorted(widths)))  # the same widths in any order: one kernel
-        if not isinstance(self.seq_half, int | float) or isinstance(self.seq_half, bool) or self.seq_half < 0:
+        require_number(f"{self.name}.seq_half", self.seq_half, "a finite number of keys >= 0")
+        if self.seq_half < 0:
             raise PresetError(f"{self.name}.seq_half={self.seq_half!r} must be >= 0 keys")
         require_positive(f"{self.name}.head_dim", self.head_dim)
         if not isinstance(self.overlapped, bool):
@@ -197,6 +204,7 @@ class DeviceSpec:
     format_efficiency: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        require_name("device.name", self.name)
         if not isinstance(self.peak_flops, Mapping) or not self.peak_flops:
             raise PresetError(
                 f"device.peak_flops={self.peak_flops!r} must map each dtype to its FLOP/s, e.g. {{bfloat16: 989.0e+12}}"
@@ -250,7 +258,7 @@ class DeviceSpec:
             )
         for dtype, runs_as in self.matmul_precision.items():
             for key, value in ((f"device.matmul_precision.{dtype}", runs_as), ("device.matmul_precision", dtype)):
-                if value not in self.peak_flops:
+                if not isinstance(value, str) or value not in self.peak_flops:
                     raise PresetError(
                         f"{key}: {value!r} names a dtype with no peak_flops entry; it lists "
                         f"{sorted(self.peak_flops)}. Add that dtype's FLOP/s or correct the name."

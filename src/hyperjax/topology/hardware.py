@@ -19,7 +19,7 @@ from typing import Any
 
 from hyperjax.errors import PresetError
 from hyperjax.files import read_yaml
-from hyperjax.topology.device import DeviceSpec, is_count, require_number, require_positive
+from hyperjax.topology.device import DeviceSpec, is_count, require_name, require_number, require_positive
 
 _TOPOLOGIES = ("switch", "torus", "ring")
 
@@ -58,6 +58,7 @@ class Tier:
     torus_wrap_whole: bool = False
 
     def __post_init__(self) -> None:
+        require_name("tier name", self.name)
         where = f"tier {self.name!r}"
         if self.group_size is not None and not is_count(self.group_size):
             raise PresetError(f"{where}: group_size={self.group_size!r} must be a positive integer or null")
@@ -75,7 +76,8 @@ class Tier:
             raise PresetError(f"{where}: efficiency={self.efficiency} must be in (0, 1]")
         if self.topology not in _TOPOLOGIES:
             raise PresetError(f"{where}: topology={self.topology!r} must be one of {_TOPOLOGIES}")
-        if self.torus_dims is not None and (self.topology != "torus" or self.torus_dims not in (1, 2, 3)):
+        dims = self.torus_dims
+        if dims is not None and (self.topology != "torus" or not is_count(dims) or dims not in (1, 2, 3)):
             raise PresetError(f"{where}: torus_dims={self.torus_dims!r} needs topology: torus and 1, 2 or 3 dimensions")
 
     def torus_for(self, devices: int) -> tuple[tuple[int, bool], ...] | None:
@@ -145,8 +147,16 @@ class Hardware:
     default_axes: Mapping[str, int]
 
     def __post_init__(self) -> None:
+        require_name("name", self.name)
         if not self.tiers:
             raise PresetError(f"preset {self.name!r}: tiers is empty; list at least one interconnect tier")
+        names = [t.name for t in self.tiers]
+        twice = next((n for n in names if names.count(n) > 1), None)
+        if twice is not None:
+            raise PresetError(
+                f"preset {self.name!r}: two tiers are named {twice!r} ({', '.join(names)}); collectives find a "
+                "mesh axis's tiers by name, so give each tier its own"
+            )
         sizes = [t.group_size for t in self.tiers]
         for inner, outer, tier in zip(sizes, sizes[1:], self.tiers[1:], strict=False):
             if inner is None:
@@ -290,9 +300,11 @@ def hardware_from_dict(raw: Any, *, where: str = "preset") -> Hardware:
     try:
         raw = _mapping(raw, "the preset", Hardware)
         device = DeviceSpec(**_fields(DeviceSpec, _mapping(raw.get("device"), "device", DeviceSpec), "device"))
+        listed = raw.get("tiers") or []
+        if not isinstance(listed, list):
+            raise PresetError(f"tiers={listed!r} must be a list of tier mappings, innermost first")
         tiers = tuple(
-            Tier(**_fields(Tier, _mapping(t, f"tiers[{i}]", Tier), f"tiers[{i}]"))
-            for i, t in enumerate(raw.get("tiers") or [])
+            Tier(**_fields(Tier, _mapping(t, f"tiers[{i}]", Tier), f"tiers[{i}]")) for i, t in enumerate(listed)
         )
         host = HostSpec(**_fields(HostSpec, _mapping(raw.get("host"), "host", HostSpec), "host"))
         top = {k: v for k, v in raw.items() if k not in ("device", "tiers", "host")}
