@@ -1,14 +1,18 @@
-"""Files written whole or not at all (readers see the old file or the complete new one, never a part), and YAML
-files read strictly (a key given twice is an error, not the last one silently kept)."""
+"""Files written whole or not at all (readers see the old file or the complete new one, never a part), YAML
+files read strictly (a key given twice is an error, not the last one silently kept), and the shipped corpus."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import tempfile
+from functools import cache
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 
@@ -90,3 +94,13 @@ def read_yaml(path: str | Path, *, what: str, error: type[Exception]) -> Any:
         return parse_yaml(text, str(path))
     except yaml.YAMLError as e:
         raise error(f"{what} {str(path)!r} is not valid YAML: {e}") from None
+
+
+CORPUS = "kjv-genesis-exodus.txt.gz"
+
+
+@cache
+def corpus_bytes() -> np.ndarray:
+    """The shipped corpus (Genesis and Exodus, King James Version, public domain) as uint8 tokens."""
+    data = resources.files("hyperjax.data").joinpath(CORPUS).read_bytes()
+    return np.frombuffer(gzip.decompress(data), dtype=np.uint8)

@@ -117,6 +117,8 @@ def test_overrides_and_yaml_values():
             ConfigError,
             r"offload.device_memory_gib=100000 is more than preset cloudmatrix384's device .* \(119.2 GiB of HBM",
         ),
+        (["parallel.expert_tensor=2"], ConfigError, r"parallel.expert_tensor=2 lays out the experts of model.moe"),
+        (["parallel.expert_tensor=1", "parallel.tensor=1"], ConfigError, r"parallel.expert_tensor=1 lays out the"),
         (["offload.prefetch=2"], ConfigError, r"offload.prefetch=2 sets .* offload.policy='none' places nothing"),
         (["offload.manual={layers.0.params: host}"], ConfigError, r"offload.manual is given but offload.policy='none'"),
         (["shard.vocab=tensr"], ShardingError, r"shard.vocab: mesh axis 'tensr' does not exist"),

@@ -21,6 +21,7 @@ from hyperjax.resolver import elastic_overrides, resolve
 from hyperjax.train import Prepared, prepare
 from hyperjax.train.breakdown import check_profiled
 from hyperjax.train.checkpoint import last_progress, saved_steps
+from hyperjax.train.data import check_windows
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -95,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         sets += [] if args.devices is None else [f"emulate.devices={args.devices}"]  # the children's count
         run = resolve(cfg, args.devices)
     ready = prepare(run)  # everything train checks before it starts a device
+    if run.config.model.vision is None:  # a decoder reads windows of train.data
+        check_windows(run.config.train.data, run.config.model.seq_len)
     if args.plan_only:
         return _print_run(run, json_out=args.json)
     if run.processes is None:

@@ -19,6 +19,7 @@ from hyperjax.resolver import resolve_rl
 from hyperjax.rl.rewards import load_reward
 from hyperjax.train import prepare
 from hyperjax.train.checkpoint import saved_steps
+from hyperjax.train.data import check_windows
 
 UNSUPPORTED = ("resume", "max_restarts", "elastic", "profile", "explain")
 
@@ -46,6 +47,7 @@ def run(args: argparse.Namespace, cfg: Config) -> int:
             "its checkpoints to, or null to start from train.seed"
         )
     prepare(rl.learner)  # the learner's offload pass and checks, before any device starts
+    check_windows(cfg.train.data, rl.prompt_len, "rl.prompt_len")  # the prompts are windows of train.data
     load_reward(cfg.rl.reward)
     if args.plan_only:
         return _print_plan(rl, json_out=args.json)

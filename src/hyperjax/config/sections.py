@@ -246,6 +246,11 @@ class RLConfig:
             )
         if not self.kl_coef >= 0 or not 0 < self.clip < 1:
             raise ConfigError(f"rl.kl_coef={self.kl_coef} must be >= 0 and rl.clip={self.clip} in (0, 1)")
+        if self.kl_coef == 0 and self.reference != "device":
+            raise ConfigError(
+                f"rl.reference={self.reference} places the frozen reference model, but rl.kl_coef=0 keeps none; "
+                "remove rl.reference, or set rl.kl_coef > 0"
+            )
         if self.max_staleness not in (0, 1):
             raise ConfigError(
                 f"rl.max_staleness={self.max_staleness} must be 0 (rollouts with the newest weights) or 1 (the next "
@@ -327,9 +332,12 @@ class Config:
                 f"parallel.expert_tensor={p.expert_tensor} must be null (experts split over the tensor axis, "
                 f"{p.tensor} ways) or 1 (the tensor axis joins the expert axis inside MoE layers)"
             )
+        if p.expert_tensor is not None and moe is None:
+            raise ConfigError(
+                f"parallel.expert_tensor={p.expert_tensor} lays out the experts of model.moe, which is null; remove "
+                "parallel.expert_tensor"
+            )
         if p.expert_tensor == 1 and p.tensor > 1:
-            if moe is None:
-                raise ConfigError("parallel.expert_tensor=1 applies to the experts of model.moe, which is null")
             if not p.sequence_parallel:
                 raise ConfigError(
                     f"parallel.expert_tensor=1 with parallel.tensor={p.tensor}: the tensor axis carries experts only "

@@ -7,21 +7,27 @@ resharded run sees exactly the same data.
 
 from __future__ import annotations
 
-import gzip
-from functools import cache
-from importlib import resources
-
 import jax
 import numpy as np
 
-CORPUS = "kjv-genesis-exodus.txt.gz"
+from hyperjax.errors import ConfigError
+from hyperjax.files import corpus_bytes
 
 
-@cache
-def corpus_bytes() -> np.ndarray:
-    """The shipped corpus (Genesis and Exodus, King James Version, public domain) as uint8 tokens."""
-    data = resources.files("hyperjax.data").joinpath(CORPUS).read_bytes()
-    return np.frombuffer(gzip.decompress(data), dtype=np.uint8)
+def check_windows(source: str, tokens: int, key: str = "model.seq_len") -> None:
+    """The corpus ``source`` names holds windows of ``tokens`` tokens and the next one (``text``; a synthetic
+    sequence has any length).
+
+    Raises:
+      ConfigError: naming ``key``, the corpus's size and the fix.
+    """
+    n = len(corpus_bytes())
+    if source == "text" and tokens + 1 >= n:
+        raise ConfigError(
+            f"{key}={tokens} is longer than a window of the shipped text corpus (train.data=text: {n} bytes, so at "
+            f"most {n - 2} tokens); set {key} <= {n - 2}, or train.data: synthetic (predict and plan price any "
+            "length)"
+        )
 
 
 class Batches:
@@ -38,8 +44,7 @@ class Batches:
 
     def __init__(self, *, source: str, global_batch: int, seq_len: int, vocab: int, seed: int) -> None:
         self.source, self.global_batch, self.seq_len, self.vocab, self.seed = source, global_batch, seq_len, vocab, seed
-        if source == "text" and len(corpus_bytes()) <= seq_len + 1:
-            raise ValueError(f"seq_len={seq_len} is longer than the corpus ({len(corpus_bytes())} bytes)")
+        check_windows(source, seq_len)
 
     def batch(self, step: int, rows: slice | range = slice(None)) -> dict[str, np.ndarray]:
         """``inputs`` and ``targets`` for ``rows`` of the global batch of ``step``, as host arrays."""
