@@ -32,6 +32,13 @@ def test_topology_lists_presets(capsys):
     assert all(name in out for name in ("cloudmatrix384", "supernode-12x32", "dgx-a100-80g", "dgx-h100", "tpu-v5p"))
 
 
+def test_topology_json_lists_presets_too(capsys):
+    assert main(["topology", "--json"]) == 0
+    shipped = json.loads(capsys.readouterr().out)
+    assert {"cloudmatrix384", "dgx-h100", "tpu-v5p"} <= {p["name"] for p in shipped}
+    assert all(p["description"] for p in shipped)
+
+
 def test_topology_json(capsys):
     assert main(["topology", "dgx-h100", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

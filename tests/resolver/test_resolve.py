@@ -112,16 +112,12 @@ def test_overrides_and_yaml_values():
             ConfigError,
             r"parallel.pipeline=1 runs one stage .*set parallel.pipeline > 1",
         ),
-        (
-            ["offload.device_memory_gib=100000"],
-            ConfigError,
-            r"offload.device_memory_gib=100000 is more than preset cloudmatrix384's device .* \(119.2 GiB of HBM",
-        ),
         (["parallel.expert_tensor=2"], ConfigError, r"parallel.expert_tensor=2 lays out the experts of model.moe"),
         (["parallel.expert_tensor=1", "parallel.tensor=1"], ConfigError, r"parallel.expert_tensor=1 lays out the"),
         (["offload.prefetch=2"], ConfigError, r"offload.prefetch=2 sets .* offload.policy='none' places nothing"),
         (["offload.manual={layers.0.params: host}"], ConfigError, r"offload.manual is given but offload.policy='none'"),
         (["shard.vocab=tensr"], ShardingError, r"shard.vocab: mesh axis 'tensr' does not exist"),
+        (["shard={5: data}"], ConfigError, r"shard key 5 must be a logical axis name \(a string\)"),
         (["shard={batch: 5}"], ConfigError, r"shard.batch=5 must be a mesh axis, a list of mesh axes, or null"),
         (["shard={batch: [[data]]}"], ConfigError, r"shard.batch=\[\['data'\]\] must be a mesh axis"),
         (["shard={batch: {a: 1}}"], ConfigError, r"shard.batch=\{'a': 1\} must be a mesh axis"),
@@ -257,6 +253,15 @@ def test_an_elastic_restart_that_drops_a_feature_resets_its_modifiers():
     _, run = elastic_overrides(load, 2)  # data 2 alone: FSDP and tensor parallelism gone, their modifiers reset
     assert (run.axes["data"], run.axes["tensor"], run.axes["fsdp"]) == (2, 1, 1)
     assert run.config.parallel.fsdp_reshard is True and run.config.parallel.tp_overlap == "none"
+
+
+def test_expert_tensor_equal_to_tensor_splits_each_expert_as_null_does():
+    sets = ["parallel.tensor=2", "parallel.sequence_parallel=true"]
+    null = resolve(load_config(CONFIGS / "moe-tiny.yaml", sets))
+    same = resolve(load_config(CONFIGS / "moe-tiny.yaml", [*sets, "parallel.expert_tensor=2"]))
+    spread = resolve(load_config(CONFIGS / "moe-tiny.yaml", [*sets, "parallel.expert_tensor=1"]))
+    assert same.expert_tensor_split and dict(same.parallel) == dict(null.parallel)
+    assert not spread.expert_tensor_split
 
 
 def test_predict_names_a_modifier_it_cannot_honour(capsys):

@@ -158,7 +158,9 @@ def test_checkpoint_mistakes_exit_2(tmp_path: Path, capsys):
     small = [a for s in SMALL for a in ("--set", s)]
     base = ["train", QUICK, *small]
     assert "--resume needs --checkpoint-dir" in _bad([*base, "--resume"], capsys)
-    assert "no checkpoint in" in _bad([*base, "--resume", "--checkpoint-dir", str(tmp_path / "none")], capsys)
+    none = ["--resume", "--checkpoint-dir", str(tmp_path / "none"), "--out-dir", str(tmp_path / "out")]
+    assert "--resume: no checkpoint in --checkpoint-dir" in _bad([*base, *none], capsys)
+    assert not (tmp_path / "none").exists() and not (tmp_path / "out").exists()  # refused before any folder
     (tmp_path / "file").write_text("x")
     assert "is a file" in _bad([*base, "--checkpoint-dir", str(tmp_path / "file")], capsys)
     assert "cannot be written" in _bad([*base, "--out-dir", "/proc/no/such"], capsys)

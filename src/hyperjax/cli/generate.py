@@ -64,7 +64,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, required=True, metavar="N", help="tokens to generate per prompt")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default): greedy; else sample at T")
     p.add_argument("--top-k", type=int, metavar="K", help="sample from the K likeliest tokens only")
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed")
+    p.add_argument("--seed", type=int, metavar="S", help="sampling seed (0)")
     p.add_argument("--devices", type=int, metavar="N", help="run on N devices (overrides emulate.devices)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
@@ -79,9 +79,11 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.top_k is not None and args.top_k < 1:
         raise ConfigError(f"--top-k {args.top_k} must be a positive integer")
-    if t == 0 and (args.top_k is not None or args.seed != 0):
+    if t == 0 and (args.top_k is not None or args.seed is not None):
         given = f"--top-k {args.top_k}" if args.top_k is not None else f"--seed {args.seed}"
-        raise ConfigError(f"{given} shapes sampling, but --temperature 0 decodes greedily; set --temperature > 0")
+        raise ConfigError(
+            f"{given} shapes sampling, but --temperature 0 decodes greedily; set --temperature >= {MIN_TEMPERATURE:g}"
+        )
     run = resolve(config_from_args(args, [] if args.devices is None else [f"emulate.devices={args.devices}"]))
     if args.top_k is not None and args.top_k > run.config.model.vocab:
         raise ConfigError(f"--top-k {args.top_k} is more than model.vocab={run.config.model.vocab}")
@@ -110,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         ids=ids,
         temperature=args.temperature,
         top_k=args.top_k,
-        seed=args.seed,
+        seed=args.seed or 0,
     )
     if args.json:
         print(json.dumps(out.to_dict(), indent=2))

@@ -28,15 +28,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         ],
     )
     p.add_argument("preset", nargs="?", help="preset name or YAML path; omit to list the shipped presets")
-    p.add_argument("--json", action="store_true", help="print the parsed preset as JSON")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the parsed preset (or the shipped presets' names and descriptions) as JSON",
+    )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     out = console()
     if args.preset is None:
-        for name in list_presets():
-            out.print(f"{name:20s} {load_hardware(name).description}")
+        shipped = {name: load_hardware(name).description for name in list_presets()}
+        if args.json:
+            print(json.dumps([{"name": n, "description": d} for n, d in shipped.items()], indent=2))
+            return 0
+        for name, description in shipped.items():
+            out.print(f"{name:20s} {description}")
         return 0
     hw = load_hardware(args.preset)
     if args.json:

@@ -104,6 +104,11 @@ def run(args: argparse.Namespace) -> int:
         raise EmulationError(f"{run.emulation_limit}; hyperjax predict still prices this run")
     if args.profile:  # before any process starts
         check_profiled(run)
+    if args.resume and not saved_steps(args.checkpoint_dir):  # before any folder is made
+        raise ConfigError(
+            f"--resume: no checkpoint in --checkpoint-dir {args.checkpoint_dir!r} to continue from; drop --resume to "
+            "start afresh there, or give the folder a run wrote its checkpoints to"
+        )
     out_dir = args.out_dir or str(Path("runs") / Path(args.config).stem)
     if args.metrics_out:
         check_writable(args.metrics_out, "--metrics-out")

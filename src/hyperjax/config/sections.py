@@ -294,6 +294,8 @@ class Config:
 
     def __post_init__(self) -> None:
         for logical, target in self.shard.items():
+            if not isinstance(logical, str):
+                raise ConfigError(f"shard key {logical!r} must be a logical axis name (a string), e.g. shard.mlp")
             names = [target] if isinstance(target, str) else target if isinstance(target, list | tuple) else None
             if target is not None and (names is None or not all(isinstance(a, str) for a in names)):
                 raise ConfigError(
@@ -327,15 +329,15 @@ class Config:
                 "set model.moe, or parallel.expert: 1 (use parallel.data for more data parallelism)"
             )
         p = self.parallel
-        if p.expert_tensor is not None and p.expert_tensor not in (1, p.tensor):
-            raise ConfigError(
-                f"parallel.expert_tensor={p.expert_tensor} must be null (experts split over the tensor axis, "
-                f"{p.tensor} ways) or 1 (the tensor axis joins the expert axis inside MoE layers)"
-            )
         if p.expert_tensor is not None and moe is None:
             raise ConfigError(
                 f"parallel.expert_tensor={p.expert_tensor} lays out the experts of model.moe, which is null; remove "
                 "parallel.expert_tensor"
+            )
+        if p.expert_tensor is not None and p.expert_tensor not in (1, p.tensor):
+            raise ConfigError(
+                f"parallel.expert_tensor={p.expert_tensor} must be null (experts split over the tensor axis, "
+                f"{p.tensor} ways) or 1 (the tensor axis joins the expert axis inside MoE layers)"
             )
         if p.expert_tensor == 1 and p.tensor > 1:
             if not p.sequence_parallel:

@@ -110,14 +110,13 @@ class InferenceEstimate:
 
 
 _TRAIN_ONLY = """steps lr warmup_steps min_lr_ratio weight_decay beta1 beta2 grad_clip grad_dtype optimizer_state
-    elementwise cross_entropy fp8 recompute recompute_modules checkpoint_every keep_checkpoints global_batch micro_batch
-    microbatches data"""
+    elementwise cross_entropy fp8 recompute recompute_modules checkpoint_every keep_checkpoints"""
 _PARALLEL_ONLY = "zero_stage dp_overlap tp_overlap fsdp_unit fsdp_reshard gradient_buckets overlap"
 TRAINING_ONLY = tuple([f"train.{k}" for k in _TRAIN_ONLY.split()] + [f"parallel.{k}" for k in _PARALLEL_ONLY.split()])
 """Config keys of training that :func:`estimate_inference` does not read (the optimizer, the backward, the
-recomputation, the gradient reduction, the training batch and its data: serving decodes ``serve.batch``; its
-products in the compute dtype, its collectives not overlapped): ``predict --inference`` refuses them given
-with ``--set``."""
+recomputation, the gradient reduction; its products in the compute dtype, its collectives not overlapped):
+``predict --inference`` refuses them given with ``--set``. The training batch keys are not among them: the run
+is resolved as training resolves it, and a batch its degrees cannot split is fixed with them."""
 
 
 def kv_bytes_per_token(m: ModelConfig, tensor: int, bytes_per_element: int) -> float:

@@ -66,8 +66,7 @@ def check_stage(m: ModelConfig, strategy: Strategy, stage: Stage, rows: int) -> 
 
 def check_preset(config: Config, hw: Hardware) -> None:
     """What ``config`` asks of the preset's device, it has: FP8 products for ``train.fp8``, the fused
-    attention kernel ``model.attention_impl`` names, the compute units ``parallel.dispatcher_sms`` takes, the
-    memory ``offload.device_memory_gib`` budgets.
+    attention kernel ``model.attention_impl`` names, the compute units ``parallel.dispatcher_sms`` takes.
     ``resolve`` and the planner both check it first, so either names the key rather than failing later.
 
     Raises:
@@ -82,13 +81,6 @@ def check_preset(config: Config, hw: Hardware) -> None:
         )
     check_attention_impl(config, hw)
     check_dispatcher_sms(config, hw)
-    gib, hbm = config.offload.device_memory_gib, hw.device.hbm_bytes / 2**30
-    if gib is not None and gib > hbm:
-        raise ConfigError(
-            f"offload.device_memory_gib={gib:g} is more than preset {hw.name}'s device {hw.device.name} holds "
-            f"({hbm:.4g} GiB of HBM, device.hbm_bytes); set at most {hbm:.4g}, or remove it for the HBM less what "
-            f"the runtime reserves ({hw.device.usable_bytes / 2**30:.4g} GiB)"
-        )
 
 
 def check_attention_impl(config: Config, hw: Hardware) -> None:

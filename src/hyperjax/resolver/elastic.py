@@ -20,6 +20,7 @@ _ELASTIC_STEPS: tuple[tuple[str, ...], ...] = (
         "parallel.tensor=1",
         "parallel.sequence_parallel=false",
         "parallel.context=1",
+        "parallel.expert_tensor=null",  # with tensor 1, the experts' layout has no tensor axis to choose
         # the modifiers of the features those turn off, at their defaults (a run without them refuses them set)
         *(f"parallel.{k}={modifier_value(getattr(ParallelConfig(), k))}" for k in MODIFIERS),
     ),

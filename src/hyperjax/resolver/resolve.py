@@ -124,7 +124,7 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
             + f" The logical axes are {', '.join(LOGICAL_AXES)}"
         )
     shard = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.shard.items()))
-    split = p.expert_tensor is None or p.tensor == 1  # experts' hidden split over the tensor axis
+    split = p.expert_tensor in (None, p.tensor) or p.tensor == 1  # experts' hidden split over the tensor axis
     _check_fp8_tiles(config)
     for s in stages:
         try:

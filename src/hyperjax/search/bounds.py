@@ -74,7 +74,7 @@ def lower_bound(cfg: Config, overrides: dict[str, Any], hardware: Hardware, budg
         held = microbatches
     e = 2 if cfg.train.dtype == "bfloat16" else 4
     g, (master, moments) = grad_bytes(cfg.train), optimizer_bytes(cfg.train)
-    expert_tensor = overrides.get("parallel.expert_tensor") is None or axes["tensor"] == 1
+    expert_tensor = overrides.get("parallel.expert_tensor") in (None, axes["tensor"]) or axes["tensor"] == 1
     for recompute in RECOMPUTE:
         layers = [
             price_layer(

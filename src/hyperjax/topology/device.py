@@ -279,6 +279,10 @@ class DeviceSpec:
                 f"device.attention_kernels={self.attention_kernels!r} must map a kernel's name to its rates"
             )
         kernels = {name: _kernel(name, k) for name, k in self.attention_kernels.items()}
+        if self.fused_attention is not None and not isinstance(self.fused_attention, str):
+            raise PresetError(
+                f"device.fused_attention={self.fused_attention!r} must name a kernel (a string) or be null"
+            )
         if kernels and self.fused_attention not in kernels:
             raise PresetError(
                 f"device.fused_attention={self.fused_attention!r} must name one of device.attention_kernels "

@@ -335,7 +335,7 @@ def _mapping(value: Any, where: str, cls: type) -> dict[str, Any]:
 def _fields(cls: type, raw: dict[str, Any], where: str | None, skip: tuple[str, ...] = ()) -> dict[str, Any]:
     at = f"{where}: " if where else ""
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in skip}
-    unknown = sorted(set(raw) - set(fields))
+    unknown = sorted(map(str, set(raw) - set(fields)))
     if unknown:
         close = difflib.get_close_matches(unknown[0], list(fields), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
