@@ -141,14 +141,20 @@ def stage_degrees(p: ParallelConfig, submeshes: Sequence[SubmeshConfig] = ()) ->
     return [{"fsdp": p.fsdp, "context": p.context, "tensor": p.tensor}]
 
 
+def set_modifiers(p: ParallelConfig) -> dict[str, object]:
+    """The keys of :data:`MODIFIERS` that ``p`` sets away from their :class:`ParallelConfig` defaults, with their
+    values."""
+    unset = ParallelConfig()
+    return {k: getattr(p, k) for k in MODIFIERS if getattr(p, k) != getattr(unset, k)}
+
+
 def idle_modifiers(p: ParallelConfig, submeshes: Sequence[SubmeshConfig] = ()) -> dict[str, object]:
     """The keys of :data:`MODIFIERS` that ``p`` sets away from their defaults while no stage (of ``submeshes``
     when given) spans the axis their feature needs over more than one device, each with its value."""
     stages = stage_degrees(p, submeshes)
     over = {axis: any(d.get(axis, 1) > 1 for d in stages) for axis in FEATURES}
     over["fsdp"] = over["fsdp"] or (p.fsdp_context and over["context"])  # FSDP over fsdp x context
-    unset = ParallelConfig()
-    return {k: getattr(p, k) for k, axis in MODIFIERS.items() if getattr(p, k) != getattr(unset, k) and not over[axis]}
+    return {k: v for k, v in set_modifiers(p).items() if not over[MODIFIERS[k]]}
 
 
 def without_idle_modifiers(p: ParallelConfig, submeshes: Sequence[SubmeshConfig] = ()) -> ParallelConfig:

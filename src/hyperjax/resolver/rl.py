@@ -13,7 +13,7 @@ import dataclasses
 import re
 
 from hyperjax.config import Config, EmulateConfig, ParallelConfig, RLRun, Run, ServeConfig
-from hyperjax.config.parallel import FEATURES, MODIFIERS, modifier_value
+from hyperjax.config.parallel import FEATURES, MODIFIERS, modifier_value, set_modifiers
 from hyperjax.emulate import plan_processes
 from hyperjax.errors import ConfigError, EmulationError, HyperjaxError
 from hyperjax.resolver.resolve import DEFAULT_DEVICES, resolve
@@ -154,14 +154,11 @@ def check_rollout_modifiers(p: ParallelConfig) -> None:
     """The rollout sets no key of :data:`~hyperjax.config.parallel.MODIFIERS`: each says how training runs a
     feature, and generation reads none of them (its collectives are not overlapped, its weights not gathered
     by FSDP's schedule, its sequence not split)."""
-    unset = ParallelConfig()
-    for key, axis in MODIFIERS.items():
-        if getattr(p, key) != getattr(unset, key):
-            raise ConfigError(
-                f"rl.rollout.parallel.{key}={modifier_value(getattr(p, key))} says how training runs "
-                f"{FEATURES[axis]}, but the rollout only generates, which reads none of these settings; remove "
-                f"rl.rollout.parallel.{key}"
-            )
+    for key, value in set_modifiers(p).items():
+        raise ConfigError(
+            f"rl.rollout.parallel.{key}={modifier_value(value)} says how training runs {FEATURES[MODIFIERS[key]]}, "
+            f"but the rollout only generates, which reads none of these settings; remove rl.rollout.parallel.{key}"
+        )
 
 
 def _rollout_replicas(config: Config, p: ParallelConfig, devices: int) -> int:

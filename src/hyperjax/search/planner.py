@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hyperjax.config import Config, ParallelConfig, Run
-from hyperjax.config.parallel import FEATURES, MODIFIERS, idle_modifiers, modifier_value
+from hyperjax.config import Config, Run
+from hyperjax.config.parallel import FEATURES, MODIFIERS, idle_modifiers, modifier_value, set_modifiers
 from hyperjax.config.run import stage_schedule
 from hyperjax.cost import Estimate, StageCore, estimate, unpriced_overrides
 from hyperjax.errors import ConfigError, HyperjaxError
@@ -293,8 +293,7 @@ def _check_held_modifiers(cfg: Config, combinations: list[dict[str, Any]], where
     Raises:
       ConfigError: naming the modifier, the held keys and the fix.
     """
-    unset = ParallelConfig()
-    kept = [k for k in MODIFIERS if getattr(cfg.parallel, k) != getattr(unset, k)]
+    kept = list(set_modifiers(cfg.parallel))
     for c in combinations if kept else ():
         degrees = {k: c[f"parallel.{k}"] for k in ("fsdp", "context", "tensor") if f"parallel.{k}" in c}
         idle = idle_modifiers(dataclasses.replace(cfg.parallel, **degrees), c.get("mpmd.submeshes") or ())

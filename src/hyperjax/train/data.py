@@ -21,8 +21,10 @@ def check_windows(source: str, tokens: int, key: str = "model.seq_len") -> None:
     Raises:
       ConfigError: naming ``key``, the corpus's size and the fix.
     """
+    if source != "text":
+        return
     n = len(corpus_bytes())
-    if source == "text" and tokens + 1 >= n:
+    if tokens + 1 >= n:
         raise ConfigError(
             f"{key}={tokens} is longer than a window of the shipped text corpus (train.data=text: {n} bytes, so at "
             f"most {n - 2} tokens); set {key} <= {n - 2}, or train.data: synthetic (predict and plan price any "
