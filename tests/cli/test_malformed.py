@@ -167,6 +167,16 @@ def test_malformed_files_and_overrides_exit_2(command: str, case, capsys):
         (["predict", "QUICK", "--hardware", ""], "--hardware '' names no preset"),
         (["predict", "QUICK", "--set", "model.rope_interleave=true"], "model.rope_interleave pairs rotary dim"),
         (["predict", "MOE", "--set", "model.moe.group_top_k=5"], "group_top_k=5 keeps that many of model.moe.groups=1"),
+        # a setting of a part the model does not have: learned positions, the other balance method
+        (["predict", "QUICK", "--set", "model.rope_theta=5e5"], "model.rope_theta=500000.0 is the rotary base frequ"),
+        (
+            ["predict", "MOE", "--set", "model.moe.balance=bias", "--set", "model.moe.aux_loss_weight=0.001"],
+            "aux_loss_weight=0.001 applies to model.moe.balance=aux_loss, but model.moe.balance='bias' adds no",
+        ),
+        (
+            ["predict", "MOE", "--set", "model.moe.bias_update_rate=0.01"],
+            "bias_update_rate=0.01 applies to model.moe.balance=bias, but model.moe.balance='aux_loss' keeps no",
+        ),
         (
             ["predict", "QUICK", "--set", "parallel.stage_layers=[3]"],
             "stage_layers=[3] gives each pipeline chunk its layers, but parallel.pipeline=1",
@@ -182,6 +192,10 @@ def test_malformed_files_and_overrides_exit_2(command: str, case, capsys):
             ["predict", "QUICK", "--inference", "--set", "serve.prompt_len=128"],
             "leaves none of it; set serve.new_tokens",
         ),
+        # a built-in reward is checked by the commands that price the run too; a module:function only by train
+        (["predict", "GRPO", "--set", "rl.reward=match:("], "rl.reward='match:(': '(' is not a regular expression"),
+        (["plan", "GRPO", "--devices", "8", "--set", "rl.reward=word"], "the built-in 'word' takes an argument"),
+        (["predict", "GRPO", "--set", "rl.reward=mach:x"], "did you mean the built-in 'match' (rl.reward: match:x)?"),
         # serve: is read by predict --inference alone
         (["predict", "QUICK", "--set", "serve.batch=4"], "would have no effect: drop it, or add --inference"),
         (["plan", "QUICK", "--devices", "8", "--set", "serve={batch: 2}"], "--set serve: serve: is the serving"),

@@ -175,7 +175,8 @@ def test_materialized_attention_is_each_heads_softmax_and_transposes_no_score_ma
         ({"layers": 0}, r"model.layers=0 must be a positive integer"),
         ({"head_dim": 0}, r"model.head_dim=0 must be a positive integer or null"),
         ({"family": "llama", "head_dim": 15}, r"model.positions=rope .* model.head_dim=15 is odd"),
-        ({"rope_theta": 0.0}, r"model.rope_theta=0.0 must be > 0"),
+        ({"family": "llama", "rope_theta": 0.0}, r"model.rope_theta=0.0 must be > 0"),
+        ({"rope_theta": 5e5}, r"model.rope_theta=500000.0 is the rotary base frequency, but model.positions='learned'"),
         ({"family": "gpt", "vision": VisionConfig()}, r"model.vision needs model.positions: rope"),
     ],
 )

@@ -21,6 +21,7 @@ from hyperjax.config import Config
 from hyperjax.cost import unpriced_overrides
 from hyperjax.errors import ConfigError
 from hyperjax.files import parse_yaml
+from hyperjax.rl.rewards import check_reward
 from hyperjax.search import SEARCHED, NothingFits, plan
 from hyperjax.search.rl import plan_rl
 from hyperjax.topology import load_hardware
@@ -171,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _plan_rl(args: argparse.Namespace, cfg: Config) -> int:
     """An ``rl:`` config: the split of the devices between its phases and each phase's layout."""
+    check_reward(cfg.rl.reward)
     found = plan_rl(cfg, args.devices, keep=args.top)
     if args.json:
         best = [e.to_dict() | {"unpriced": list(unpriced_overrides(e.rl.rollout, e.rl.learner))} for e in found.best]

@@ -29,6 +29,7 @@ from hyperjax.errors import ConfigError
 from hyperjax.offload import OffloadResult, ServingPlacement, offload_pass, serving_pass, with_offload
 from hyperjax.offload.placement import KINDS
 from hyperjax.resolver import resolve, resolve_rl
+from hyperjax.rl.rewards import check_reward
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -105,6 +106,7 @@ def _rl(args: argparse.Namespace, cfg: Config) -> int:
             "iteration (its rollout is the serving estimate inside it); drop the flag"
         )
     rl = resolve_rl(cfg, args.devices)
+    check_reward(cfg.rl.reward)
     est = estimate_rl(rl)
     unpriced = unpriced_overrides(rl.rollout, rl.learner)
     if args.json:

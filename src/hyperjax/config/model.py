@@ -49,6 +49,13 @@ FAMILY_PARTS: Mapping[str, Mapping[str, Any]] = {
 }
 """What each family preset fills in (a part given in the config wins)."""
 
+ROPE_THETA = 10000.0
+"""``model.rope_theta`` left null under rotary positions: the base of the RoFormer paper, GPT-NeoX and Llama 1-2."""
+
+BALANCE_DEFAULTS: Mapping[str, float] = {"aux_loss_weight": 0.01, "bias_update_rate": 0.001}
+"""Each balance method's setting left null: Switch Transformer's auxiliary-loss weight (1e-2); DeepSeek-V3's
+bias update speed (1e-3, its report's gamma)."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VisionConfig:
@@ -162,8 +169,8 @@ class MoEConfig:
     capacity_factor: float | None = None  # null: dropless; c: an expert takes at most c*tokens*top_k/experts
     router: Router = "softmax"  # softmax | sigmoid (DeepSeek-V3: sigmoid scores, normalised over the top-k)
     balance: Balance = "aux_loss"  # aux_loss (weight aux_loss_weight) | bias (auxiliary-loss-free bias update)
-    aux_loss_weight: float = 0.01  # weight of the load-balancing loss (balance: aux_loss)
-    bias_update_rate: float = 0.001  # how far each expert's bias moves per step (balance: bias; DeepSeek-V3's)
+    aux_loss_weight: float | None = None  # weight of the load-balancing loss (balance: aux_loss); null: 0.01
+    bias_update_rate: float | None = None  # how far each expert's bias moves per step (balance: bias); null: 0.001
     normalize_top_k: bool = True  # the k routing weights are divided by their sum (Switch's top-1: false)
     load_imbalance: float | None = None  # cost model: busiest device's routed tokens / the mean; null: from balance
     first_dense: int = 0  # leading dense layers (DeepSeek-V3: 3)
@@ -189,15 +196,31 @@ class MoEConfig:
                 f"model.moe.capacity_factor={self.capacity_factor} must be > 0 (each expert's share of the tokens, "
                 "times this), or null for dropless routing"
             )
-        for key in ("aux_loss_weight", "bias_update_rate"):
-            if not getattr(self, key) >= 0:
-                raise ConfigError(f"model.moe.{key}={getattr(self, key)} must be >= 0")
+        self._check_balance()
         self._check_groups()
         if self.load_imbalance is not None and not self.load_imbalance >= 1:
             raise ConfigError(
                 f"model.moe.load_imbalance={self.load_imbalance} must be >= 1 (the busiest device's routed tokens "
                 "over the mean), or null for the balance method's default"
             )
+
+    def _check_balance(self) -> None:
+        """Each balance method's own setting: given under the other method it would do nothing, so it is refused;
+        left null it takes its default (DeepSeek-V3's bias update rate)."""
+        if self.balance == "aux_loss":
+            own, other, method, lacks = "aux_loss_weight", "bias_update_rate", "bias", "keeps no routing bias"
+        else:
+            own, other, method, lacks = "bias_update_rate", "aux_loss_weight", "aux_loss", "adds no auxiliary loss"
+        if getattr(self, other) is not None:
+            raise ConfigError(
+                f"model.moe.{other}={getattr(self, other)} applies to model.moe.balance={method}, but "
+                f"model.moe.balance={self.balance!r} {lacks}; remove model.moe.{other} (or set it to null), or set "
+                f"model.moe.balance: {method}"
+            )
+        if getattr(self, own) is None:
+            object.__setattr__(self, own, BALANCE_DEFAULTS[own])
+        if not getattr(self, own) >= 0:
+            raise ConfigError(f"model.moe.{own}={getattr(self, own)} must be >= 0")
 
     def _check_groups(self) -> None:
         positive(self, "model.moe", ("groups",))
@@ -245,7 +268,7 @@ class ModelConfig:
     norm: Norm | None = None  # layernorm (scale and, with bias, shift) or rmsnorm (scale); null: the family's
     mlp: MLPKind | None = None  # gelu, relu, or the gated swiglu, geglu (three matrices); null: the family's
     positions: Positions | None = None  # learned (a table of seq_len rows) or rope; null: the family's
-    rope_theta: float = 10000.0  # rotary base frequency (positions: rope)
+    rope_theta: float | None = None  # rotary base frequency (positions: rope); null: 10000
     tie_embeddings: bool | None = None  # the output projection is the embedding table; null: the family's
     bias: bool | None = None  # biases on every projection and LayerNorm shifts; null: the family's
     qkv_bias: bool | None = None  # biases on the query, key and value projections; null: as bias (Qwen2: true)
@@ -306,7 +329,14 @@ class ModelConfig:
                 f"model.kv_heads={self.kv_heads} must divide model.heads={self.heads} "
                 "(each key/value head serves a group of query heads), or be null for multi-head attention"
             )
-        if not self.rope_theta > 0:
+        if self.positions != "rope" and self.rope_theta is not None:
+            raise ConfigError(
+                f"model.rope_theta={self.rope_theta} is the rotary base frequency, but model.positions="
+                f"{self.positions!r}; remove model.rope_theta (or set it to null), or set model.positions: rope"
+            )
+        if self.positions == "rope" and self.rope_theta is None:
+            object.__setattr__(self, "rope_theta", ROPE_THETA)
+        if self.rope_theta is not None and not self.rope_theta > 0:
             raise ConfigError(f"model.rope_theta={self.rope_theta} must be > 0")
         if self.positions == "rope" and self.head_dim % 2:
             raise ConfigError(

@@ -7,7 +7,9 @@ as UTF-8, as the shipped corpus is). ``rl.reward`` names a built-in, a built-in 
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import importlib.util
 import math
 import re
 import sys
@@ -80,6 +82,26 @@ def load_reward(spec: str) -> Reward:
     if not callable(fn):
         raise ConfigError(f"rl.reward={spec!r}: module {name!r} has no function {arg!r}")
     return fn
+
+
+def check_reward(spec: str) -> None:
+    """``rl.reward`` as far as a command that prices the run (``predict``, ``plan``) can check it: a built-in
+    in full, its argument too; a ``module:function`` is not imported, since the module may exist only where
+    the run trains (``train`` imports it), unless its name is a misspelt built-in's (``mach:x``) found nowhere.
+
+    Raises:
+      ConfigError: as :func:`load_reward`, for a built-in.
+    """
+    name = spec.partition(":")[0]
+    if name in BUILTIN or ":" not in spec:
+        load_reward(spec)
+        return
+    close = [] if "." in name else difflib.get_close_matches(name, list(BUILTIN), n=1, cutoff=0.75)
+    if close and importlib.util.find_spec(name) is None:  # found without running the module
+        raise ConfigError(
+            f"rl.reward={spec!r}: no module {name!r} is on the path; did you mean the built-in {close[0]!r} "
+            f"(rl.reward: {close[0]}:{spec.partition(':')[2]})?"
+        )
 
 
 def score(reward: Reward, spec: str, prompts: Sequence[str], completions: Sequence[str]) -> np.ndarray:
