@@ -1,6 +1,7 @@
 """``hyperjax generate``: a trained checkpoint restored onto any SPMD layout continues byte-level prompts;
 greedy tokens do not depend on the layout; bad input exits 2 with the key named."""
 
+import importlib
 import json
 from pathlib import Path
 
@@ -70,6 +71,10 @@ def test_sampling_is_seeded(capsys, checkpoint):
         (["--prompt", "x" * 129], "longer than model.seq_len=128"),
         (["--prompt", "x" * 100, "--max-new-tokens", "40"], "learned positions reach model.seq_len=128"),
         (["--set", "model.d_model=128"], "was saved with shape"),
+        (
+            ["--set", "model.mlp=relu"],
+            "was written for a model with model.mlp=gelu, but this config has model.mlp=relu",
+        ),
         (["--set", "parallel.pipeline=2", "--set", "parallel.tensor=1"], "parallel.pipeline=2"),
         (["--top-k", "0"], "--top-k 0"),
         (["--top-k", "5"], "--top-k 5 shapes sampling, but --temperature 0 decodes greedily"),
@@ -86,6 +91,7 @@ def test_sampling_is_seeded(capsys, checkpoint):
         "long-prompt",
         "past-positions",
         "other-model",
+        "other-function",
         "pipeline",
         "top-k",
         "top-k-greedy",
@@ -121,3 +127,16 @@ def test_a_tokenizer_that_drops_characters_exits_2_naming_one(capsys, checkpoint
     assert main([*base, "--prompt", "ahia"]) == 2
     err = capsys.readouterr().err
     assert "drops 'i' of 'ahia'" in err and "Traceback" not in err
+
+
+def test_a_cache_larger_than_memory_exits_2_naming_the_new_tokens_that_fit(capsys, checkpoint, monkeypatch):
+    """A KV cache the memory cannot hold is refused before it is allocated (a traceback from the allocator
+    before): 1 prompt padded to the 4 data replicas, 2 layers of 4 heads x 16 fp32 keys and values, 4 KiB a
+    position; 256 KiB hold 64 positions, 62 new tokens after a 2-token prompt, and those run."""
+    monkeypatch.setattr(importlib.import_module("hyperjax.train.generate"), "machine_memory", lambda: 2**18)
+    base = ["generate", QUICK, *SMALL, "--checkpoint-dir", checkpoint, "--prompt", "In"]
+    assert main([*base, "--max-new-tokens", "63"]) == 2
+    err = capsys.readouterr().err
+    assert "the KV cache of 1 prompt(s), padded to 4 for the data-parallel replicas, 65 positions each" in err
+    assert "at most 62 new tokens would fit; lower --max-new-tokens" in err and "Traceback" not in err
+    assert main([*base, "--max-new-tokens", "62"]) == 0

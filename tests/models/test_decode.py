@@ -3,13 +3,17 @@
 
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from hyperjax import build_model, load_config
-from hyperjax.models.decode import generate
+from hyperjax.models.decode import CACHE_LAYOUTS, cache_bytes, generate, init_cache
+from hyperjax.resolver import resolve
+from hyperjax.shard import Constrainer
+from hyperjax.train.generate import device_cache_bytes, params_like
 from tests.parts import DEEPSEEK_PARTS
 from tests.tiers import sweep
 
@@ -79,3 +83,40 @@ def test_greedy_tokens_are_the_same_on_every_layout(sets):
     np.testing.assert_allclose(
         np.asarray(got), np.asarray(first), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(first)))
     )
+
+
+@pytest.mark.parametrize(
+    ("sets", "dtype"),
+    [(["model.family=llama", "model.kv_heads=2"], "float32"), (["model.layers=2", *DEEPSEEK_PARTS], "bfloat16")],
+    ids=["gqa-fp32", "mla-bf16"],
+)
+def test_cache_bytes_are_the_bytes_init_cache_allocates(sets, dtype):
+    """What ``generate`` checks against memory before it allocates is what the cache it allocates holds."""
+    cfg = load_config(CONFIGS / ("quickstart.yaml" if "model.family=llama" in sets else "moe-tiny.yaml"), sets)
+    model = nnx.eval_shape(lambda: build_model(cfg.model, dtype=dtype, seed=0))
+    cache = jax.eval_shape(lambda: init_cache(model, 3, 17))
+    held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+    assert held == cache_bytes(cfg.model, dtype, 3, 17) > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "sets", "copies"),
+    [
+        ("quickstart", ["model.family=llama", "model.kv_heads=2", "parallel.tensor=2"], 1),  # heads over tensor
+        # every tensor device keeps the whole latent: two copies of the cache over tensor 2
+        ("moe-tiny", ["model.layers=2", *DEEPSEEK_PARTS, "parallel.expert=2", "parallel.tensor=2"], 2),
+    ],
+    ids=["gqa", "mla"],
+)
+def test_one_devices_share_of_the_cache_is_what_the_layout_gives_it(name, sets, copies):
+    """What generate's memory check counts per device is the shard XLA gives one device when the cache is laid
+    out as decoding lays it out (4 sequences over the batch axes, 8 devices)."""
+    run = resolve(load_config(CONFIGS / f"{name}.yaml", sets), 8)
+    graphdef, state, laid_out, _ = params_like(run)
+    mesh, strategy = laid_out
+    model, constrain = nnx.merge(graphdef, state), Constrainer(strategy=strategy, mesh=mesh)
+    layout = CACHE_LAYOUTS[run.config.model.attention]
+    cache = jax.jit(lambda: [[constrain(x, layout) for x in c] for c in init_cache(model, 4, 10)])()
+    held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(cache))
+    assert held == device_cache_bytes(run, laid_out, 4, 10)
+    assert held * 8 == copies * cache_bytes(run.config.model, run.dtype, 4, 10)

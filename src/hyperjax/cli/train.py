@@ -22,6 +22,7 @@ from hyperjax.train import Prepared, prepare
 from hyperjax.train.breakdown import check_profiled
 from hyperjax.train.checkpoint import last_progress, saved_steps
 from hyperjax.train.data import check_windows
+from hyperjax.train.loop import check_resume
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -109,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
             f"--resume: no checkpoint in --checkpoint-dir {args.checkpoint_dir!r} to continue from; drop --resume to "
             "start afresh there, or give the folder a run wrote its checkpoints to"
         )
+    if args.resume:  # the run and model it continues, from the checkpoint's record, before any folder too
+        check_resume(args.checkpoint_dir, run)
     out_dir = args.out_dir or str(Path("runs") / Path(args.config).stem)
     if args.metrics_out:
         check_writable(args.metrics_out, "--metrics-out")

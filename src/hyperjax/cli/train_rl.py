@@ -20,6 +20,7 @@ from hyperjax.rl.rewards import load_reward
 from hyperjax.train import prepare
 from hyperjax.train.checkpoint import saved_steps
 from hyperjax.train.data import check_windows
+from hyperjax.train.saved_model import model_record
 
 UNSUPPORTED = ("resume", "max_restarts", "elastic", "profile", "explain")
 
@@ -102,6 +103,7 @@ def _train(rl: RLRun, args: argparse.Namespace, out_dir: str) -> int:
         try:
             meta = {"step": steps, "rl": rl.to_dict(), "records": result.records, "devices": rl.devices}
             meta["strategy"] = rl.learner.describe()
+            meta["model"] = model_record(rl.learner.config.model)
             ckpt.save(steps, {"params": result.params}, meta)
         finally:
             ckpt.close()

@@ -106,6 +106,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, sets: list[str]) -> Imported:
 def _write_checkpoint(run: Run, hf_dir: Path, folder: Path, *, extra_layers: int) -> int:
     from hyperjax.train.checkpoint import IMPORTED, Checkpoints
     from hyperjax.train.generate import params_like
+    from hyperjax.train.saved_model import model_record
 
     like = params_like(run)[3]
     m = run.config.model
@@ -121,6 +122,7 @@ def _write_checkpoint(run: Run, hf_dir: Path, folder: Path, *, extra_layers: int
         "rng": {"seed": t.seed},
         "devices": run.devices,
         "strategy": run.describe(),
+        "model": model_record(m),
         "records": [],
     }
     try:
@@ -157,7 +159,7 @@ def export_hf(
         out, {"--checkpoint-dir": checkpoint_dir, **({"the config's folder": src} if src else {})}, marker="config.json"
     )
     like = params_like(run)[3]
-    params = dict(_flatten(restore_params(checkpoint_dir, like, command="export-hf").state))
+    params = dict(_flatten(restore_params(checkpoint_dir, like, command="export-hf", model=m).state))
     copied = [n for n in TOKENIZER_FILES if src is not None and (src / n).is_file()]
     written: list[str] = []
 

@@ -11,15 +11,17 @@ for that prefix.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hyperjax.config import ModelConfig
 from hyperjax.models.layers import Attention, Constrain, attention_core, no_constraint, use
 from hyperjax.models.mla import LatentAttention
 from hyperjax.models.transformer import Block, Transformer, logits, lookup
@@ -33,15 +35,38 @@ class LayerCache(NamedTuple):
     v: jax.Array
 
 
+def cache_shapes(cfg: ModelConfig, batch: int, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of one layer's cached keys and values (:class:`LayerCache`)."""
+    if cfg.attention == "mla":
+        return (batch, max_len, 1, cfg.kv_lora_rank), (batch, max_len, 1, cfg.rope_head_dim)
+    return (batch, max_len, cfg.kv_heads, cfg.head_dim), (batch, max_len, cfg.kv_heads, cfg.head_dim)
+
+
+CACHE_LAYOUTS: dict[str, tuple[str | None, ...]] = {
+    "mha": ("batch", None, "act_kv_heads", None),
+    "mla": ("batch", None, None, None),
+}
+"""The logical axes of a layer's cached arrays, by ``model.attention``: the batch over the data axes and the KV
+heads over the tensor axis; under latent attention every tensor device keeps the whole latent and rotary key."""
+
+
+def cache_bytes(
+    cfg: ModelConfig, dtype: Any, batch: int, max_len: int, ways: Callable[[str | None], int] | None = None
+) -> int:
+    """Bytes of :func:`init_cache`'s cache, every layer's, for ``batch`` sequences of up to ``max_len`` tokens of
+    ``dtype``; with ``ways`` (the devices a logical axis of :data:`CACHE_LAYOUTS` is split over), what one device
+    holds of it: each dimension divided by its axis's ways, rounded up."""
+    split = lambda n, axis: -(-n // ways(axis)) if ways is not None else n
+    layout = CACHE_LAYOUTS[cfg.attention]
+    held = sum(math.prod(map(split, shape, layout)) for shape in cache_shapes(cfg, batch, max_len))
+    return cfg.layers * held * jnp.dtype(dtype).itemsize
+
+
 def init_cache(model: Transformer, batch: int, max_len: int) -> list[LayerCache]:
     """An empty cache for ``batch`` sequences of up to ``max_len`` tokens."""
-    cfg = model.cfg
     dt = jnp.dtype(model.dtype)
-    if cfg.attention == "mla":
-        k, v = (batch, max_len, 1, cfg.kv_lora_rank), (batch, max_len, 1, cfg.rope_head_dim)
-    else:
-        k = v = (batch, max_len, cfg.kv_heads, cfg.head_dim)
-    return [LayerCache(jnp.zeros(k, dt), jnp.zeros(v, dt)) for _ in range(cfg.layers)]
+    k, v = cache_shapes(model.cfg, batch, max_len)
+    return [LayerCache(jnp.zeros(k, dt), jnp.zeros(v, dt)) for _ in range(model.cfg.layers)]
 
 
 def _attend(attn: Attention | LatentAttention, x: jax.Array, constrain: Constrain, cache: LayerCache, pos: jax.Array):
@@ -53,14 +78,14 @@ def _attend(attn: Attention | LatentAttention, x: jax.Array, constrain: Constrai
     )
     if isinstance(attn, LatentAttention):  # the latent and the rotary key are cached, keys and values made
         q, latent, k_rope = attn.compress(x, constrain, positions)
-        shared = ("batch", None, None, None)
-        cache = LayerCache(write(cache.k, latent[:, :, None], shared), write(cache.v, k_rope, shared))
+        layout = CACHE_LAYOUTS["mla"]
+        cache = LayerCache(write(cache.k, latent[:, :, None], layout), write(cache.v, k_rope, layout))
         ks, vs = attn.expand(cache.k[:, :, 0], cache.v, constrain)
         ks = constrain(ks, ("batch", None, "act_heads", None))
         vs = constrain(vs, ("batch", None, "act_heads", None))
     else:
         q, k, v = attn.project(x, constrain, positions)
-        layout = ("batch", None, "act_kv_heads", None)
+        layout = CACHE_LAYOUTS["mha"]
         cache = LayerCache(write(cache.k, k, layout), write(cache.v, v, layout))
         ks, vs = cache
     scale = attn.score_scale if isinstance(attn, LatentAttention) else None

@@ -185,7 +185,7 @@ def build_learner(rl: RLRun, *, init_checkpoint: str | None = None) -> Learner:
     state = init_state(param_state, optimizer, train_step)
     if init_checkpoint is not None:
         like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state["params"])
-        params = restore_params(init_checkpoint, like, command="rl.init_checkpoint").state
+        params = restore_params(init_checkpoint, like, command="rl.init_checkpoint", model=run.config.model).state
         state = init_state_from(params, optimizer, train_step)
     param_sh = train_step.state_shardings["params"]
     kind = "pinned_host" if r.reference == "host" else "device"

@@ -31,9 +31,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from hyperjax.config import ModelConfig
 from hyperjax.errors import ConfigError
 from hyperjax.files import write_json
 from hyperjax.mpmd.transfer import from_process0
+from hyperjax.train.saved_model import check_model
 
 PROGRESS = "progress.json"  # the last step any attempt completed (read by the supervising launcher)
 IMPORTED = "imported.json"  # beside step 0 when it holds imported weights alone (hyperjax import-hf)
@@ -51,6 +53,19 @@ def saved_steps(directory: str | Path) -> list[int]:
     if not d.is_dir():
         return []
     return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def latest_meta(directory: str | Path) -> dict[str, Any] | None:
+    """The record (``meta``) of the newest finished checkpoint in ``directory`` as its JSON file holds it, read
+    without JAX or orbax; ``None`` when there is none or it cannot be read (a restore reads it then, and says)."""
+    steps = saved_steps(directory)
+    if not steps:
+        return None
+    try:
+        meta = json.loads((Path(directory) / str(steps[-1]) / "meta" / "metadata").read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
 
 
 def last_progress(directory: str | Path) -> int | None:
@@ -209,14 +224,17 @@ class Checkpoints:
             self._manager.close()
 
 
-def restore_params(directory: str | Path, like: Any, *, command: str = "generate") -> Restored:
+def restore_params(
+    directory: str | Path, like: Any, *, command: str = "generate", model: ModelConfig | None = None
+) -> Restored:
     """The parameters alone of the newest checkpoint in ``directory``, read into the structure and shardings
     of ``like`` (a tree of arrays or ``jax.ShapeDtypeStruct`` with shardings); the optimizer state stays on
     disk. ``Restored.state`` is the parameter tree. One process reads (an SPMD run's checkpoint).
 
     Raises:
       ConfigError: no checkpoint, one written by a pipeline (saved stage by stage), or one of another model
-        (the first differing tensor path and both shapes are named).
+        (the first differing tensor path and both shapes are named; with ``model``, the first differing key
+        of the model the checkpoint records, :func:`hyperjax.train.saved_model.check_model`).
     """
     import orbax.checkpoint as ocp
 
@@ -249,6 +267,8 @@ def restore_params(directory: str | Path, like: Any, *, command: str = "generate
                 "parallel.pipeline=1 and parallel.overlap other than fb-pair, or give another --checkpoint-dir"
             )
         _check_shapes({"params": abstract}, {"params": held or {}}, where, verb=command)
+        if model is not None:  # from the record's file, before the arrays are read
+            check_model(latest_meta(directory) or {}, model, where)
         try:
             args = ocp.args.PyTreeRestore(
                 {"params": abstract},

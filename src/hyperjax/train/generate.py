@@ -20,9 +20,10 @@ import numpy as np
 from flax import nnx
 
 from hyperjax.config import Run
+from hyperjax.emulate.runtime import machine_memory
 from hyperjax.errors import ConfigError
 from hyperjax.models import build_model
-from hyperjax.models.decode import Generation, generate
+from hyperjax.models.decode import Generation, cache_bytes, generate
 from hyperjax.shard import Constrainer, Strategy, place
 from hyperjax.topology import make_mesh
 from hyperjax.train.checkpoint import Restored, restore_params
@@ -227,7 +228,7 @@ def restored_model(
       ConfigError: as :func:`hyperjax.train.checkpoint.restore_params`.
     """
     graphdef, state, laid_out, like = params_like(run)
-    restored = restore_params(checkpoint_dir, like, command=command)
+    restored = restore_params(checkpoint_dir, like, command=command, model=run.config.model)
     nnx.replace_by_pure_dict(state, restored.state)
     return nnx.merge(graphdef, state), restored, laid_out
 
@@ -264,10 +265,54 @@ def generate_on_mesh(
     extra = -b % split
     prompt = np.concatenate([prompt, np.repeat(prompt[-1:], extra, axis=0)])
     lengths = lengths + lengths[-1:] * extra
+    check_cache(run, (mesh, strategy), b, len(prompt), max(lengths), max_new_tokens)
     tokens = place(prompt, jax.sharding.NamedSharding(mesh, spec))
     constrain = Constrainer(strategy=strategy, mesh=mesh)
     out = generate(nnx.merge(graphdef, state), tokens, max_new_tokens, lengths=lengths, constrain=constrain, **sampling)
     return out._replace(tokens=out.tokens[:b], first_logits=out.first_logits[:b])
+
+
+def device_cache_bytes(run: Run, laid_out: Layout, batch: int, max_len: int) -> int:
+    """Bytes one device of ``run``'s mesh holds of the KV cache of ``batch`` sequences of up to ``max_len``
+    tokens, laid out by the run's strategy (:data:`hyperjax.models.decode.CACHE_LAYOUTS`)."""
+    mesh, strategy = laid_out
+    ways = lambda logical: math.prod(mesh.shape[a] for a in strategy.mesh_axes(logical))
+    return cache_bytes(run.config.model, run.dtype, batch, max_len, ways)
+
+
+def check_cache(run: Run, laid_out: Layout, prompts: int, batch: int, longest: int, max_new_tokens: int) -> None:
+    """The KV cache of ``prompts`` prompts, padded to ``batch`` sequences, of up to ``longest`` tokens and
+    ``max_new_tokens`` more fits beside what the devices of ``run`` (laid out as ``laid_out``) already hold:
+    each device's free memory where it reports one (its limit less what is in use: the parameters, once
+    restored), else the host's, which emulated CPU devices share.
+
+    Raises:
+      ConfigError: a cache larger than that memory, naming its sizes and the most new tokens it could hold.
+    """
+    total = longest + max_new_tokens
+    per_device = device_cache_bytes(run, laid_out, batch, total)
+    stats = laid_out[0].devices.flat[0].memory_stats() or {}
+    if "bytes_limit" in stats:  # an accelerator: each device holds its own share
+        copies, have = 1, stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        where = "free on each device (its limit less what the parameters hold)"
+    else:  # emulated CPU devices: every share in the host's memory
+        copies, have = run.devices, machine_memory()
+        where = f"this machine has (the {run.devices} emulated devices share it)"
+    need = per_device * copies
+    if need <= have:
+        return
+    fits = have // (copies * device_cache_bytes(run, laid_out, batch, 1)) - longest
+    padded = f", padded to {batch} for the data-parallel replicas" if batch != prompts else ""
+    fix = (
+        f"at most {fits:,} new tokens would fit; lower --max-new-tokens"
+        if fits > 0
+        else "even the prompts do not fit: give fewer or shorter prompts, or use fewer data-parallel replicas"
+    )
+    raise ConfigError(
+        f"the KV cache of {prompts} prompt(s){padded}, {total:,} positions each ({longest} of prompt + "
+        f"--max-new-tokens {max_new_tokens}), over {run.config.model.layers} layers needs {need / 2**30:,.2f} GiB"
+        f"{' in all' if copies > 1 else ''}, more than the {have / 2**30:,.2f} GiB {where}; {fix}"
+    )
 
 
 def generate_text(

@@ -22,9 +22,10 @@ from hyperjax.errors import ConfigError
 from hyperjax.models import build_model, count_params
 from hyperjax.offload import block_policies
 from hyperjax.train.breakdown import CollectiveTime, check_profiled, collective_times, profile_ops
-from hyperjax.train.checkpoint import Checkpoints, imported, restore_params
+from hyperjax.train.checkpoint import Checkpoints, imported, latest_meta, restore_params, saved_steps
 from hyperjax.train.prepare import Prepared, prepare
 from hyperjax.train.programs import build_program
+from hyperjax.train.saved_model import check_model, model_record
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -124,7 +125,9 @@ def train(
                         f"{str(ckpt.directory)!r} holds imported weights, which start an SPMD run; set "
                         "parallel.pipeline=1 and parallel.overlap other than fb-pair to train from them"
                     )
-                restored = restore_params(ckpt.directory, state["params"], command="train --resume")
+                restored = restore_params(
+                    ckpt.directory, state["params"], command="train --resume", model=run.config.model
+                )
                 state = {**state, "params": restored.state}
             else:
                 restored = ckpt.restore(program.saved_like(state))
@@ -250,12 +253,31 @@ def _meta(run: Run, records: list[dict[str, Any]]) -> dict[str, Any]:
         "rng": {"seed": t.seed},
         "devices": run.devices,
         "strategy": run.describe(),
+        "model": model_record(run.config.model),
         "records": list(records),  # a copy: orbax writes it on another thread while training goes on
     }
 
 
+def check_resume(directory: str | Path, run: Run) -> None:
+    """What ``train --resume`` checks of the newest checkpoint in ``directory`` once it is read (the run it
+    continues, :func:`_check_same_run`; imported weights, their model), from its record alone: before any
+    folder is made or device started. A record that cannot be read is left to the restore.
+
+    Raises:
+      ConfigError: as :func:`_check_same_run`.
+    """
+    meta = latest_meta(directory)
+    if meta is None:
+        return
+    where = Path(directory) / str(saved_steps(directory)[-1])
+    if imported(directory):
+        check_model(meta, run.config.model, f"checkpoint {str(where)!r}")
+    elif isinstance(meta.get("data"), dict) and isinstance(meta.get("step"), int):
+        _check_same_run(meta, run, where)
+
+
 def _check_same_run(meta: dict[str, Any], run: Run, where: Path) -> None:
-    """A checkpoint continues only the run it came from: same data, seed and global batch."""
+    """A checkpoint continues only the run it came from: same data, seed, global batch and model."""
     t = run.config.train
     want = {"source": t.data, "seed": t.seed, "global_batch": t.global_batch}
     keys = {"source": "train.data", "seed": "train.seed", "global_batch": "train.global_batch"}
@@ -265,6 +287,7 @@ def _check_same_run(meta: dict[str, Any], run: Run, where: Path) -> None:
                 f"checkpoint {str(where)!r} was written with {keys[key]}={meta['data'].get(key)!r} but this run "
                 f"has {keys[key]}={value!r}; resume with the same {keys[key]}, or use a new --checkpoint-dir"
             )
+    check_model(meta, run.config.model, f"checkpoint {str(where)!r}")
     if meta["step"] > t.steps:
         raise ConfigError(
             f"checkpoint {str(where)!r} is at step {meta['step']}, past train.steps={t.steps}; "
