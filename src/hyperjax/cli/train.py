@@ -105,12 +105,12 @@ def run(args: argparse.Namespace) -> int:
         raise EmulationError(f"{run.emulation_limit}; hyperjax predict still prices this run")
     if args.profile:  # before any process starts
         check_profiled(run)
-    if args.resume and not saved_steps(args.checkpoint_dir):  # before any folder is made
-        raise ConfigError(
-            f"--resume: no checkpoint in --checkpoint-dir {args.checkpoint_dir!r} to continue from; drop --resume to "
-            "start afresh there, or give the folder a run wrote its checkpoints to"
-        )
-    if args.resume:  # the run and model it continues, from the checkpoint's record, before any folder too
+    if args.resume:  # before any folder is made: a checkpoint to continue, of this run and model (its record)
+        if not saved_steps(args.checkpoint_dir):
+            raise ConfigError(
+                f"--resume: no checkpoint in --checkpoint-dir {args.checkpoint_dir!r} to continue from; drop --resume "
+                "to start afresh there, or give the folder a run wrote its checkpoints to"
+            )
         check_resume(args.checkpoint_dir, run)
     out_dir = args.out_dir or str(Path("runs") / Path(args.config).stem)
     if args.metrics_out:

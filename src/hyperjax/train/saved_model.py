@@ -52,7 +52,8 @@ def check_model(meta: dict[str, Any], m: ModelConfig, where: str) -> None:
         return  # written before checkpoints recorded their model: the shapes were checked
     differs = _first_difference(saved, model_record(m), "")
     if differs is not None:
-        key, was, now = (differs[0], *(v if isinstance(v, str) else json.dumps(v) for v in differs[1:]))
+        key, *values = differs
+        was, now = (v if isinstance(v, str) else json.dumps(v) for v in values)  # as YAML and --set write them
         raise ConfigError(
             f"{where} was written for a model with model.{key}={was}, but this config has model.{key}={now} (a "
             f"checkpoint is read only into the model it holds); set model.{key}: {was} (--set model.{key}={was}), or "
