@@ -70,9 +70,11 @@ def rl_config(model_file: str, machine: str, placement: str, setting: dict | Non
         "mpmd=null",
         f"hardware={machine}",
         f"model.seq_len={seq}",
+        f"train.global_batch={setting['prompts_per_step'] * setting['group_size']}",  # an rl: config's own batch
         "train.micro_batch=1",
         "train.dtype=bfloat16",
         "train.recompute=none",
+        "train.recompute_modules=null",
         "train.fp8=null",
         "train.steps=1",
         f"rl.placement={placement}",
@@ -170,8 +172,9 @@ def main() -> None:
         for machine in MACHINES:
             best_apart = None
             for placement in ("colocated", "disaggregated"):
+                cfg = rl_config(file, machine, placement)  # outside the try: a config error is no "does not fit"
                 try:
-                    found = hyperjax.plan_rl(rl_config(file, machine, placement), DEVICES, keep=1)
+                    found = hyperjax.plan_rl(cfg, DEVICES, keep=1)
                 except hyperjax.ConfigError as e:
                     rows.append(row(model, machine, placement, None, note=str(e).split(";")[0]))
                     continue

@@ -1,4 +1,5 @@
-"""``predict`` prices the run ``train`` starts: the two print the same resolved run, for every config."""
+"""``predict`` prices the run ``train`` starts: the two print the same resolved run, for every config (and every
+shipped config fits its machine)."""
 
 import json
 import re
@@ -27,6 +28,8 @@ def test_every_shipped_config_is_priced_as_it_trains(capsys):
         assert p_code == 0 and t_code == 0, (name, p_out[-2000:], t_out[-2000:])
         key = "rl" if "rl" in json.loads(t_out) else "run"  # an rl: config resolves into its two phases
         assert json.loads(p_out)[key] == json.loads(t_out)[key], name
+        # a shipped config describes a run its own machine holds, as a user would copy it
+        assert json.loads(p_out)["fits"], f"{name}: predicted not to fit its devices' memory"
 
 
 def test_the_readable_headers_print_the_same_strategy(capsys):

@@ -36,3 +36,26 @@ def test_waves_multiply_the_rollout():
     four = priced("rl.rollout_batch=128")
     assert four.rl.waves == 4 and one.rl.waves == 1
     assert four.rollout_s == pytest.approx(4 * (four.rollout.prefill_s + 16 * four.rollout.decode_s_per_token))
+
+
+def test_the_rl_benchmarks_configs_load():
+    """``benchmarks/rl.py`` turns the shipped training configs into ``rl:`` configs: each model on each machine and
+    placement, and at the published runs' settings, loads (a config error there is no "does not fit")."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    import rl
+
+    for file in rl.MODELS.values():
+        for machine in rl.MACHINES:
+            for placement in ("colocated", "disaggregated"):
+                cfg = rl_config_checked(rl, file, machine, placement)
+                assert cfg.train.global_batch == rl.SETTING["prompts_per_step"] * rl.SETTING["group_size"]
+    small = {"group_size": 16, "prompts_per_step": 32, "prompt_len": 256, "max_new_tokens": 512}
+    assert rl_config_checked(rl, rl.MODELS["DeepSeek-V3"], "dgx-h100", "colocated", small).rl.prompts_per_step == 32
+
+
+def rl_config_checked(rl, *args):
+    cfg = rl.rl_config(*args)
+    assert cfg.rl is not None and cfg.parallel == type(cfg.parallel)() and cfg.train.recompute == "none"
+    return cfg

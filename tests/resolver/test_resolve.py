@@ -336,3 +336,16 @@ def test_dispatcher_sms_leaves_tensor_and_context_parallel_transfers_on_the_devi
     layers = lambda est: [p.layer for s in est.stages for p in s.parts if p.layer is not None]
     assert layers(plain) == layers(more)  # the blocks' own prices: tensor-parallel overlap on the device share
     assert more.run.exchange_share != plain.run.exchange_share
+
+
+def test_a_pipelines_like_stages_are_described_once_with_their_count():
+    sets = ["parallel.tensor=1", "parallel.pipeline=8", "parallel.stage_layers=[1,1,1,1,1,1,1,3]"]
+    run = resolve(load_config(CONFIGS / "quickstart.yaml", [*sets, "model.layers=10"]), 8)
+    head = run.describe().split(",")[0]
+    assert head == "pipeline 7 x 1 device 1 layer | 1 device 3 layers"
+    mixed = [*sets[:2], "parallel.stage_layers=[1,2,1,2,1,1,1,1]", "model.layers=10"]
+    head = resolve(load_config(CONFIGS / "quickstart.yaml", mixed)).describe().split(",")[0]
+    like = ["1 device 1 layer", "1 device 2 layers", "1 device 1 layer", "1 device 2 layers", "4 x 1 device 1 layer"]
+    assert head == "pipeline " + " | ".join(like)
+    wide = resolve(load_config(CONFIGS / "quickstart.yaml", ["parallel.tensor=2", "parallel.pipeline=4"]))
+    assert wide.describe().startswith("pipeline 4 x 2 devices (tensor=2) 1 layer, ")

@@ -9,6 +9,7 @@ layers, the schedule.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -64,8 +65,10 @@ class Stage:
 
     def describe(self) -> str:
         """``2 devices (data=2) 2+2 layers``."""
-        degrees = ",".join(f"{k}={v}" for k, v in self.axes.items() if v > 1) or "1 device"
-        return f"{self.devices} devices ({degrees}) {'+'.join(map(str, self.layers))} layers"
+        degrees = ",".join(f"{k}={v}" for k, v in self.axes.items() if v > 1)
+        devices = f"{self.devices} devices ({degrees})" if degrees else "1 device"
+        layers = "+".join(map(str, self.layers))
+        return f"{devices} {layers} {'layer' if layers == '1' else 'layers'}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -251,7 +254,10 @@ class Run:
                 extras.append(f"{self.microbatches} micro-batches")
             return ", ".join([*parts, *extras])
         mpmd = self.stages[0].modules != ("decoder",)
-        stages = " | ".join(f"{s.name}: {s.describe()}" if mpmd else s.describe() for s in self.stages if s.chunks)
+        shown = [f"{s.name}: {s.describe()}" if mpmd else s.describe() for s in self.stages if s.chunks]
+        # a run of like stages is named once with its count: 32 x 8 devices (data=4,tensor=2) 3 layers
+        runs = [(d, len(list(same))) for d, same in itertools.groupby(shown)]
+        stages = " | ".join(f"{n} x {d}" if n > 1 else d for d, n in runs)
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         kind = "mpmd" if mpmd else "pipeline"
         head = f"{kind} {stages}, {self.schedule}{v}, {self.microbatches} micro-batches"
