@@ -123,7 +123,7 @@ def row(model: str, machine: str, placement: str, est: hyperjax.RLEstimate | Non
         "model": model,
         "machine": machine,
         "placement": placement,
-        "rollout": f"{rl.rollout.devices}: {rl.rollout.describe()}",
+        "rollout": f"{rl.rollout.devices}: {rl.rollout.describe(serving=True)}",
         "learner": f"{rl.learner.devices}: {rl.learner.describe()}",
         "rollout_tensor": rl.rollout.parallel["tensor"],
         "wave": rl.wave,

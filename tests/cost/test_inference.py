@@ -179,3 +179,14 @@ def test_inference_fits_the_offload_budget_and_places_what_does_not(capsys):
     assert "offload.policy='manual'" in capsys.readouterr().err
     assert main([*base, "--set", "offload.policy=auto", "--set", "offload.prefetch=0"]) == 2
     assert "offload.prefetch=0: serving fetches" in capsys.readouterr().err
+
+
+def test_predict_inference_prints_the_serving_layout(capsys):
+    """A forward pass has no micro-batches, schedule, optimizer sharding or gradient buckets: the strategy line
+    of ``predict --inference`` names the stages and axes alone."""
+    assert main(["predict", str(ROOT / "configs/llama3-70b.yaml"), "--inference"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "strategy:" in x)
+    assert line.strip().startswith("strategy: pipeline 128 devices (data=16,tensor=8)")
+    assert "micro-batches" not in line and "interleaved" not in line and "gradient buckets" not in line
+    assert main(["predict", str(ROOT / "configs/llama3-70b.yaml")]) == 0
+    assert "32 micro-batches" in capsys.readouterr().out

@@ -40,7 +40,7 @@ def test_waves_multiply_the_rollout():
 
 def test_the_rl_benchmarks_configs_load():
     """``benchmarks/rl.py`` turns the shipped training configs into ``rl:`` configs: each model on each machine and
-    placement, and at the published runs' settings, loads (a config error there is no "does not fit")."""
+    placement, and at the published runs' settings, loads (a refused setting stops the benchmark)."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
@@ -49,13 +49,6 @@ def test_the_rl_benchmarks_configs_load():
     for file in rl.MODELS.values():
         for machine in rl.MACHINES:
             for placement in ("colocated", "disaggregated"):
-                cfg = rl_config_checked(rl, file, machine, placement)
-                assert cfg.train.global_batch == rl.SETTING["prompts_per_step"] * rl.SETTING["group_size"]
+                assert rl.rl_config(file, machine, placement).rl.placement == placement
     small = {"group_size": 16, "prompts_per_step": 32, "prompt_len": 256, "max_new_tokens": 512}
-    assert rl_config_checked(rl, rl.MODELS["DeepSeek-V3"], "dgx-h100", "colocated", small).rl.prompts_per_step == 32
-
-
-def rl_config_checked(rl, *args):
-    cfg = rl.rl_config(*args)
-    assert cfg.rl is not None and cfg.parallel == type(cfg.parallel)() and cfg.train.recompute == "none"
-    return cfg
+    assert rl.rl_config(rl.MODELS["DeepSeek-V3"], "dgx-h100", "colocated", small).rl.prompts_per_step == 32

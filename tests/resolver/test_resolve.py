@@ -341,11 +341,42 @@ def test_dispatcher_sms_leaves_tensor_and_context_parallel_transfers_on_the_devi
 def test_a_pipelines_like_stages_are_described_once_with_their_count():
     sets = ["parallel.tensor=1", "parallel.pipeline=8", "parallel.stage_layers=[1,1,1,1,1,1,1,3]"]
     run = resolve(load_config(CONFIGS / "quickstart.yaml", [*sets, "model.layers=10"]), 8)
-    head = run.describe().split(",")[0]
-    assert head == "pipeline 7 x 1 device 1 layer | 1 device 3 layers"
+    assert run.describe().startswith("pipeline 7 stages of 1 device 1 layer | 1 device 3 layers, 1f1b, ")
     mixed = [*sets[:2], "parallel.stage_layers=[1,2,1,2,1,1,1,1]", "model.layers=10"]
-    head = resolve(load_config(CONFIGS / "quickstart.yaml", mixed)).describe().split(",")[0]
-    like = ["1 device 1 layer", "1 device 2 layers", "1 device 1 layer", "1 device 2 layers", "4 x 1 device 1 layer"]
-    assert head == "pipeline " + " | ".join(like)
+    like = [
+        "1 device 1 layer",
+        "1 device 2 layers",
+        "1 device 1 layer",
+        "1 device 2 layers",
+        "4 stages of 1 device 1 layer",
+    ]
+    assert (
+        resolve(load_config(CONFIGS / "quickstart.yaml", mixed))
+        .describe()
+        .startswith("pipeline " + " | ".join(like) + ", 1f1b, ")
+    )
     wide = resolve(load_config(CONFIGS / "quickstart.yaml", ["parallel.tensor=2", "parallel.pipeline=4"]))
-    assert wide.describe().startswith("pipeline 4 x 2 devices (tensor=2) 1 layer, ")
+    assert wide.describe().startswith("pipeline 4 stages of 2 devices (tensor=2) 1 layer, ")
+    # an MPMD run's submeshes are named, each apart, even where two are alike
+    apart = ["train.global_batch=16", "mpmd.submeshes=[{name: x, modules: [encoder], devices: 4}, "]
+    apart[-1] += "{name: x, modules: [language_model], devices: 4}]"
+    piped = resolve(load_config(CONFIGS / "vlm-tiny-mpmd.yaml", [*apart, "model.layers=2"]))
+    assert piped.describe().startswith("mpmd x: 4 devices (data=4) 2 layers | x: 4 devices (data=4) 2 layers, ")
+
+
+def test_serving_describes_the_layout_alone():
+    sets = ["train.micro_batch=2", "parallel.zero_stage=1"]
+    run = resolve(load_config(CONFIGS / "quickstart.yaml", sets))
+    assert "micro-batches" in run.describe() and "zero_stage=1" in run.describe()
+    assert run.describe(serving=True) == "data=4, tensor=2"
+    piped = resolve(load_config(CONFIGS / "quickstart.yaml", ["parallel.tensor=2", "parallel.pipeline=4"]))
+    assert piped.describe(serving=True) == "pipeline 4 stages of 2 devices (tensor=2) 1 layer"
+    # what a forward pass is laid out by stays: the sequence split and experts spread over the tensor axis
+    moe = ["parallel.data=2", "parallel.expert=2", "parallel.tensor=2", "parallel.expert_tensor=1"]
+    moe += ["parallel.sequence_parallel=true", "parallel.overlap=fb-pair", "train.micro_batch=2"]
+    paired = resolve(load_config(CONFIGS / "moe-tiny.yaml", moe))
+    assert "fb-pair overlap" in paired.describe() and "4 micro-batches" in paired.describe()
+    want = "data=2, expert=2, tensor=2, sequence_parallel, experts over expert x tensor"
+    assert paired.describe(serving=True) == want
+    buckets = resolve(load_config(CONFIGS / "moe-tiny.yaml", [*moe[:5], "parallel.gradient_buckets=true"]))
+    assert "gradient buckets" in buckets.describe() and buckets.describe(serving=True) == want

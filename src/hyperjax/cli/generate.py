@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         text.print("-" * 40, style="dim")
     rate = f"{out.decode_tokens_per_s:,.0f} tokens/s" if out.decode_tokens_per_s else "no decode steps"
     text.print(
-        f"checkpoint step {out.step}; {run.devices} emulated devices under {run.describe()}; prefill "
+        f"checkpoint step {out.step}; {run.devices} emulated devices under {run.describe(serving=True)}; prefill "
         f"{out.prefill_s * 1e3:.1f} ms; decode {rate}",
         style="dim",
         soft_wrap=True,

@@ -203,7 +203,7 @@ def _plan_rl(args: argparse.Namespace, cfg: Config) -> int:
         rl = e.rl
         table.add_row(
             str(i),
-            f"{rl.rollout.devices}: {rl.rollout.describe()}",
+            f"{rl.rollout.devices}: {rl.rollout.describe(serving=True)}",
             f"{rl.learner.devices}: {rl.learner.describe()}",
             str(rl.wave),
             f"{e.rollout_s:.4g}",

@@ -191,7 +191,7 @@ def print_inference(est: InferenceEstimate) -> None:
         f"{est.prompt_len} prompt tokens, {est.new_tokens} new tokens each",
         soft_wrap=True,
     )
-    out.print(f"  strategy: {run.describe()}", soft_wrap=True)
+    out.print(f"  strategy: {run.describe(serving=True)}", soft_wrap=True)
     out.print(
         f"  prefill {est.prefill_s * 1e3:.4g} ms; decode {est.decode_s_per_token * 1e3:.4g} ms per token "
         f"({est.batch / est.decode_s_per_token:,.0f} tokens/s, {est.tokens_per_s_per_device:,.1f} per device)"

@@ -79,8 +79,9 @@ def _print_plan(rl: RLRun, *, json_out: bool) -> int:
         f"{rl.describe()}",
         soft_wrap=True,
     )
-    for name, phase, first in (("rollout", rl.rollout, rl.rollout_first), ("learner", rl.learner, rl.learner_first)):
-        out.print(f"  {name}: {phase.describe()} (devices {first}-{first + phase.devices - 1})")
+    phases = (("rollout", rl.rollout, rl.rollout_first, True), ("learner", rl.learner, rl.learner_first, False))
+    for name, phase, first, serving in phases:
+        out.print(f"  {name}: {phase.describe(serving=serving)} (devices {first}-{first + phase.devices - 1})")
     return 0
 
 

@@ -96,7 +96,6 @@ class RLRun:
         """``grpo disaggregated: rollout 4 devices (tensor=2, data=2) | learner 4 devices (fsdp=4)``."""
         r = self.rl
         stale = ", one update stale" if r.max_staleness else ""
-        return (
-            f"{r.algorithm} {r.placement}{stale}: rollout {self.rollout.devices} devices ({self.rollout.describe()}) "
-            f"| learner {self.learner.devices} devices ({self.learner.describe()})"
-        )
+        rollout = f"rollout {self.rollout.devices} devices ({self.rollout.describe(serving=True)})"
+        learner = f"learner {self.learner.devices} devices ({self.learner.describe()})"
+        return f"{r.algorithm} {r.placement}{stale}: {rollout} | {learner}"

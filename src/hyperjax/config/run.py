@@ -67,8 +67,7 @@ class Stage:
         """``2 devices (data=2) 2+2 layers``."""
         degrees = ",".join(f"{k}={v}" for k, v in self.axes.items() if v > 1)
         devices = f"{self.devices} devices ({degrees})" if degrees else "1 device"
-        layers = "+".join(map(str, self.layers))
-        return f"{devices} {layers} {'layer' if layers == '1' else 'layers'}"
+        return f"{devices} {'+'.join(map(str, self.layers))} {'layer' if self.layers == (1,) else 'layers'}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -235,31 +234,34 @@ class Run:
             "emulation_limit": self.emulation_limit,
         }
 
-    def describe(self) -> str:
-        """The strategy in one line, as ``predict`` and ``train`` print it."""
+    def describe(self, *, serving: bool = False) -> str:
+        """The strategy in one line, as ``predict`` and ``train`` print it; ``serving``: the layout alone."""
         extras = []
         if self.sequence_parallel:
             extras.append("sequence_parallel")
-        if self.zero_stage:
+        if self.zero_stage and not serving:
             extras.append(f"zero_stage={self.zero_stage}")
-        if self.gradient_buckets:
+        if self.gradient_buckets and not serving:
             extras.append("gradient buckets over " + " x ".join(self.replica_axes))
-        if self.overlap != "none":
+        if self.overlap != "none" and not serving:
             extras.append(f"{self.overlap} overlap")
         if self.config.model.moe is not None and not self.expert_tensor_split:
             extras.append("experts over expert x tensor")
         if not self.pipelined:
             parts = [f"{k}={v}" for k, v in self.stages[0].axes.items() if v > 1] or ["single device"]
-            if self.microbatches > 1:
+            if self.microbatches > 1 and not serving:
                 extras.append(f"{self.microbatches} micro-batches")
             return ", ".join([*parts, *extras])
         mpmd = self.stages[0].modules != ("decoder",)
-        shown = [f"{s.name}: {s.describe()}" if mpmd else s.describe() for s in self.stages if s.chunks]
-        # a run of like stages is named once with its count: 32 x 8 devices (data=4,tensor=2) 3 layers
-        runs = [(d, len(list(same))) for d, same in itertools.groupby(shown)]
-        stages = " | ".join(f"{n} x {d}" if n > 1 else d for d, n in runs)
-        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        if mpmd:  # each submesh by its name
+            stages = " | ".join(f"{s.name}: {s.describe()}" for s in self.stages)
+        else:  # a run of like stages named once: 31 stages of 8 devices (data=4,tensor=2) 3 layers
+            runs = [(d, len(list(same))) for d, same in itertools.groupby(s.describe() for s in self.stages)]
+            stages = " | ".join(f"{n} stages of {d}" if n > 1 else d for d, n in runs)
         kind = "mpmd" if mpmd else "pipeline"
+        if serving:
+            return "; ".join([f"{kind} {stages}", *extras])
+        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         head = f"{kind} {stages}, {self.schedule}{v}, {self.microbatches} micro-batches"
         return "; ".join([head, *extras])
 
