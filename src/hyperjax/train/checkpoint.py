@@ -55,14 +55,11 @@ def saved_steps(directory: str | Path) -> list[int]:
     return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and p.is_dir())
 
 
-def latest_meta(directory: str | Path) -> dict[str, Any] | None:
-    """The record (``meta``) of the newest finished checkpoint in ``directory`` as its JSON file holds it, read
-    without JAX or orbax; ``None`` when there is none or it cannot be read (a restore reads it then, and says)."""
-    steps = saved_steps(directory)
-    if not steps:
-        return None
+def saved_meta(directory: str | Path, step: int) -> dict[str, Any] | None:
+    """The record (``meta``) of the checkpoint of ``step`` in ``directory`` as its JSON file holds it, read
+    without JAX or orbax; ``None`` when it cannot be read (a restore reads it then, and says)."""
     try:
-        meta = json.loads((Path(directory) / str(steps[-1]) / "meta" / "metadata").read_text())
+        meta = json.loads((Path(directory) / str(step) / "meta" / "metadata").read_text())
     except (OSError, ValueError):
         return None
     return meta if isinstance(meta, dict) else None
@@ -268,7 +265,7 @@ def restore_params(
             )
         _check_shapes({"params": abstract}, {"params": held or {}}, where, verb=command)
         if model is not None:  # from the record's file, before the arrays are read
-            check_model(latest_meta(directory) or {}, model, where)
+            check_model(saved_meta(directory, step) or {}, model, where)
         try:
             args = ocp.args.PyTreeRestore(
                 {"params": abstract},

@@ -22,7 +22,7 @@ from hyperjax.errors import ConfigError
 from hyperjax.models import build_model, count_params
 from hyperjax.offload import block_policies
 from hyperjax.train.breakdown import CollectiveTime, check_profiled, collective_times, profile_ops
-from hyperjax.train.checkpoint import Checkpoints, imported, latest_meta, restore_params, saved_steps
+from hyperjax.train.checkpoint import Checkpoints, imported, restore_params, saved_meta, saved_steps
 from hyperjax.train.prepare import Prepared, prepare
 from hyperjax.train.programs import build_program
 from hyperjax.train.saved_model import check_model, model_record
@@ -266,10 +266,11 @@ def check_resume(directory: str | Path, run: Run) -> None:
     Raises:
       ConfigError: as :func:`_check_same_run`.
     """
-    meta = latest_meta(directory)
+    steps = saved_steps(directory)
+    meta = saved_meta(directory, steps[-1]) if steps else None
     if meta is None:
         return
-    where = Path(directory) / str(saved_steps(directory)[-1])
+    where = Path(directory) / str(steps[-1])
     if imported(directory):
         check_model(meta, run.config.model, f"checkpoint {str(where)!r}")
     elif isinstance(meta.get("data"), dict) and isinstance(meta.get("step"), int):
