@@ -13,6 +13,18 @@ from hyperjax.cli.main import main
 
 CLI = [sys.executable, "-m", "hyperjax"]
 CONFIGS = Path(__file__).parents[2] / "configs"
+JOIN_ONE = [
+    "selftest",
+    "--hardware",
+    "dgx-h100",
+    "--devices",
+    "8",
+    "--coordinator",
+    "127.0.0.1:1",
+    "--num-processes",
+    "1",
+]
+JOIN_ONE += ["--process-id", "0"]
 
 
 def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -88,6 +100,14 @@ def test_topology_says_how_float32_products_run(capsys):
         (
             ["selftest", "--hardware", "cloudmatrix384", "--devices", "8", "--coordinator", "127.0.0.1:1"],
             r"--coordinator, --num-processes and --process-id must be given together",
+        ),
+        (
+            ["selftest", "--hardware", "dgx-h100", "--devices", "8", "--platform", "auto"],
+            r"--platform auto runs on this host's accelerators .* drop --platform, or add the joining flags",
+        ),
+        (
+            [*JOIN_ONE, "--processes", "2"],
+            r"--processes 2 asks for 2 process\(es\), but --num-processes 1 joins a job of 1; drop --processes",
         ),
         (
             ["predict", str(CONFIGS / "quickstart.yaml"), "--set", "parallel.overlap=two-microbatch"],

@@ -85,6 +85,8 @@ def test_sampling_is_seeded(capsys, checkpoint):
         (["--set", "parallel.sequence_parallel=true"], "set --set parallel.sequence_parallel=false"),
         (["--prompt-ids", "1,,2"], "--prompt-ids '1,,2' must be comma-separated integers"),
         (["--prompt-ids", "1,2,"], "--prompt-ids '1,2,' must be comma-separated integers"),
+        (["--set", "train.lr=5"], "--set train.lr: generate does not read this setting"),
+        (["--set", "offload.policy=auto"], "--set offload.policy: generate does not read this setting"),
     ],
     ids=[
         "no-new-tokens",
@@ -102,6 +104,8 @@ def test_sampling_is_seeded(capsys, checkpoint):
         "sequence-parallel",
         "empty-id",
         "trailing-comma",
+        "training-setting",
+        "offload",
     ],
 )
 def test_bad_input_exits_2_naming_it(capsys, checkpoint, extra, message):

@@ -41,11 +41,17 @@ def test_train_writes_metrics_plot_and_summary(capsys, tmp_path: Path):
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_explain(capsys):
+def test_explain(capsys, tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     assert main(["train", QUICK, "--explain", "--set", "parallel.fsdp=2", "--set", "parallel.tensor=4"]) == 0
     out = capsys.readouterr().out
     assert "blocks/0/mlp/w_in" in out and "('fsdp', 'tensor')" in out.replace("(fsdp, tensor)", "('fsdp', 'tensor')")
     assert "total" in out
+    assert not list(tmp_path.iterdir())  # it trains nothing, so it makes no runs/ folder
+    # what only training reads is refused, and no folder is made for it
+    assert main(["train", QUICK, "--explain", "--checkpoint-dir", str(tmp_path / "ck")]) == 2
+    assert "--explain prints where every parameter lives" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize(
@@ -62,6 +68,22 @@ def test_explain(capsys):
         (["--profile", "--plan-only"], r"--profile times the last training step"),
         (["--plan-only", "--process-id", "1"], r"--process-id joins a running job, but --plan-only .* drop one"),
         (["--plan-only", "--explain"], r"--explain prints where every parameter lives .* drop one of them"),
+        (["--explain", "--steps", "5"], r"--steps sets how training runs .* --explain .* trains nothing; drop one"),
+        (["--explain", "--metrics-out", "m.jsonl"], r"--metrics-out sets how training runs or where it writes"),
+        (["--plan-only", "--platform", "auto"], r"--platform auto runs on this host's accelerators .* joining flags"),
+        (
+            [
+                "--set",
+                "emulate.processes=2",
+                "--coordinator",
+                "127.0.0.1:1",
+                "--num-processes",
+                "1",
+                "--process-id",
+                "0",
+            ],
+            r"emulate.processes 2 asks for 2 process\(es\), but --num-processes 1 joins a job of 1",
+        ),
         (
             ["--set", "parallel.gradient_buckets=true", "--set", "parallel.data=1", "--set", "parallel.tensor=8"],
             r"parallel.gradient_buckets=true needs data-parallel replicas .* set it to null or false",

@@ -84,3 +84,25 @@ def test_a_shard_size_that_is_no_finite_positive_number_exits_2(capsys, tmp_path
     err = capsys.readouterr().err
     assert f"--max-shard-gib {float(gib)} must be a finite number > 0" in err and "Traceback" not in err
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_shard_size_below_the_largest_tensor_exits_2(capsys, tmp_path):
+    """A tensor is not split over files: a --max-shard-gib below the largest is refused before anything is read."""
+    args = ["export-hf", QUICK, "--checkpoint-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")]
+    assert main([*args, "--max-shard-gib", "0.00001"]) == 2
+    err = capsys.readouterr().err
+    assert "a file holds at most 10,737 bytes, but tensor 'transformer.h.0.mlp.c_fc.weight' [256, 1024]" in err, err
+    assert "is 1,048,576 bytes as float32" in err and "pass --max-shard-gib 0.000977 or more" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "hf").exists()
+    assert main([*args, "--max-shard-gib", "0.00001", "--dtype", "bfloat16"]) == 2
+    assert "524,288 bytes as bfloat16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", ["train.lr=3", "parallel.zero_stage=1", "offload.policy=auto"])
+def test_a_setting_export_does_not_read_exits_2(capsys, tmp_path, key):
+    args = ["export-hf", QUICK, "--checkpoint-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")]
+    assert main([*args, "--set", key]) == 2
+    err = capsys.readouterr().err
+    assert f"--set {key.split('=')[0]}: export-hf does not read this setting" in err and "Traceback" not in err
+    assert not (tmp_path / "hf").exists()

@@ -3,6 +3,7 @@
 and decodes with it."""
 
 import json
+import os
 
 import pytest
 
@@ -90,6 +91,21 @@ def test_a_config_only_import_writes_the_model_exactly(tmp_path):
         1e-5, 500000.0, 8.0, 8192)  # fmt: skip
     assert cfg.parallel.tensor == 2
     assert load_config(folder).model == m
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for made in (tmp_path / "out", tmp_path / "out" / "config.yaml"):  # as mkdir and open would make them
+        assert made.stat().st_mode & 0o777 == (0o777 if made.is_dir() else 0o666) & ~umask, made
+
+
+@pytest.mark.parametrize("name", ["model-00001-of-00002.safetensors", "pytorch_model.bin"])
+def test_weights_in_a_form_not_read_exit_2_rather_than_import_the_config_alone(capsys, tmp_path, name):
+    folder = write(tmp_path / "hf")
+    (folder / name).write_bytes(b"weights")
+    assert main(["import-hf", str(folder), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"holds weights ({name}) but no model.safetensors and no model.safetensors.index.json" in err, err
+    assert "save_pretrained(folder, safe_serialization=True)" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_weights_of_another_model_exit_2_naming_the_tensor(capsys, tmp_path):

@@ -359,9 +359,13 @@ def test_a_pipelines_like_stages_are_described_once_with_their_count():
     assert wide.describe().startswith("pipeline 4 stages of 2 devices (tensor=2) 1 layer, ")
     # an MPMD run's submeshes are named, each apart, even where two are alike
     apart = ["train.global_batch=16", "mpmd.submeshes=[{name: x, modules: [encoder], devices: 4}, "]
-    apart[-1] += "{name: x, modules: [language_model], devices: 4}]"
-    piped = resolve(load_config(CONFIGS / "vlm-tiny-mpmd.yaml", [*apart, "model.layers=2"]))
-    assert piped.describe().startswith("mpmd x: 4 devices (data=4) 2 layers | x: 4 devices (data=4) 2 layers, ")
+    piped = resolve(load_config(CONFIGS / "vlm-tiny-mpmd.yaml", [*apart[:1], apart[1] + ALIKE, "model.layers=2"]))
+    assert piped.describe().startswith("mpmd x: 4 devices (data=4) 2 layers | y: 4 devices (data=4) 2 layers, ")
+    with pytest.raises(ConfigError, match=r"mpmd.submeshes items 0, 1 are all named 'x'.*give each its own name"):
+        load_config(CONFIGS / "vlm-tiny-mpmd.yaml", [*apart[:1], apart[1] + ALIKE.replace("y", "x")])
+
+
+ALIKE = "{name: y, modules: [language_model], devices: 4}]"
 
 
 def test_serving_describes_the_layout_alone():

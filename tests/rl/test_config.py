@@ -100,6 +100,8 @@ def test_missing_devices_are_what_the_other_phase_leaves():
         (["rl.seed=-1"], r"rl.seed=-1 must be >= 0"),
         (["rl.kl_coef=.nan"], r"rl.kl_coef=nan must be a finite number"),
         (["rl.offload_optimizer=true"], r"rl.offload_optimizer=true frees the learner's devices"),
+        (["train.global_batch=16"], r"train.global_batch=16: .* 8 x 8 = 64 sequences a step; drop train.global_batch"),
+        (["train.global_batch=32"], r"train.global_batch=32: .* = 64 sequences"),  # given, though it is the default
     ],
 )
 def test_bad_rl_section_names_the_key(sets, pattern):

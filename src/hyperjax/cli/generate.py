@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hyperjax.cli.display import console
-from hyperjax.cli.options import add_command, add_config_arguments, config_from_args, path
+from hyperjax.cli.options import add_command, add_config_arguments, config_from_args, path, refuse_training_sets
 from hyperjax.config.sections import MIN_TEMPERATURE
 from hyperjax.errors import ConfigError
 from hyperjax.resolver import resolve
@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"{given} shapes sampling, but --temperature 0 decodes greedily; set --temperature >= {MIN_TEMPERATURE:g}"
         )
+    refuse_training_sets(args.sets, "generate")
     run = resolve(config_from_args(args, [] if args.devices is None else [f"emulate.devices={args.devices}"]))
     if args.top_k is not None and args.top_k > run.config.model.vocab:
         raise ConfigError(f"--top-k {args.top_k} is more than model.vocab={run.config.model.vocab}")

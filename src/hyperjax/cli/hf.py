@@ -10,7 +10,14 @@ import math
 from pathlib import Path
 
 from hyperjax.cli.display import console
-from hyperjax.cli.options import add_command, add_config_arguments, add_set_argument, config_from_args, path
+from hyperjax.cli.options import (
+    add_command,
+    add_config_arguments,
+    add_set_argument,
+    config_from_args,
+    path,
+    refuse_training_sets,
+)
 from hyperjax.errors import ConfigError
 
 
@@ -125,6 +132,7 @@ def run_export(args: argparse.Namespace) -> int:
 
     if not 0 < args.max_shard_gib < math.inf:
         raise ConfigError(f"--max-shard-gib {args.max_shard_gib} must be a finite number > 0 (GiB per file)")
+    refuse_training_sets(args.sets, "export-hf")
     extra = [] if args.devices is None else [f"emulate.devices={args.devices}"]
     run = resolve(config_from_args(args, extra))
     from hyperjax.config.hf_export import hf_from_model

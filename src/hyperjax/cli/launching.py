@@ -30,8 +30,12 @@ def add_join_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def joining(args: argparse.Namespace) -> list[str]:
-    """The joining flags given on the command line (``--coordinator``, ``--num-processes``, ``--process-id``)."""
-    return [
+    """The joining flags given on the command line (``--coordinator``, ``--num-processes``, ``--process-id``).
+
+    Raises:
+      EmulationError: ``--platform auto`` without them (spawned or single processes emulate CPU devices).
+    """
+    given = [
         flag
         for flag, value in (
             ("--coordinator", args.coordinator),
@@ -40,6 +44,28 @@ def joining(args: argparse.Namespace) -> list[str]:
         )
         if value is not None
     ]
+    if args.platform != "cpu" and not given:
+        raise EmulationError(
+            f"--platform {args.platform} runs on this host's accelerators as a process joining a job, but no "
+            "--coordinator, --num-processes and --process-id are given: without them the devices are emulated "
+            "CPU devices; drop --platform, or add the joining flags (--num-processes 1 --process-id 0 and a "
+            "free --coordinator 127.0.0.1:PORT for one host)"
+        )
+    return given
+
+
+def check_joined_processes(args: argparse.Namespace, asked: int | None, key: str) -> None:
+    """A job joined with ``--num-processes N`` runs in ``N`` processes: a count ``asked`` elsewhere (``key``)
+    must agree.
+
+    Raises:
+      EmulationError: naming both counts and the fix.
+    """
+    if args.num_processes is not None and asked is not None and asked != args.num_processes:
+        raise EmulationError(
+            f"{key} {asked} asks for {asked} process(es), but --num-processes {args.num_processes} joins a job of "
+            f"{args.num_processes}; drop {key}, or make the two agree"
+        )
 
 
 def run_on_devices(

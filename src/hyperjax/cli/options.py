@@ -105,6 +105,24 @@ def refuse_serve_sets(sets: Sequence[str], command: str, also: str = "") -> None
     )
 
 
+def refuse_training_sets(sets: Sequence[str], command: str) -> None:
+    """Refuse a ``--set`` of a training setting ``command`` does not read (:data:`TRAINING_ONLY`: the optimizer,
+    the backward, recomputation, the gradient reduction), or of ``offload:``, which places training state and
+    ``predict --inference``'s serving: it would have no effect.
+
+    Raises:
+      ConfigError: naming the key and the fix.
+    """
+    from hyperjax.cost.inference import TRAINING_ONLY
+
+    refuse_sets(
+        sets,
+        (*TRAINING_ONLY, "offload"),
+        f"{command} does not read this setting (it shapes training, or the placement train and predict choose), "
+        "so it would have no effect: drop it",
+    )
+
+
 def config_from_args(args: argparse.Namespace, extra: Sequence[str] = (), *, serving: bool = False) -> Config:
     """Load the config named on the command line with its ``--set`` (and ``--hardware``) overrides.
 

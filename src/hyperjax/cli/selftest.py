@@ -14,7 +14,7 @@ import math
 from rich.table import Table
 
 from hyperjax.cli.display import check_writable, console, fmt_axes, fmt_bytes
-from hyperjax.cli.launching import add_join_arguments, run_on_devices
+from hyperjax.cli.launching import add_join_arguments, check_joined_processes, run_on_devices
 from hyperjax.cli.options import add_command, path
 from hyperjax.emulate import plan_processes
 from hyperjax.errors import EmulationError
@@ -49,6 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_joined_processes(args, args.processes, "--processes")
     hw = load_hardware(args.hardware)
     devices = hw.devices if args.devices is None else args.devices
     if devices < 1:

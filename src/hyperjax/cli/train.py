@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hyperjax.cli.display import check_folder, check_writable, console
-from hyperjax.cli.launching import add_join_arguments, joining, run_on_devices
+from hyperjax.cli.launching import add_join_arguments, check_joined_processes, joining, run_on_devices
 from hyperjax.cli.options import add_command, add_config_arguments, config_from_args, path
 from hyperjax.config import Run, load_config
 from hyperjax.errors import ConfigError, EmulationError
@@ -84,8 +84,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     _check_flags(args)
     steps = [] if args.steps is None else [f"train.steps={args.steps}"]
-    sets = [*args.sets, *steps]  # what children are told
     cfg = config_from_args(args, steps)
+    check_joined_processes(args, cfg.emulate.processes, "emulate.processes")
+    if args.num_processes is not None:  # a process of a job: the run is resolved for the job's processes
+        steps.append(f"emulate.processes={args.num_processes}")
+        cfg = config_from_args(args, steps)
+    sets = [*args.sets, *steps]  # what children are told
     if cfg.rl is not None:
         from hyperjax.cli import train_rl
 
@@ -115,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
     out_dir = args.out_dir or str(Path("runs") / Path(args.config).stem)
     if args.metrics_out:
         check_writable(args.metrics_out, "--metrics-out")
-    check_folder(out_dir, "--out-dir")
+    if not args.explain:  # --explain writes nothing: no folder is made for it
+        check_folder(out_dir, "--out-dir")
     if args.checkpoint_dir:
         check_folder(args.checkpoint_dir, "--checkpoint-dir")
         earlier = saved_steps(args.checkpoint_dir)
@@ -177,6 +182,13 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"{written[0]} names where training writes, but --plan-only prints the run and trains nothing; "
             "drop one of them"
+        )
+    training = {"--steps": args.steps is not None, "--resume": args.resume, "--max-restarts": args.max_restarts}
+    trained = [flag for flag in writes if writes[flag] is not None] + [flag for flag, on in training.items() if on]
+    if trained and args.explain:
+        raise ConfigError(
+            f"{trained[0]} sets how training runs or where it writes, but --explain prints where every parameter "
+            "lives and trains nothing; drop one of them"
         )
     if args.profile and (args.plan_only or args.explain):
         raise ConfigError("--profile times the last training step; it does nothing with --plan-only or --explain")

@@ -56,7 +56,10 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(raw).__name__}")
     for item in overrides:
         apply_override(raw, item)
-    return build(Config, raw, "")
+    config = build(Config, raw, "")
+    if "global_batch" in (raw.get("train") or {}):  # given, even as the default: an rl: config's must agree
+        config.check_rl_batch()
+    return config
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:

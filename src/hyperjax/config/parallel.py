@@ -116,6 +116,16 @@ class MPMDConfig:
 
     submeshes: tuple[SubmeshConfig, ...] = ()  # in the order data flows through them
 
+    def __post_init__(self) -> None:
+        names = [sub.name for sub in self.submeshes if sub.name]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            at = [i for i, sub in enumerate(self.submeshes) if sub.name == twice[0]]
+            raise ConfigError(
+                f"mpmd.submeshes items {', '.join(map(str, at))} are all named {twice[0]!r}: logs, traces and the "
+                "plan tell submeshes apart by name; give each its own name"
+            )
+
 
 MODIFIERS: dict[str, str] = {
     "fsdp_reshard": "fsdp",

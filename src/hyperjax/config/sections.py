@@ -292,6 +292,22 @@ class Config:
     serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)
     rl: RLConfig | None = None  # reinforcement learning of the model (null: supervised training)
 
+    def check_rl_batch(self) -> None:
+        """An ``rl:`` config's ``train.global_batch``, where given, is the batch its ``rl:`` section makes.
+
+        Raises:
+          ConfigError: another batch, naming the two and the fix.
+        """
+        if self.rl is None:
+            return
+        batch = self.rl.prompts_per_step * self.rl.group_size
+        if self.train.global_batch != batch:
+            raise ConfigError(
+                f"train.global_batch={self.train.global_batch}: an rl: config learns from rl.prompts_per_step x "
+                f"rl.group_size = {self.rl.prompts_per_step} x {self.rl.group_size} = {batch} sequences a step; "
+                "drop train.global_batch and set those"
+            )
+
     def __post_init__(self) -> None:
         for logical, target in self.shard.items():
             if not isinstance(logical, str):
@@ -307,14 +323,8 @@ class Config:
                 "an rl: config lays out each phase apart: move the parallel: section's degrees to "
                 "rl.learner.parallel (and choose rl.rollout.parallel), and drop parallel: and mpmd:"
             )
-        if self.rl is not None:  # a batch set apart from the default must be the one the rl: section makes
-            batch = self.rl.prompts_per_step * self.rl.group_size
-            if self.train.global_batch not in (TrainConfig.global_batch, batch):
-                raise ConfigError(
-                    f"train.global_batch={self.train.global_batch}: an rl: config learns from rl.prompts_per_step x "
-                    f"rl.group_size = {self.rl.prompts_per_step} x {self.rl.group_size} = {batch} sequences a step; "
-                    "drop train.global_batch and set those"
-                )
+        if self.train.global_batch != TrainConfig.global_batch:  # (load_config checks one given as the default)
+            self.check_rl_batch()
         subs = self.mpmd.submeshes
         check_sequence_parallel(
             self.parallel,

@@ -22,7 +22,7 @@ from hyperjax.config.hf_export import hf_from_model
 from hyperjax.config.load import apply_override, build
 from hyperjax.errors import ConfigError
 from hyperjax.files import write_json
-from hyperjax.hf.io import check_out, export_weights, has_weights, import_weights, replace_folder
+from hyperjax.hf.io import check_out, check_shard_size, export_weights, has_weights, import_weights, replace_folder
 from hyperjax.hf.names import views
 from hyperjax.resolver import resolve
 
@@ -154,6 +154,7 @@ def export_hf(
 
     m = run.config.model
     config = hf_from_model(m)  # refuses a model no type describes before anything is read
+    check_shard_size(m, max_shard_bytes, dtype)
     src = Path(config_path).parent if config_path is not None else None
     check_out(
         out, {"--checkpoint-dir": checkpoint_dir, **({"the config's folder": src} if src else {})}, marker="config.json"

@@ -38,10 +38,48 @@ UNUSED_BUFFERS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 causal masks): skipped on import."""
 
 
+OTHER_WEIGHTS = ("*.safetensors", "pytorch_model*.bin", "*.pt", "*.pth", "tf_model.h5", "flax_model.msgpack", "*.gguf")
+"""Files that hold a model's weights in a form import-hf does not read alone: safetensors shards without their
+index, or other formats."""
+
+
 def has_weights(folder: str | Path) -> bool:
-    """Whether ``folder`` holds safetensors weights (one file, or an index of shards)."""
+    """Whether ``folder`` holds safetensors weights (one file, or an index of shards).
+
+    Raises:
+      ConfigError: it holds weights only in a form that is not read (:data:`OTHER_WEIGHTS`): importing its
+        config alone would drop them without a word.
+    """
     folder = Path(folder)
-    return (folder / SINGLE).is_file() or (folder / INDEX).is_file()
+    if (folder / SINGLE).is_file() or (folder / INDEX).is_file():
+        return True
+    found = sorted({p.name for pattern in OTHER_WEIGHTS for p in folder.glob(pattern) if p.is_file()})
+    if found:
+        more = f" and {len(found) - 2} more" if len(found) > 2 else ""
+        raise ConfigError(
+            f"{str(folder)!r} holds weights ({', '.join(found[:2])}{more}) but no {SINGLE} and no {INDEX}, the "
+            f"forms import-hf reads: add the shards' {INDEX}, save the model as safetensors (transformers' "
+            "save_pretrained(folder, safe_serialization=True)), or move the weights out to import the config alone"
+        )
+    return False
+
+
+def check_shard_size(m: ModelConfig, max_shard_bytes: int, dtype: str) -> None:
+    """Every tensor of ``m`` stored as ``dtype`` fits a file of ``max_shard_bytes`` (a tensor is not split
+    over files).
+
+    Raises:
+      ConfigError: the largest tensor, its size and the smallest ``--max-shard-gib`` that holds it.
+    """
+    itemsize = _dtype(dtype).itemsize
+    name, shape = max(stored_shapes(m).items(), key=lambda kv: math.prod(kv[1]))
+    need = math.prod(shape) * itemsize
+    if need > max_shard_bytes:
+        raise ConfigError(
+            f"--max-shard-gib: a file holds at most {max_shard_bytes:,} bytes, but tensor {name!r} {list(shape)} is "
+            f"{need:,} bytes as {dtype}, and a tensor is not split over files; pass --max-shard-gib "
+            f"{math.ceil(need / 2**30 * 1e6) / 1e6:g} or more"
+        )
 
 
 class Stored:
@@ -240,6 +278,7 @@ def replace_folder(build: Callable[[Path], None], target: Path) -> None:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
     try:
         build(tmp)
+        _as_created(tmp)
         if target.exists():
             old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.old."))
             os.replace(target, old / "x")
@@ -254,6 +293,27 @@ def replace_folder(build: Callable[[Path], None], target: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _as_created(folder: Path) -> None:
+    """Give ``folder`` and what it holds the modes a plain ``mkdir`` and ``open`` would (under the umask):
+    ``mkdtemp`` makes it private, and temporary files written into it may be too."""
+    umask = _umask()
+    for root, _dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~umask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~umask)
+
+
+def _umask() -> int:
+    """This process's umask, read where Linux shows it (setting it to read it back races other threads)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return next(int(line.split()[1], 8) for line in status.splitlines() if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
 
 
 def check_out(out: str | Path, inputs: dict[str, str | Path], *, marker: str) -> None:

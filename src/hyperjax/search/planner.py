@@ -262,6 +262,11 @@ def plan(
             f"them all, or give a value among those it tries (hyperjax plan --json lists each candidate's "
             f"settings{counts})"
         )
+    if not priced and cfg.parallel.gradient_buckets:
+        raise ConfigError(
+            f"no strategy on {devices} devices honours parallel.gradient_buckets=true, which needs data-parallel "
+            "replicas to sum; drop it (null: buckets where a replica group spans processes) to search them all"
+        )
     if not priced:
         raise ConfigError(
             f"no valid strategy for this model on {devices} devices: check that heads, layers, "

@@ -24,9 +24,9 @@ CLEARED: dict[str, Any] = {
     "train.microbatches": None,
     "emulate.devices": None,
     "emulate.processes": None,
-    "parallel.gradient_buckets": None,
 }
-"""What every candidate resets before its own overrides: the search decides these."""
+"""What every candidate resets before its own overrides: the search decides these. (A config's
+``parallel.gradient_buckets`` is held: a strategy that cannot honour it fails to resolve and is not tried.)"""
 
 SEARCHED = frozenset(
     [
@@ -84,11 +84,23 @@ def candidate(cfg: Config, overrides: dict[str, Any]) -> Config:
 
 
 def selected(cfg: Config, overrides: dict[str, Any]) -> dict[str, Any]:
-    """``overrides`` with the ``parallel.*`` modifiers of ``cfg`` (:data:`hyperjax.config.parallel.MODIFIERS`:
-    ``fsdp_reshard``, ``tp_overlap``, ...) whose feature they turn off, at the defaults :func:`candidate` resets
-    them to (a run without the feature refuses them set): what selects the candidate from ``cfg``."""
-    p, chosen = cfg.parallel, candidate(cfg, overrides).parallel
-    return overrides | {f"parallel.{k}": getattr(chosen, k) for k in MODIFIERS if getattr(chosen, k) != getattr(p, k)}
+    """``overrides`` with what else the candidate changes in ``cfg``, so that ``cfg`` with them is the run
+    priced: the keys of :data:`CLEARED` the search decides (a config's ``parallel.stage_layers``,
+    ``train.microbatches``; not the device count, which ``--devices`` gives), and the ``parallel.*`` modifiers
+    (:data:`hyperjax.config.parallel.MODIFIERS`: ``fsdp_reshard``, ``tp_overlap``, ...) whose feature the
+    candidate turns off, at the defaults :func:`candidate` resets them to (a run without the feature refuses
+    them set)."""
+    chosen = candidate(cfg, overrides)
+    keys = [k for k in CLEARED if not k.startswith("emulate.")] + [f"parallel.{k}" for k in MODIFIERS]
+    return overrides | {
+        k: _value(chosen, k) for k in keys if k not in overrides and _value(chosen, k) != _value(cfg, k)
+    }
+
+
+def _value(cfg: Config, key: str) -> Any:
+    """``cfg``'s value of the dotted ``key``."""
+    section, field = key.split(".")
+    return getattr(getattr(cfg, section), field)
 
 
 def strategies(
