@@ -87,6 +87,7 @@ def test_sampling_is_seeded(capsys, checkpoint):
         (["--prompt-ids", "1,2,"], "--prompt-ids '1,2,' must be comma-separated integers"),
         (["--set", "train.lr=5"], "--set train.lr: generate does not read this setting"),
         (["--set", "offload.policy=auto"], "--set offload.policy: generate does not read this setting"),
+        (["--tokenizer", "/"], "--tokenizer '/' is a folder; give the path of a tokenizer.json"),
     ],
     ids=[
         "no-new-tokens",
@@ -106,6 +107,7 @@ def test_sampling_is_seeded(capsys, checkpoint):
         "trailing-comma",
         "training-setting",
         "offload",
+        "tokenizer-folder",
     ],
 )
 def test_bad_input_exits_2_naming_it(capsys, checkpoint, extra, message):

@@ -50,9 +50,10 @@ def write(folder, **changes):
         ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
           "decoder_sparse_step": 0}, "decoder_sparse_step=0 must be at least 1"),
         ({"num_attention_heads": 0}, "num_attention_heads=0 must be at least 1"),
+        ({"hidden_size": "64"}, "hidden_size='64' has the wrong type: expected an integer, got str"),
     ],
     ids=["model-type", "sliding", "rope-type", "act", "bias-mix", "qwen3-bias", "layer-types", "unknown",
-         "shape", "sparse-layers", "sparse-step-0", "no-heads"],
+         "shape", "sparse-layers", "sparse-step-0", "no-heads", "string"],
 )  # fmt: skip
 def test_a_field_hyperjax_cannot_honour_exits_2_naming_it(capsys, tmp_path, changes, message):
     folder = write(tmp_path / "hf", **changes)

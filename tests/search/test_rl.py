@@ -1,10 +1,12 @@
 """The RL search: its splits, and answers that are resolved configs priced on the public path."""
 
+import json
 from pathlib import Path
 
 import pytest
 
 from hyperjax import ConfigError
+from hyperjax.cli.plan import _held_rl
 from hyperjax.config import load_config
 from hyperjax.cost.rl import estimate_rl
 from hyperjax.resolver import resolve_rl
@@ -80,3 +82,42 @@ def test_plan_rl_names_what_the_preset_cannot_do_first():
     cfg = load_config(GRPO, ["hardware=dgx-a100-80g", "train.fp8.recipe=tensorwise"])
     with pytest.raises(ConfigError, match=r"train.fp8 \(recipe tensorwise\) multiplies in FP8, .* set train.fp8: null"):
         plan_rl(cfg, 8)
+
+
+@pytest.mark.parametrize(
+    ("sets", "holds"),
+    [
+        (["rl.learner.parallel.tensor=2"], lambda e: e.rl.learner.axes["tensor"] == 2),
+        (["rl.rollout.devices=4"], lambda e: e.rl.rollout.devices == 4),
+        (["rl.learner.devices=2"], lambda e: (e.rl.rollout.devices, e.rl.learner.devices) == (6, 2)),
+        (["rl.rollout.parallel.tensor=4"], lambda e: e.rl.rollout.axes["tensor"] == 4),
+        (["rl.learner.parallel={fsdp: 4}"], lambda e: e.rl.learner.axes["fsdp"] == 4),
+    ],
+)
+def test_plan_holds_a_phases_devices_and_degrees_set_on_the_command_line(capsys, sets, holds):
+    from hyperjax.cli.main import main
+
+    assert (
+        main(["plan", GRPO, "--devices", "8", "--top", "20", "--json", *(x for s in sets for x in ("--set", s))]) == 0
+    )
+    assert json.loads(capsys.readouterr().out)["candidates"]
+    for e in plan_rl(load_config(GRPO, sets), 8, keep=20, held=_held_rl(sets, load_config(GRPO, sets))).best:
+        assert holds(e), e.to_dict()
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["rl.rollout.devices=2", "rl.learner.devices=5"], r"do not split --devices 8 into two phases"),
+        (["rl.rollout.parallel.fsdp=2"], r"rl.rollout.parallel.fsdp: .* so fsdp cannot be held; drop it"),
+        (["rl.rollout.devices=2"], r"has rl.rollout.devices=2 \(the learner's 6 devices: no layout of one program"),
+        (
+            ["rl.rollout.parallel.tensor=3"],
+            r"has rl.rollout.parallel.tensor=3 \(rl.rollout: .* not divisible .*\); drop them to search them all",
+        ),
+    ],
+)
+def test_held_settings_no_layout_has_are_named(sets, message):
+    cfg = load_config(GRPO, sets)
+    with pytest.raises(ConfigError, match=message):
+        plan_rl(cfg, 8, held=_held_rl(sets, cfg))

@@ -145,7 +145,8 @@ def _codec(args: argparse.Namespace) -> Any:
 
     path = args.tokenizer or _beside(args.config)
     if args.tokenizer and not Path(args.tokenizer).is_file():
-        raise ConfigError(f"--tokenizer {args.tokenizer!r} does not exist; give the path of a tokenizer.json")
+        what = "is a folder" if Path(args.tokenizer).is_dir() else "does not exist"
+        raise ConfigError(f"--tokenizer {args.tokenizer!r} {what}; give the path of a tokenizer.json")
     return Tokenizer(path) if path else Bytes()
 
 

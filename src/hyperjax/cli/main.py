@@ -49,8 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HyperjaxError as e:
         print(f"hyperjax {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"hyperjax {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # a training run stopped after a whole step says which (Interrupted)
+        print(f"hyperjax {args.command}: interrupted{f' {e}' if str(e) else ''}", file=sys.stderr)
         return 130
 
 

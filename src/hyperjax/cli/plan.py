@@ -93,6 +93,31 @@ def _held(sets: list[str], cfg: Config) -> dict[str, Any]:
     return {k: v for k, v in held.items() if v is not None}
 
 
+def _held_rl(sets: list[str], cfg: Config) -> dict[str, Any]:
+    """The layout keys of an ``rl:`` config that ``--set`` gives, at their values in ``cfg``: a phase's
+    ``devices`` and its searched ``parallel.*`` degrees (one by one or in a ``rl.<phase>.parallel=`` mapping);
+    what the plan keeps fixed. A null (derived) value holds nothing."""
+    held: dict[str, Any] = {}
+    for item in sets:
+        key, _, text = item.partition("=")
+        parts = key.strip().split(".")
+        if len(parts) < 3 or parts[0] != "rl" or parts[1] not in ("rollout", "learner"):
+            continue
+        phase = getattr(cfg.rl, parts[1])
+        if parts[2:] == ["devices"]:
+            held[key.strip()] = phase.devices
+        given = parse_yaml(text) if parts[2:] == ["parallel"] else None
+        names = (
+            set(given)
+            if isinstance(given, dict)
+            else {parts[3]}
+            if parts[2] == "parallel" and len(parts) == 4
+            else set()
+        )
+        held |= {f"rl.{parts[1]}.parallel.{n}": getattr(phase.parallel, n) for n in sorted(names & SEARCHED)}
+    return {k: v for k, v in held.items() if v is not None}
+
+
 def run(args: argparse.Namespace) -> int:
     if args.devices < 1 or args.top < 1:
         raise ConfigError(f"--devices {args.devices} and --top {args.top} must be positive integers")
@@ -173,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
 def _plan_rl(args: argparse.Namespace, cfg: Config) -> int:
     """An ``rl:`` config: the split of the devices between its phases and each phase's layout."""
     check_reward(cfg.rl.reward)
-    found = plan_rl(cfg, args.devices, keep=args.top)
+    found = plan_rl(cfg, args.devices, keep=args.top, held=_held_rl(args.sets, cfg))
     if args.json:
         best = [e.to_dict() | {"unpriced": list(unpriced_overrides(e.rl.rollout, e.rl.learner))} for e in found.best]
         print(

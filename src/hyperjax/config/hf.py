@@ -153,7 +153,11 @@ class _Fields:
                 raise ConfigError(f"{self.where}: {key} is missing; a {self.hf.get('model_type')} config gives it")
             return default
         if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-            raise ConfigError(f"{self.where}: {key}={value!r} has the wrong type")
+            kinds = kind if isinstance(kind, tuple) else (kind,)
+            expected = " or ".join("an integer" if k is int else f"a {k.__name__}" for k in kinds)
+            raise ConfigError(
+                f"{self.where}: {key}={value!r} has the wrong type: expected {expected}, got {type(value).__name__}"
+            )
         if isinstance(value, int) and not isinstance(value, bool) and least is not None and value < least:
             raise ConfigError(f"{self.where}: {key}={value} must be at least {least}")
         return value

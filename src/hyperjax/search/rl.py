@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from hyperjax.config import Config, ParallelConfig, PhaseConfig
@@ -26,7 +27,7 @@ from hyperjax.config.parallel import MODIFIERS
 from hyperjax.cost.rl import RLEstimate, estimate_rl
 from hyperjax.errors import ConfigError, HyperjaxError
 from hyperjax.resolver import check_preset, check_rollout_modifiers, learner_config, resolve_rl
-from hyperjax.search.planner import plan
+from hyperjax.search.planner import NothingFits, plan
 from hyperjax.search.strategies import divisors
 from hyperjax.topology import Hardware, load_hardware
 
@@ -138,17 +139,61 @@ def residences(cfg: Config) -> list[dict[str, Any]]:
     return [{"reference": a, "offload_optimizer": b} for a in references for b in optimizers]
 
 
-def plan_rl(cfg: Config, devices: int, *, keep: int = 5, hardware: Hardware | None = None) -> RLSearch:
-    """Rank the splits and layouts of ``cfg``'s ``rl:`` section on ``devices`` devices by predicted iteration.
+ROLLOUT_HELD = ("tensor", "expert", "data")
+"""The rollout's degrees a search can hold: those its layouts vary, and data (the rest)."""
+
+
+def held_split(cfg: Config, devices: int, held: Mapping[str, Any]) -> list[int]:
+    """The rollout's device counts searched: :func:`splits`, or the one ``held`` gives (``rl.rollout.devices``,
+    or what ``rl.learner.devices`` leaves).
 
     Raises:
-      ConfigError: no split and layouts fit (naming the leanest tried).
+      ConfigError: held counts that do not make up ``devices``, or that a colocated run has no use for.
+    """
+    given = {k: v for k, v in held.items() if k in ("rl.rollout.devices", "rl.learner.devices")}
+    if not given:
+        return splits(devices, cfg.rl.placement)
+    named = ", ".join(f"{k}={v}" for k, v in given.items())
+    if cfg.rl.placement == "colocated":
+        raise ConfigError(f"{named}: rl.placement=colocated runs both phases on every device; drop it")
+    rollout = given.get("rl.rollout.devices", devices - given.get("rl.learner.devices", 0))
+    if not 0 < rollout < devices or devices - rollout != given.get("rl.learner.devices", devices - rollout):
+        raise ConfigError(f"{named} do not split --devices {devices} into two phases of a device or more; fix them")
+    return [rollout]
+
+
+def plan_rl(
+    cfg: Config,
+    devices: int,
+    *,
+    keep: int = 5,
+    hardware: Hardware | None = None,
+    held: Mapping[str, Any] | None = None,
+) -> RLSearch:
+    """Rank the splits and layouts of ``cfg``'s ``rl:`` section on ``devices`` devices by predicted iteration.
+    ``held`` (dotted keys, as ``plan --set`` gives them) fixes a phase's devices (``rl.rollout.devices``,
+    ``rl.learner.devices``), the learner's searched degrees (``rl.learner.parallel.tensor``, ...) and the
+    rollout's :data:`ROLLOUT_HELD` degrees.
+
+    Raises:
+      ConfigError: no split and layouts fit (naming the leanest tried), or none has the ``held`` settings.
     """
     start = time.perf_counter()
+    held = dict(held or {})
     if cfg.rl.placement == "disaggregated" and devices < 2:
         raise ConfigError(
             f"--devices {devices}: rl.placement=disaggregated gives each phase devices of its own, so it needs 2 "
             "or more; plan with more devices or rl.placement: colocated"
+        )
+    learner_held = {
+        f"parallel.{k.rsplit('.', 1)[1]}": v for k, v in held.items() if k.startswith("rl.learner.parallel.")
+    }
+    rollout_held = {k.rsplit(".", 1)[1]: v for k, v in held.items() if k.startswith("rl.rollout.parallel.")}
+    if set(rollout_held) - set(ROLLOUT_HELD):
+        key = sorted(set(rollout_held) - set(ROLLOUT_HELD))[0]
+        raise ConfigError(
+            f"rl.rollout.parallel.{key}: the rollout's layouts searched vary its {' and '.join(ROLLOUT_HELD[:2])} "
+            f"degrees with data over the rest, so {key} cannot be held; drop it, or price that layout with predict"
         )
     hw = load_hardware(cfg.hardware) if hardware is None else hardware
     base = learner_config(cfg)  # the learner searched as it will run: its own phase's runtime settings
@@ -158,21 +203,29 @@ def plan_rl(cfg: Config, devices: int, *, keep: int = 5, hardware: Hardware | No
     found: list[RLEstimate] = []
     priced = 0
     refused: HyperjaxError | None = None  # the last reason a candidate did not resolve
-    tried = splits(devices, cfg.rl.placement)
+    tried = held_split(cfg, devices, held)
     for n_rollout in tried:
         n_learner = devices if cfg.rl.placement == "colocated" else devices - n_rollout
         try:
-            one = {"parallel.pipeline": 1}  # the learner runs one program, accumulating micro-batches
+            one = {"parallel.pipeline": 1, **learner_held}  # one program, accumulating micro-batches
             learners = plan(
                 base, n_learner, keep=LEARNER_TRIES, hardware=hw, where=one, accumulate=True, one_program=True
             ).best
         except HyperjaxError as e:
-            refused = e
+            fits = isinstance(e, NothingFits)
+            refused = ConfigError(
+                f"the learner's {n_learner} devices: no layout of one program the training search tries "
+                + ("fits there" if fits else "is valid there (the batch, heads and layers must split over them)")
+            )
             continue
         for learner in learners:
             best: RLEstimate | None = None
             for layout in rollout_layouts(cfg, n_rollout):
                 replicas = n_rollout // layout["parallel.tensor"]  # data x expert
+                degrees = {"tensor": layout["parallel.tensor"], "expert": layout["parallel.expert"]}
+                degrees["data"] = replicas // degrees["expert"]
+                if any(degrees[k] != v for k, v in rollout_held.items()):
+                    continue
                 for wave in waves(cfg, replicas):
                     fitted = False
                     for waits in residences(cfg):
@@ -195,6 +248,13 @@ def plan_rl(cfg: Config, devices: int, *, keep: int = 5, hardware: Hardware | No
             if best is not None:
                 found.append(best)
                 break  # the learner's faster layouts came first
+    if not found and held and not priced:
+        named = ", ".join(f"{k}={v}" for k, v in held.items())
+        why = f" ({refused})" if refused is not None else ""
+        raise ConfigError(
+            f"no split of {devices} devices and layouts the search tries has {named}{why}; drop them to search "
+            "them all, or give values among those it tries (hyperjax plan --json lists each candidate's layouts)"
+        )
     if not found and not priced and refused is not None:
         raise ConfigError(f"no split of {devices} devices between rollout and learning resolves: {refused}")
     if not found:

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,12 +48,32 @@ def imported(directory: str | Path) -> bool:
     return (Path(directory) / IMPORTED).is_file() and saved_steps(directory) == [0]
 
 
+FINISHED = "_CHECKPOINT_METADATA"
+"""The file orbax writes into a checkpoint before it renames the folder to its step; deleting an old checkpoint
+may remove it first, so a step folder without it is what an interrupted deletion left (a husk)."""
+
+
 def saved_steps(directory: str | Path) -> list[int]:
     """The steps of the finished checkpoints in ``directory``, oldest first (no JAX needed)."""
+    return sorted(step for step, finished in _step_folders(directory).items() if finished)
+
+
+def _step_folders(directory: str | Path) -> dict[int, bool]:
+    """Every step folder in ``directory``, with whether it is a finished checkpoint (holds :data:`FINISHED`)."""
     d = Path(directory)
     if not d.is_dir():
-        return []
-    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and p.is_dir())
+        return {}
+    return {int(p.name): (p / FINISHED).is_file() for p in d.iterdir() if p.name.isdigit() and p.is_dir()}
+
+
+def _remove_husks(directory: Path) -> None:
+    """Delete the step folders older than the newest finished checkpoint that are not finished themselves:
+    what a deletion of an old checkpoint (``train.keep_checkpoints``) left when the run was killed during it."""
+    folders = _step_folders(directory)
+    newest = max((step for step, finished in folders.items() if finished), default=None)
+    for step, finished in folders.items():
+        if not finished and newest is not None and step < newest:
+            shutil.rmtree(directory / str(step), ignore_errors=True)
 
 
 def saved_meta(directory: str | Path, step: int) -> dict[str, Any] | None:
@@ -108,6 +129,8 @@ class Checkpoints:
         self._manager = None  # a process that writes nothing (host arrays, not process 0) has none
         if not host or jax.process_index() == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
+            if jax.process_index() == 0:
+                _remove_husks(self.directory)
             self._manager = self._open(processes={0} if host else None, read_only=False)
 
     def _open(self, *, processes: set[int] | None, read_only: bool) -> Any:

@@ -23,6 +23,7 @@ from hyperjax.models import build_model, count_params
 from hyperjax.offload import block_policies
 from hyperjax.train.breakdown import CollectiveTime, check_profiled, collective_times, profile_ops
 from hyperjax.train.checkpoint import Checkpoints, imported, restore_params, saved_meta, saved_steps
+from hyperjax.train.interrupt import Interrupted, stop_on_interrupt
 from hyperjax.train.prepare import Prepared, prepare
 from hyperjax.train.programs import build_program
 from hyperjax.train.saved_model import check_model, model_record
@@ -89,6 +90,9 @@ def train(
     Raises:
       HyperjaxError: a run that cannot train here (see :func:`hyperjax.train.prepare.prepare`), ``resume``
         without a readable checkpoint, or one written for another model or data.
+      Interrupted: Ctrl-C in a single process (:mod:`hyperjax.train.interrupt`): the run stopped after the
+        step under way, with that step's checkpoint written (where ``checkpoint_dir`` is given) and
+        ``loss.png`` drawn.
     """
     ready = run if isinstance(run, Prepared) else prepare(run)
     run = ready.run
@@ -145,61 +149,65 @@ def train(
     for record in records if sink is not None else ():
         sink.write(json.dumps(record) + "\n")
     bar = _progress_bar(t.steps, len(records)) if (log is sys.stdout and sys.stdout.isatty()) else None
-    expert_load, timed = None, {}
-    try:
-        for i in range(len(records), t.steps):
-            start = time.perf_counter()
-            if profile and lead and i + 1 == t.steps:
-                (state, metrics), elapsed, timed = profile_ops(partial(_wait, step_fn, state, i))
-                loss = float(metrics["loss"])
-            else:
-                state, metrics = step_fn(state, i)
-                loss = float(metrics["loss"])
-                elapsed = time.perf_counter() - start
-            record = {
-                "step": i + 1,
-                "loss": loss,
-                "tokens_per_s": tokens / elapsed,
-                "step_time_s": elapsed,
-                "grad_norm": float(metrics["grad_norm"]),
-                "rss_bytes": resident_bytes(),
-            }
-            for key in ROUTER_METRICS:
-                if key in metrics:
-                    record[key] = float(metrics[key])
-            if "expert_load" in metrics:
-                expert_load = jax.device_get(metrics["expert_load"]).tolist()
-            records.append(record)
-            if ckpt is not None and ((i + 1) % t.checkpoint_every == 0 or i + 1 == t.steps):
-                ckpt.save(i + 1, program.to_saved(state, i + 1), _meta(run, records))
-            if (i + 1) % t.checkpoint_every == 0:
-                trim_heap()
-            if ckpt is not None and lead:
-                ckpt.write_progress(i + 1)
+    expert_load, timed, stopped_at = None, {}, None
+    with stop_on_interrupt(single_process=jax.process_count() == 1) as asked:
+        try:
+            for i in range(len(records), t.steps):
+                start = time.perf_counter()
+                if profile and lead and i + 1 == t.steps:
+                    (state, metrics), elapsed, timed = profile_ops(partial(_wait, step_fn, state, i))
+                    loss = float(metrics["loss"])
+                else:
+                    state, metrics = step_fn(state, i)
+                    loss = float(metrics["loss"])
+                    elapsed = time.perf_counter() - start
+                record = {
+                    "step": i + 1,
+                    "loss": loss,
+                    "tokens_per_s": tokens / elapsed,
+                    "step_time_s": elapsed,
+                    "grad_norm": float(metrics["grad_norm"]),
+                    "rss_bytes": resident_bytes(),
+                }
+                for key in ROUTER_METRICS:
+                    if key in metrics:
+                        record[key] = float(metrics[key])
+                if "expert_load" in metrics:
+                    expert_load = jax.device_get(metrics["expert_load"]).tolist()
+                records.append(record)
+                stopped_at = i + 1 if asked() and i + 1 < t.steps else None
+                if ckpt is not None and ((i + 1) % t.checkpoint_every == 0 or i + 1 == t.steps or stopped_at):
+                    ckpt.save(i + 1, program.to_saved(state, i + 1), _meta(run, records))
+                if (i + 1) % t.checkpoint_every == 0:
+                    trim_heap()
+                if ckpt is not None and lead:
+                    ckpt.write_progress(i + 1)
+                if sink is not None:
+                    sink.write(json.dumps(record) + "\n")
+                    sink.flush()
+                if bar is not None:
+                    bar[0].update(bar[1], advance=1, loss=loss, tps=tokens / elapsed)
+                elif log is not None and (i == 0 or (i + 1) % max(1, t.steps // 10) == 0 or i + 1 == t.steps):
+                    moe = (
+                        f"  aux {record['aux_loss']:.3f}  load max/mean {record['expert_load_max_over_mean']:.2f}"
+                        f"  dropped {record['dropped_fraction']:.1%}"
+                        if "aux_loss" in record
+                        else ""
+                    )
+                    log.write(
+                        f"step {i + 1:>4}/{t.steps}  loss {loss:.4f}  {tokens / elapsed:,.0f} tokens/s  "
+                        f"{elapsed * 1e3:.0f} ms{moe}\n"
+                    )
+                    log.flush()
+                if stopped_at:
+                    break
+        finally:
             if sink is not None:
-                sink.write(json.dumps(record) + "\n")
-                sink.flush()
+                sink.close()
             if bar is not None:
-                bar[0].update(bar[1], advance=1, loss=loss, tps=tokens / elapsed)
-            elif log is not None and (i == 0 or (i + 1) % max(1, t.steps // 10) == 0 or i + 1 == t.steps):
-                moe = (
-                    f"  aux {record['aux_loss']:.3f}  load max/mean {record['expert_load_max_over_mean']:.2f}"
-                    f"  dropped {record['dropped_fraction']:.1%}"
-                    if "aux_loss" in record
-                    else ""
-                )
-                log.write(
-                    f"step {i + 1:>4}/{t.steps}  loss {loss:.4f}  {tokens / elapsed:,.0f} tokens/s  "
-                    f"{elapsed * 1e3:.0f} ms{moe}\n"
-                )
-                log.flush()
-    finally:
-        if sink is not None:
-            sink.close()
-        if bar is not None:
-            bar[0].stop()
-        if ckpt is not None:
-            ckpt.close()
+                bar[0].stop()
+            if ckpt is not None:
+                ckpt.close()
     result = RunResult(
         losses=[r["loss"] for r in records],
         step_times_s=[r["step_time_s"] for r in records],
@@ -211,6 +219,9 @@ def train(
     )
     if lead and out_dir is not None:
         plot_losses(result.losses, Path(out_dir) / "loss.png", title=f"{cfg.model.family}, {run.describe()}")
+    if stopped_at:
+        written = f"; its checkpoint is {ckpt.directory / str(stopped_at)}" if ckpt is not None else ""
+        raise Interrupted(f"after step {stopped_at} of {t.steps}{written}")
     return result
 
 
