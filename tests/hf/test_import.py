@@ -231,3 +231,17 @@ def test_a_folder_with_both_a_single_file_and_an_index_exits_2(capsys, tmp_path)
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     assert main(["import-hf", str(folder), "--out", str(tmp_path / "out")]) == 2
     assert "is missing" in capsys.readouterr().err  # read as one model: its other tensors are what is missing
+
+
+@pytest.mark.parametrize(("item", "value"), [("model.layers=3", "3"), ("model.mlp=gelu", "'gelu'")])
+def test_an_import_of_weights_keeps_the_model_config_json_describes(capsys, tmp_path, item, value):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    folder = write(tmp_path / "hf")
+    save_file({"model.embed_tokens.weight": np.zeros((256, 64), np.float32)}, str(folder / "model.safetensors"))
+    assert main(["import-hf", str(folder), "--out", str(tmp_path / "out"), "--set", item]) == 2
+    err = capsys.readouterr().err
+    key = item.split("=")[0]
+    assert f"--set {key}: {value} changes the model" in err and "whose weights the folder holds; drop it" in err, err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()

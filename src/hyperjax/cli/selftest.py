@@ -41,7 +41,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--devices", type=int, metavar="N", help="emulated devices (default: the preset's)")
     p.add_argument("--axes", help="mesh axes, outermost first, e.g. data=12,tensor=32")
     p.add_argument("--processes", type=int, metavar="P", help="processes to emulate them in (default: fewest)")
-    p.add_argument("--bytes", type=int, default=4096, metavar="B", help="payload per device and collective (4096)")
+    p.add_argument(
+        "--bytes",
+        type=int,
+        default=4096,
+        metavar="B",
+        help="payload per device and collective, rounded up to whole float32 values per rank (4096)",
+    )
     p.add_argument("--iters", type=int, default=3, metavar="K", help="timed calls per collective (3)")
     p.add_argument("--json", metavar="FILE", type=path, help="also write the results as JSON to FILE")
     add_join_arguments(p)

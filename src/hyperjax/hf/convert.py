@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from hyperjax.config import Config, Run
+from hyperjax.config import Config, ModelConfig, Run
 from hyperjax.config.hf import read_hf_config, run_section, training_only
 from hyperjax.config.hf_export import hf_from_model
 from hyperjax.config.load import apply_override, build
@@ -60,6 +60,28 @@ def imported_config(hf_dir: str | Path, sets: list[str]) -> tuple[dict[str, Any]
     return raw, build(Config, raw, "")
 
 
+AT_USE = ("seq_len", "attention_kernel", "attention_impl", "rope_theta", "rope_scaling")
+"""The ``model.*`` keys an import of weights may set apart from ``config.json``: how the model is run (its
+training length, its attention kernel, its rotary positions stretched for longer contexts), not what its
+weights are."""
+
+
+def _check_kept_model(m: ModelConfig, described: ModelConfig, hf_dir: Path) -> None:
+    """An import of weights keeps the model ``config.json`` describes, but for :data:`AT_USE`.
+
+    Raises:
+      ConfigError: naming the first field a ``--set`` changed, both values and the fix.
+    """
+    for f in dataclasses.fields(ModelConfig):
+        if f.name not in AT_USE and getattr(m, f.name) != getattr(described, f.name):
+            raise ConfigError(
+                f"--set model.{f.name}: {getattr(m, f.name)!r} changes the model {str(hf_dir / 'config.json')!r} "
+                f"describes (model.{f.name}={getattr(described, f.name)!r}), whose weights the folder holds; drop it "
+                f"(an import of weights may set only {', '.join(f'model.{k}' for k in AT_USE)}), or move the weights "
+                "out to import the config alone as a new model's"
+            )
+
+
 def import_hf(hf_dir: str | Path, out: str | Path, sets: list[str]) -> Imported:
     """Import Hugging Face folder ``hf_dir`` into folder ``out`` (replaced whole if it exists).
 
@@ -76,6 +98,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, sets: list[str]) -> Imported:
     hf = read_hf_config(hf_dir)
     copied = [name for name in TOKENIZER_FILES if (hf_dir / name).is_file()]
     weights = has_weights(hf_dir)
+    if weights:
+        _check_kept_model(cfg.model, imported_config(hf_dir, [])[1].model, hf_dir)
     if weights and hf.get("quantization_config"):
         raise ConfigError(
             f"{str(hf_dir / 'config.json')!r}: quantization_config={hf['quantization_config']!r}: import-hf reads "
