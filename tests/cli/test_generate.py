@@ -118,6 +118,21 @@ def test_bad_input_exits_2_naming_it(capsys, checkpoint, extra, message):
     assert message in err and "Traceback" not in err
 
 
+def test_training_settings_of_the_config_do_not_stop_another_layout(capsys, checkpoint, tmp_path):
+    """Gradient buckets and FSDP's resharding are training's: on a layout without replicas or FSDP, generate and
+    export-hf run as if unset (a run refuses them there, and --set of them is refused as having no effect)."""
+    text = (
+        Path(QUICK).read_text().replace("zero_stage: 0}", "zero_stage: 0, gradient_buckets: true, fsdp_reshard: false}")
+    )
+    config = tmp_path / "trained.yaml"
+    config.write_text(text)
+    one = ["--devices", "1", "--set", "parallel.tensor=1", *SMALL, "--checkpoint-dir", checkpoint]
+    assert main(["generate", str(config), *one, "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 0
+    assert main(["predict", str(config), *one[:4], "--inference"]) == 0
+    pytest.importorskip("transformers")
+    assert main(["export-hf", str(config), *one, "--out", str(tmp_path / "hf")]) == 0
+
+
 def test_no_checkpoint_exits_2(capsys, tmp_path):
     args = ["generate", QUICK, "--checkpoint-dir", str(tmp_path), "--prompt", "In", "--max-new-tokens", "4"]
     assert main(args) == 2

@@ -41,6 +41,15 @@ def test_train_writes_metrics_plot_and_summary(capsys, tmp_path: Path):
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.multiprocess
+def test_explain_in_launched_processes(tmp_path: Path):
+    """Launched processes are told nothing --explain refuses (the launcher's --out-dir is for training)."""
+    cmd = [sys.executable, "-m", "hyperjax", "train", QUICK, "--explain", "--set", "emulate.processes=2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "blocks/0/mlp/w_in" in result.stdout and not list(tmp_path.iterdir())
+
+
 def test_explain(capsys, tmp_path: Path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["train", QUICK, "--explain", "--set", "parallel.fsdp=2", "--set", "parallel.tensor=4"]) == 0
@@ -70,7 +79,8 @@ def test_explain(capsys, tmp_path: Path, monkeypatch):
         (["--plan-only", "--explain"], r"--explain prints where every parameter lives .* drop one of them"),
         (["--explain", "--steps", "5"], r"--steps sets how training runs .* --explain .* trains nothing; drop one"),
         (["--explain", "--metrics-out", "m.jsonl"], r"--metrics-out sets how training runs or where it writes"),
-        (["--plan-only", "--platform", "auto"], r"--platform auto runs on this host's accelerators .* joining flags"),
+        (["--platform", "auto"], r"--platform auto runs on this host's accelerators .* joining flags"),
+        (["--plan-only", "--platform", "auto"], r"--platform auto chooses the devices .* --plan-only .* drop one"),
         (
             [
                 "--set",

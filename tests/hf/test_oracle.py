@@ -192,3 +192,15 @@ def test_checkpoints_as_published_import(imported, tmp_path, capsys):
     assert imports(defaulted) == 0
     close(our_logits(Path(str(defaulted) + "-hj"), TOKENS, ["emulate.devices=1"]), logits(theirs, TOKENS))
     shutil.rmtree(tmp_path)
+
+
+def test_weights_import_with_the_experts_run_settings_changed(imported, tmp_path, capsys):
+    """A capacity factor or a balancing weight changes how the experts run, not their weights: the import takes
+    it (the stored names are the config.json model's); a routed top-k of another size is refused."""
+    model, hf, _ = imported("mixtral")
+    args = ["import-hf", str(hf), "--out", str(tmp_path / "cap"), "--set", "model.seq_len=64"]
+    assert main([*args, "--set", "model.moe.capacity_factor=8.0", "--set", "model.moe.aux_loss_weight=0.02"]) == 0
+    close(our_logits(tmp_path / "cap", TOKENS, ["emulate.devices=1"]), logits(model, TOKENS))  # nothing dropped
+    capsys.readouterr()
+    assert main([*args, "--set", "model.moe.top_k=1"]) == 2
+    assert "--set model.moe.top_k: 1 changes the model" in capsys.readouterr().err

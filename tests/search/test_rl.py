@@ -92,6 +92,11 @@ def test_plan_rl_names_what_the_preset_cannot_do_first():
         (["rl.learner.devices=2"], lambda e: (e.rl.rollout.devices, e.rl.learner.devices) == (6, 2)),
         (["rl.rollout.parallel.tensor=4"], lambda e: e.rl.rollout.axes["tensor"] == 4),
         (["rl.learner.parallel={fsdp: 4}"], lambda e: e.rl.learner.axes["fsdp"] == 4),
+        (["rl.rollout={devices: 6}"], lambda e: e.rl.rollout.devices == 6),
+        (
+            ["rl.rollout.parallel={tensor: 2, data: 2, fsdp: 1}"],  # fsdp at its default: every rollout has it
+            lambda e: (e.rl.rollout.axes["tensor"], e.rl.rollout.axes["data"]) == (2, 2),
+        ),
     ],
 )
 def test_plan_holds_a_phases_devices_and_degrees_set_on_the_command_line(capsys, sets, holds):
@@ -110,10 +115,13 @@ def test_plan_holds_a_phases_devices_and_degrees_set_on_the_command_line(capsys,
     [
         (["rl.rollout.devices=2", "rl.learner.devices=5"], r"do not split --devices 8 into two phases"),
         (["rl.rollout.parallel.fsdp=2"], r"rl.rollout.parallel.fsdp: .* so fsdp cannot be held; drop it"),
-        (["rl.rollout.devices=2"], r"has rl.rollout.devices=2 \(the learner's 6 devices: no layout of one program"),
+        (
+            ["rl.rollout.devices=2"],
+            r"has rl.rollout.devices=2 \(the last one tried: the learner's 6 devices: no layout of one program",
+        ),
         (
             ["rl.rollout.parallel.tensor=3"],
-            r"has rl.rollout.parallel.tensor=3 \(rl.rollout: .* not divisible .*\); drop them to search them all",
+            r"has rl.rollout.parallel.tensor=3 \(the last one tried: rl.rollout: .* not divisible .*\); drop them",
         ),
     ],
 )

@@ -219,14 +219,14 @@ def test_reads_a_failed_restore_abandoned_are_not_reported_but_other_failures_ar
     import gc
     import logging
 
-    from hyperjax.train import checkpoint
+    from hyperjax.train import quiet_reads
 
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # the hooks it installs go with the test
     monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
     try:
-        with checkpoint._reading(tmp_path / "run" / "2"):
+        with quiet_reads.reading(tmp_path / "run" / "2"):
             pass  # a restore that read the whole checkpoint leaves nothing of it quiet
-        with pytest.raises(ConfigError), checkpoint._reading(tmp_path / "run" / "3"):
+        with pytest.raises(ConfigError), quiet_reads.reading(tmp_path / "run" / "3"):
             raise ConfigError("cannot be read")  # a failed restore: its abandoned reads end silently
         loop = asyncio.new_event_loop()
         for file in ("run/3/state/manifest.ocdbt", "run/31/state/x", "run/2/state/x", "other/x"):
@@ -236,8 +236,8 @@ def test_reads_a_failed_restore_abandoned_are_not_reported_but_other_failures_ar
         gc.collect()
         loop.close()
     finally:
-        logging.getLogger("asyncio").removeFilter(checkpoint._reported_unread)
-        checkpoint._READ.discard(checkpoint._folder(tmp_path / "run" / "3"))
+        logging.getLogger("asyncio").removeFilter(quiet_reads.reported_unread)
+        quiet_reads.READ.discard(quiet_reads.folder_key(tmp_path / "run" / "3"))
     reported = sorted(str(r.exc_info[1]) for r in caplog.records if r.name == "asyncio")
     assert len(reported) == 3, reported
     assert "other/x" in reported[0] and "run/2/" in reported[1] and "run/31/" in reported[2], reported

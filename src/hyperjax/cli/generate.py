@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from hyperjax.cli.display import console
-from hyperjax.cli.options import add_command, add_config_arguments, config_from_args, path, refuse_training_sets
+from hyperjax.cli.options import (
+    add_command,
+    add_config_arguments,
+    config_from_args,
+    path,
+    refuse_training_sets,
+    without_training,
+)
 from hyperjax.config.sections import MIN_TEMPERATURE
 from hyperjax.errors import ConfigError
 from hyperjax.resolver import resolve
@@ -85,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
             f"{given} shapes sampling, but --temperature 0 decodes greedily; set --temperature >= {MIN_TEMPERATURE:g}"
         )
     refuse_training_sets(args.sets, "generate")
-    run = resolve(config_from_args(args, [] if args.devices is None else [f"emulate.devices={args.devices}"]))
+    cfg = config_from_args(args, [] if args.devices is None else [f"emulate.devices={args.devices}"])
+    run = resolve(without_training(cfg, offload=True))
     if args.top_k is not None and args.top_k > run.config.model.vocab:
         raise ConfigError(f"--top-k {args.top_k} is more than model.vocab={run.config.model.vocab}")
     from hyperjax.train.generate import check_generable, encode, prompt_rows

@@ -17,6 +17,7 @@ from hyperjax.cli.options import (
     config_from_args,
     path,
     refuse_training_sets,
+    without_training,
 )
 from hyperjax.errors import ConfigError
 
@@ -134,7 +135,7 @@ def run_export(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-shard-gib {args.max_shard_gib} must be a finite number > 0 (GiB per file)")
     refuse_training_sets(args.sets, "export-hf")
     extra = [] if args.devices is None else [f"emulate.devices={args.devices}"]
-    run = resolve(config_from_args(args, extra))
+    run = resolve(without_training(config_from_args(args, extra), offload=True))
     from hyperjax.config.hf_export import hf_from_model
 
     hf_from_model(run.config.model)  # a model no Hugging Face type describes is refused before a device starts

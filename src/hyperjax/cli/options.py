@@ -4,6 +4,7 @@ that read a run config (``train``, ``predict``, ``plan``, ``generate``)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Sequence
 
 from hyperjax.config import Config, load_config
@@ -121,6 +122,25 @@ def refuse_training_sets(sets: Sequence[str], command: str) -> None:
         f"{command} does not read this setting (it shapes training, or the placement train and predict choose), "
         "so it would have no effect: drop it",
     )
+
+
+def without_training(cfg: Config, *, offload: bool) -> Config:
+    """``cfg`` with the training settings a forward pass does not read (:data:`TRAINING_ONLY`), and with
+    ``offload`` its ``offload:`` section, at their defaults: a command that serves, generates or exports a
+    model is neither refused for them (a modifier whose feature its layout turns off, a bucketed gradient
+    reduction without replicas) nor told to change them, which ``--set`` refuses there."""
+    from hyperjax.config import OffloadConfig, ParallelConfig, TrainConfig
+    from hyperjax.cost.inference import TRAINING_ONLY
+
+    keys = [k.split(".") for k in TRAINING_ONLY]
+    unset = {"train": TrainConfig(), "parallel": ParallelConfig()}
+    reset = {
+        section: dataclasses.replace(
+            getattr(cfg, section), **{k: getattr(unset[section], k) for s, k in keys if s == section}
+        )
+        for section in unset
+    }
+    return dataclasses.replace(cfg, **reset, **({"offload": OffloadConfig()} if offload else {}))
 
 
 def config_from_args(args: argparse.Namespace, extra: Sequence[str] = (), *, serving: bool = False) -> Config:

@@ -95,27 +95,33 @@ def _held(sets: list[str], cfg: Config) -> dict[str, Any]:
 
 def _held_rl(sets: list[str], cfg: Config) -> dict[str, Any]:
     """The layout keys of an ``rl:`` config that ``--set`` gives, at their values in ``cfg``: a phase's
-    ``devices`` and its searched ``parallel.*`` degrees (one by one or in a ``rl.<phase>.parallel=`` mapping);
-    what the plan keeps fixed. A null (derived) value holds nothing."""
-    held: dict[str, Any] = {}
+    ``devices`` and its searched ``parallel.*`` degrees, one by one or inside a mapping (``rl.learner.parallel=
+    {fsdp: 4}``, ``rl.rollout={devices: 6}``); what the plan keeps fixed. A null (derived) value holds nothing,
+    nor a learner's expert tensor degree equal to its tensor degree (null's meaning)."""
+    given: set[str] = set()
     for item in sets:
         key, _, text = item.partition("=")
-        parts = key.strip().split(".")
+        given |= set(_flat(key.strip(), parse_yaml(text)))
+    held: dict[str, Any] = {}
+    for key in sorted(given):
+        parts = key.split(".")
         if len(parts) < 3 or parts[0] != "rl" or parts[1] not in ("rollout", "learner"):
             continue
         phase = getattr(cfg.rl, parts[1])
         if parts[2:] == ["devices"]:
-            held[key.strip()] = phase.devices
-        given = parse_yaml(text) if parts[2:] == ["parallel"] else None
-        names = (
-            set(given)
-            if isinstance(given, dict)
-            else {parts[3]}
-            if parts[2] == "parallel" and len(parts) == 4
-            else set()
-        )
-        held |= {f"rl.{parts[1]}.parallel.{n}": getattr(phase.parallel, n) for n in sorted(names & SEARCHED)}
+            held[key] = phase.devices
+        elif parts[2] == "parallel" and len(parts) == 4 and parts[3] in SEARCHED:
+            held[key] = getattr(phase.parallel, parts[3])
+    if held.get("rl.learner.parallel.expert_tensor") == cfg.rl.learner.parallel.tensor:
+        held.pop("rl.learner.parallel.expert_tensor")
     return {k: v for k, v in held.items() if v is not None}
+
+
+def _flat(key: str, value: Any) -> dict[str, Any]:
+    """A ``--set`` item as dotted keys: a mapping's entries one by one, into nested mappings."""
+    if isinstance(value, dict):
+        return {k: v for sub, inner in value.items() for k, v in _flat(f"{key}.{sub}", inner).items()}
+    return {key: value}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from hyperjax.cli.options import (
     path,
     refuse_serve_sets,
     refuse_sets,
+    without_training,
 )
 from hyperjax.config import ACTIVATIONS, Config
 from hyperjax.cost import Estimate, estimate, memory_budget, unpriced_overrides, write_trace
@@ -154,7 +155,7 @@ def print_rl(est: RLEstimate) -> None:
 def _inference(args: argparse.Namespace, cfg: Config) -> int:
     if args.trace:
         raise ConfigError("--trace draws a training step; it does nothing with --inference")
-    run = resolve(cfg, args.devices)
+    run = resolve(without_training(cfg, offload=False), args.devices)
     est = estimate_inference(run)
     placed = serving_pass(est, budget_bytes=memory_budget(run)) if run.offload != "none" else None
     if args.json:

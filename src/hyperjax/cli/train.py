@@ -137,8 +137,7 @@ def run(args: argparse.Namespace) -> int:
             *(a for s in sets for a in ("--set", s)),
             "--set",
             f"emulate.processes={processes}",
-            "--out-dir",
-            out_dir,
+            *([] if args.explain else ["--out-dir", out_dir]),
             *(["--metrics-out", args.metrics_out] if args.metrics_out else []),
             *(["--explain"] if args.explain else []),
             *(["--profile"] if args.profile else []),
@@ -192,6 +191,11 @@ def _check_flags(args: argparse.Namespace) -> None:
         )
     if args.profile and (args.plan_only or args.explain):
         raise ConfigError("--profile times the last training step; it does nothing with --plan-only or --explain")
+    if args.platform != "cpu" and args.plan_only:
+        raise ConfigError(
+            f"--platform {args.platform} chooses the devices a job runs on, but --plan-only prints the run and "
+            "starts no device; drop one of them"
+        )
     given = joining(args)
     if given and args.plan_only:
         raise ConfigError(

@@ -60,26 +60,47 @@ def imported_config(hf_dir: str | Path, sets: list[str]) -> tuple[dict[str, Any]
     return raw, build(Config, raw, "")
 
 
-AT_USE = ("seq_len", "attention_kernel", "attention_impl", "rope_theta", "rope_scaling")
-"""The ``model.*`` keys an import of weights may set apart from ``config.json``: how the model is run (its
-training length, its attention kernel, its rotary positions stretched for longer contexts), not what its
-weights are."""
+AT_USE = (
+    *("seq_len", "attention_kernel", "attention_impl", "rope_theta", "rope_scaling"),
+    *("moe.capacity_factor", "moe.aux_loss_weight", "moe.bias_update_rate", "moe.load_imbalance"),
+)
+"""The ``model.*`` keys an import of weights may set apart from ``config.json``: how the model is run and
+trained (its training length, attention kernel, rotary positions stretched for longer contexts, the experts'
+capacity and balancing), not what its weights are."""
 
 
 def _check_kept_model(m: ModelConfig, described: ModelConfig, hf_dir: Path) -> None:
     """An import of weights keeps the model ``config.json`` describes, but for :data:`AT_USE`.
 
     Raises:
-      ConfigError: naming the first field a ``--set`` changed, both values and the fix.
+      ConfigError: naming the first key a ``--set`` changed, both values and the fix.
     """
-    for f in dataclasses.fields(ModelConfig):
-        if f.name not in AT_USE and getattr(m, f.name) != getattr(described, f.name):
-            raise ConfigError(
-                f"--set model.{f.name}: {getattr(m, f.name)!r} changes the model {str(hf_dir / 'config.json')!r} "
-                f"describes (model.{f.name}={getattr(described, f.name)!r}), whose weights the folder holds; drop it "
-                f"(an import of weights may set only {', '.join(f'model.{k}' for k in AT_USE)}), or move the weights "
-                "out to import the config alone as a new model's"
-            )
+    changed = _changed(m, described, "model")
+    if changed is None:
+        return
+    key, value, was = changed
+    show = lambda v: "null" if v is None else "a section" if dataclasses.is_dataclass(v) else repr(v)
+    raise ConfigError(
+        f"--set {key}: {show(value)} changes the model {str(hf_dir / 'config.json')!r} describes ({key}="
+        f"{show(was)}), whose weights the folder holds; drop it (an import of weights may set only "
+        f"{', '.join(f'model.{k}' for k in AT_USE)}), or move the weights out to import the config alone as a new "
+        "model's"
+    )
+
+
+def _changed(a: Any, b: Any, prefix: str) -> tuple[str, Any, Any] | None:
+    """The first field (dotted from ``prefix``) where dataclasses ``a`` and ``b`` differ outside :data:`AT_USE`,
+    with both values; nested sections are compared field by field."""
+    for f in dataclasses.fields(a):
+        key, x, y = f"{prefix}.{f.name}", getattr(a, f.name), getattr(b, f.name)
+        if key.removeprefix("model.") in AT_USE or x == y:
+            continue
+        if dataclasses.is_dataclass(x) and dataclasses.is_dataclass(y):
+            if (inner := _changed(x, y, key)) is not None:
+                return inner
+            continue
+        return key, x, y
+    return None
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, sets: list[str]) -> Imported:
@@ -98,8 +119,9 @@ def import_hf(hf_dir: str | Path, out: str | Path, sets: list[str]) -> Imported:
     hf = read_hf_config(hf_dir)
     copied = [name for name in TOKENIZER_FILES if (hf_dir / name).is_file()]
     weights = has_weights(hf_dir)
+    described = imported_config(hf_dir, [])[1].model
     if weights:
-        _check_kept_model(cfg.model, imported_config(hf_dir, [])[1].model, hf_dir)
+        _check_kept_model(cfg.model, described, hf_dir)
     if weights and hf.get("quantization_config"):
         raise ConfigError(
             f"{str(hf_dir / 'config.json')!r}: quantization_config={hf['quantization_config']!r}: import-hf reads "
@@ -115,7 +137,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, sets: list[str]) -> Imported:
         if weights:
             mtp = hf.get("num_nextn_predict_layers", 0) if hf.get("model_type") == "deepseek_v3" else 0
             mtp = mtp if isinstance(mtp, int) and mtp > 0 else 0  # its layers follow the model's own
-            counted["tensors"] = _write_checkpoint(run, hf_dir, tmp / "checkpoint", extra_layers=mtp)
+            named = _stored_as(run.config.model, described)
+            counted["tensors"] = _write_checkpoint(run, named, hf_dir, tmp / "checkpoint", extra_layers=mtp)
 
     replace_folder(write, out)
     return Imported(
@@ -127,7 +150,19 @@ def import_hf(hf_dir: str | Path, out: str | Path, sets: list[str]) -> Imported:
     )
 
 
-def _write_checkpoint(run: Run, hf_dir: Path, folder: Path, *, extra_layers: int) -> int:
+def _stored_as(m: ModelConfig, described: ModelConfig) -> ModelConfig:
+    """``m`` with the experts' settings of :data:`AT_USE` as ``config.json`` has them: the model whose stored
+    tensor names and shapes a folder's weights have (a capacity factor or a balancing weight changes neither,
+    but no Hugging Face type writes a capacity factor)."""
+    if m.moe is None or described.moe is None:
+        return m
+    kept = {k.split(".")[1]: getattr(described.moe, k.split(".")[1]) for k in AT_USE if k.startswith("moe.")}
+    return dataclasses.replace(m, moe=dataclasses.replace(m.moe, **kept))
+
+
+def _write_checkpoint(run: Run, named: ModelConfig, hf_dir: Path, folder: Path, *, extra_layers: int) -> int:
+    """Write the weights of ``hf_dir`` (stored as model ``named`` names them) as a step-0 checkpoint of
+    ``run``'s model in ``folder``; returns how many stored tensors were read."""
     from hyperjax.train.checkpoint import IMPORTED, Checkpoints
     from hyperjax.train.generate import params_like
     from hyperjax.train.saved_model import model_record
@@ -135,7 +170,7 @@ def _write_checkpoint(run: Run, hf_dir: Path, folder: Path, *, extra_layers: int
     like = params_like(run)[3]
     m = run.config.model
     shardings = {path: leaf.sharding for path, leaf in _flatten(like)}
-    params = import_weights(m, hf_dir, shardings, extra_layers=extra_layers)
+    params = import_weights(named, hf_dir, shardings, extra_layers=extra_layers)
     tree = _unflatten(params, like)
     ckpt = Checkpoints(folder, keep=1)
     t = run.config.train
@@ -154,7 +189,7 @@ def _write_checkpoint(run: Run, hf_dir: Path, folder: Path, *, extra_layers: int
     finally:
         ckpt.close()
     write_json(folder / IMPORTED, {"from": str(hf_dir.absolute())})
-    return len({n for _, view in views(m) for n in view.names})
+    return len({n for _, view in views(named) for n in view.names})
 
 
 def export_hf(

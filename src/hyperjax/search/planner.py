@@ -262,7 +262,7 @@ def plan(
             f"them all, or give a value among those it tries (hyperjax plan --json lists each candidate's "
             f"settings{counts})"
         )
-    if not priced and cfg.parallel.gradient_buckets:
+    if not priced and cfg.parallel.gradient_buckets and _prices_without_buckets(cfg, devices, hw, where, accumulate):
         raise ConfigError(
             f"no strategy on {devices} devices honours parallel.gradient_buckets=true, which needs data-parallel "
             "replicas to sum; drop it (null: buckets where a replica group spans processes) to search them all"
@@ -279,6 +279,21 @@ def plan(
     return Search(
         best=best, searched=len(combinations), priced=priced, fitting=fitting, seconds=time.perf_counter() - start
     )
+
+
+def _prices_without_buckets(
+    cfg: Config, devices: int, hw: Hardware, where: Mapping[str, Any] | None, accumulate: bool
+) -> bool:
+    """Whether the search prices some strategy once ``parallel.gradient_buckets`` is unset: the setting, not the
+    model or the device count, is then why none was priced."""
+    free = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, gradient_buckets=None))
+    try:
+        plan(free, devices, keep=1, hardware=hw, where=where, accumulate=accumulate)
+    except NothingFits:
+        return True
+    except HyperjaxError:
+        return False
+    return True
 
 
 def _holds(cfg: Config, combo: dict[str, Any], where: Mapping[str, Any]) -> bool:

@@ -189,6 +189,8 @@ def plan_rl(
         f"parallel.{k.rsplit('.', 1)[1]}": v for k, v in held.items() if k.startswith("rl.learner.parallel.")
     }
     rollout_held = {k.rsplit(".", 1)[1]: v for k, v in held.items() if k.startswith("rl.rollout.parallel.")}
+    unset = ParallelConfig()  # what every rollout layout searched has apart from its held degrees
+    rollout_held = {k: v for k, v in rollout_held.items() if k in ROLLOUT_HELD or v != getattr(unset, k)}
     if set(rollout_held) - set(ROLLOUT_HELD):
         key = sorted(set(rollout_held) - set(ROLLOUT_HELD))[0]
         raise ConfigError(
@@ -250,7 +252,7 @@ def plan_rl(
                 break  # the learner's faster layouts came first
     if not found and held and not priced:
         named = ", ".join(f"{k}={v}" for k, v in held.items())
-        why = f" ({refused})" if refused is not None else ""
+        why = f" (the last one tried: {refused})" if refused is not None else ""
         raise ConfigError(
             f"no split of {devices} devices and layouts the search tries has {named}{why}; drop them to search "
             "them all, or give values among those it tries (hyperjax plan --json lists each candidate's layouts)"

@@ -21,11 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import logging
-import os
 import shutil
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +32,7 @@ from hyperjax.config import ModelConfig
 from hyperjax.errors import ConfigError
 from hyperjax.files import write_json
 from hyperjax.mpmd.transfer import from_process0
+from hyperjax.train.quiet_reads import reading
 from hyperjax.train.saved_model import check_model
 
 PROGRESS = "progress.json"  # the last step any attempt completed (read by the supervising launcher)
@@ -203,7 +200,7 @@ class Checkpoints:
         else:
             abstract = jax.tree.map(_abstract, _arrays(like))
         own = contextlib.closing(reader) if reader is not self._manager else contextlib.nullcontext()
-        with _reading(self.directory / str(step)), own:  # from before any read starts: a failed one ends the others
+        with reading(self.directory / str(step)), own:  # from before any read starts: a failed one ends the others
             try:
                 saved = reader.item_metadata(step)["state"]
                 saved_tree = saved.tree if hasattr(saved, "tree") else saved
@@ -271,7 +268,7 @@ def restore_params(
     options = ocp.CheckpointManagerOptions(create=False, read_only=True, save_interval_steps=0)
     handlers = {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
     with (
-        _reading(directory / str(step)),
+        reading(directory / str(step)),
         ocp.CheckpointManager(directory, options=options, item_handlers=handlers) as reader,
     ):
         try:
@@ -353,62 +350,3 @@ def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     line = text[0] if text else ""
     return f"{type(e).__name__}: {line[:160]}{'...' if len(line) > 160 else ''}"
-
-
-@contextlib.contextmanager
-def _reading(checkpoint: Path) -> Iterator[None]:
-    """Let the reads of ``checkpoint`` (one step's folder) that a failed restore abandons end silently.
-
-    orbax reads every array concurrently on an event loop it closes as soon as one read fails. The others
-    then end in one of two ways, each of which would print over the one-line error: they complete into the
-    closed loop (a ``RuntimeError: Event loop is closed`` traceback, through ``sys.excepthook`` or
-    ``sys.unraisablehook`` depending on the thread), or they fail themselves and are collected unread
-    (asyncio's "... exception was never retrieved", logged with the failed read, which names its file).
-    Only those are dropped: the exact closed-loop error, and unread failures whose error names a file in a
-    checkpoint a restore started reading and did not finish (the block raised); every other error is reported
-    as before, and a block that ends cleanly read the whole checkpoint, so nothing of it was abandoned.
-    """
-    _READ.add(_folder(checkpoint))
-    logging.getLogger("asyncio").addFilter(_reported_unread)  # once: a logger holds a filter once
-    if not getattr(sys.excepthook, "_hyperjax_quiet", False):
-        _quiet_closed_loop()
-    yield
-    _READ.discard(_folder(checkpoint))
-
-
-def _quiet_closed_loop() -> None:
-    """Drop the exact ``RuntimeError: Event loop is closed`` that a read completing into orbax's closed loop
-    raises, from ``sys.excepthook`` and ``sys.unraisablehook``; pass every other error on."""
-    previous_except, previous_unraisable = sys.excepthook, sys.unraisablehook
-
-    def closed_loop(error: BaseException | None) -> bool:
-        return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
-
-    def excepthook(kind: type, error: BaseException, tb: Any) -> None:
-        if not closed_loop(error):
-            previous_except(kind, error, tb)
-
-    def unraisablehook(unraisable: Any) -> None:
-        if not closed_loop(unraisable.exc_value):
-            previous_unraisable(unraisable)
-
-    excepthook._hyperjax_quiet = True  # type: ignore[attr-defined]
-    sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
-
-
-_READ: set[str] = set()  # the checkpoints whose restore started and did not finish, as folder paths with a separator
-UNREAD = ("Future exception was never retrieved", "Task exception was never retrieved")  # asyncio's words
-
-
-def _folder(checkpoint: Path) -> str:
-    return os.path.join(str(checkpoint.absolute()), "")
-
-
-def _reported_unread(record: logging.LogRecord) -> bool:
-    """False (drop it) for asyncio's report of an unread failure whose error names a file in a checkpoint of
-    ``_READ``: a read a failed restore abandoned, whose failure the restore's own error already named."""
-    error = record.exc_info[1] if record.exc_info else None
-    if error is None or not record.getMessage().startswith(UNREAD):
-        return True
-    text = str(error)
-    return not any(folder in text for folder in _READ)
