@@ -20,12 +20,20 @@ parallel: {tensor: 2}
 """
 
 
+AS_IN_A_TERMINAL = (
+    "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "runpy.run_module('hyperjax', run_name='__main__', alter_sys=True)"
+)
+"""``hyperjax`` with Python's own SIGINT handler, as a terminal's Ctrl-C meets it: a job started in the background
+(CI's, say) ignores SIGINT, as would the run it starts (hyperjax keeps that), which would then train on."""
+
+
 def test_ctrl_c_stops_after_a_whole_step_with_its_checkpoint_written(tmp_path: Path):
     (tmp_path / "run.yaml").write_text(CONFIG)
     ck, out = tmp_path / "ck", tmp_path / "out"
     cli = [sys.executable, "-m", "hyperjax", "train", str(tmp_path / "run.yaml"), "--checkpoint-dir", str(ck)]
     proc = subprocess.Popen(
-        [*cli, "--out-dir", str(out)],
+        [sys.executable, "-c", AS_IN_A_TERMINAL, *cli[3:], "--out-dir", str(out)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
