@@ -71,20 +71,9 @@ def _held(sets: list[str], cfg: Config) -> dict[str, Any]:
     ``parallel=`` or ``train=`` mapping), at their values in ``cfg``, as the search writes them: what the plan
     keeps fixed. A null (derived) value holds nothing, nor an expert tensor degree equal to the tensor degree
     (null's meaning)."""
-    names, train = set(), set()
-    for item in sets:
-        key, _, text = item.partition("=")
-        key = key.strip()
-        given = parse_yaml(text) if key in ("parallel", "train") else None
-        given = set(given) if isinstance(given, dict) else set()
-        if key == "parallel":
-            names |= given
-        elif key.startswith("parallel."):
-            names.add(key.removeprefix("parallel."))
-        elif key == "train":
-            train |= given
-        elif key.startswith("train."):
-            train.add(key.removeprefix("train."))
+    given = _given(sets)
+    names = {k.removeprefix("parallel.") for k in given if k.startswith("parallel.")}
+    train = {k.removeprefix("train.") for k in given if k.startswith("train.")}
     p = cfg.parallel
     held = {f"parallel.{n}": getattr(p, n) for n in sorted(names & SEARCHED)}
     held |= {f"train.{n}": getattr(cfg.train, n) for n in HELD_TRAIN if n in train}
@@ -98,12 +87,8 @@ def _held_rl(sets: list[str], cfg: Config) -> dict[str, Any]:
     ``devices`` and its searched ``parallel.*`` degrees, one by one or inside a mapping (``rl.learner.parallel=
     {fsdp: 4}``, ``rl.rollout={devices: 6}``); what the plan keeps fixed. A null (derived) value holds nothing,
     nor a learner's expert tensor degree equal to its tensor degree (null's meaning)."""
-    given: set[str] = set()
-    for item in sets:
-        key, _, text = item.partition("=")
-        given |= set(_flat(key.strip(), parse_yaml(text)))
     held: dict[str, Any] = {}
-    for key in sorted(given):
+    for key in sorted(_given(sets)):
         parts = key.split(".")
         if len(parts) < 3 or parts[0] != "rl" or parts[1] not in ("rollout", "learner"):
             continue
@@ -115,6 +100,16 @@ def _held_rl(sets: list[str], cfg: Config) -> dict[str, Any]:
     if held.get("rl.learner.parallel.expert_tensor") == cfg.rl.learner.parallel.tensor:
         held.pop("rl.learner.parallel.expert_tensor")
     return {k: v for k, v in held.items() if v is not None}
+
+
+def _given(sets: list[str]) -> set[str]:
+    """The dotted keys ``--set`` items give, a mapping's entries one by one (``parallel={tensor: 2}`` gives
+    ``parallel.tensor``)."""
+    given: set[str] = set()
+    for item in sets:
+        key, _, text = item.partition("=")
+        given |= set(_flat(key.strip(), parse_yaml(text)))
+    return given
 
 
 def _flat(key: str, value: Any) -> dict[str, Any]:

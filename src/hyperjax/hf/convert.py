@@ -119,8 +119,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, sets: list[str]) -> Imported:
     hf = read_hf_config(hf_dir)
     copied = [name for name in TOKENIZER_FILES if (hf_dir / name).is_file()]
     weights = has_weights(hf_dir)
-    described = imported_config(hf_dir, [])[1].model
-    if weights:
+    described = imported_config(hf_dir, [])[1].model if weights else None  # the model the weights are of
+    if described is not None:
         _check_kept_model(cfg.model, described, hf_dir)
     if weights and hf.get("quantization_config"):
         raise ConfigError(
@@ -134,7 +134,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, sets: list[str]) -> Imported:
         (tmp / "config.yaml").write_text(header + yaml.safe_dump(raw, sort_keys=False))
         for name in copied:
             shutil.copyfile(hf_dir / name, tmp / name)
-        if weights:
+        if described is not None:
             mtp = hf.get("num_nextn_predict_layers", 0) if hf.get("model_type") == "deepseek_v3" else 0
             mtp = mtp if isinstance(mtp, int) and mtp > 0 else 0  # its layers follow the model's own
             named = _stored_as(run.config.model, described)
