@@ -7,6 +7,9 @@ the command-line interface prints it without a traceback and exits with status 2
 
 from __future__ import annotations
 
+import numbers
+from typing import Any
+
 
 class HyperjaxError(ValueError):
     """A mistake in user input: a configuration key, a preset, a command-line flag or an API argument."""
@@ -30,3 +33,39 @@ class ShardingError(HyperjaxError):
 
 class ConfigError(HyperjaxError):
     """A configuration key with a wrong name, type or value."""
+
+
+def expect(
+    value: object, kind: type | tuple[type, ...], what: str, fix: str, error: type[HyperjaxError] = ConfigError
+) -> None:
+    """Refuse a public function's argument of the wrong kind, saying what it got and what to pass.
+
+    Raises:
+      error: ``value`` is not an instance of ``kind``.
+    """
+    if not isinstance(value, kind):
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        given = "None" if value is None else article(type(value).__name__)
+        raise error(f"{what} is {given}, not {article(names)}; {fix}")
+
+
+def article(noun: str) -> str:
+    """``noun`` after "a" or "an" (an initialism as it is spoken: an RLRun)."""
+    spelled = noun[:2].isupper() and noun[:1] in "AEFHILMNORSX"
+    return f"{'an' if spelled or noun[:1] in 'aeiouAEIOU' else 'a'} {noun}"
+
+
+def positive_int(value: Any, what: str) -> int:
+    """``value``, a count, as an ``int``: a positive integer (a NumPy one too; not ``True``).
+
+    Raises:
+      ConfigError: naming ``what`` and the value.
+    """
+    if not integral(value) or value < 1:
+        raise ConfigError(f"{what}={value!r} must be a positive integer")
+    return int(value)
+
+
+def integral(value: object) -> bool:
+    """Whether ``value`` is an integer (a Python or NumPy one), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

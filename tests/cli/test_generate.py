@@ -133,8 +133,10 @@ def test_training_settings_of_the_config_do_not_stop_another_layout(capsys, chec
     assert main(["export-hf", str(config), *one, "--out", str(tmp_path / "hf")]) == 0
 
 
-def test_no_checkpoint_exits_2(capsys, tmp_path):
-    args = ["generate", QUICK, "--checkpoint-dir", str(tmp_path), "--prompt", "In", "--max-new-tokens", "4"]
+@pytest.mark.parametrize("config", [QUICK, str(Path(QUICK).with_name("grpo-tiny.yaml"))])
+def test_no_checkpoint_exits_2(capsys, tmp_path, config):
+    # an rl: config's model is generated from as a trained one is: its run is laid out, not refused
+    args = ["generate", config, "--checkpoint-dir", str(tmp_path), "--prompt", "In", "--max-new-tokens", "4"]
     assert main(args) == 2
     assert "no checkpoint in --checkpoint-dir" in capsys.readouterr().err
 

@@ -185,11 +185,27 @@ def test_config_errors(kwargs, pattern):
         ModelConfig(**{**SMALL, **kwargs})
 
 
-def test_build_errors():
-    with pytest.raises(ConfigError, match=r"train.recompute='some' is not one of"):
-        build_model(ModelConfig(**SMALL), recompute="some")
-    with pytest.raises(ConfigError, match=r"train.dtype='float16' is not one of"):
-        build_model(ModelConfig(**SMALL), dtype="float16")
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"recompute": "some"}, r"recompute='some' is not one of"),
+        ({"dtype": "float16"}, r"dtype='float16' is not one of"),
+        ({"overlap": "two_microbatch"}, r"overlap='two_microbatch' is not one of \('none', 'two-microbatch'"),
+        ({"recompute": "selective", "recompute_modules": ("foo",)}, r"recompute_modules=\('foo',\) must be a tuple"),
+        ({"recompute": "selective", "recompute_modules": "qkv"}, r"recompute_modules='qkv' must be a tuple of one"),
+        ({"recompute_modules": ("qkv",)}, r"recompute_modules=\('qkv',\) names .* but recompute='none'"),
+        ({"seed": "0"}, r"seed='0' must be an integer"),
+        ({"policies": ()}, r"policies has 0 entries; give one per layer \(model.layers=2\)"),
+    ],
+)
+def test_build_errors(kwargs, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        build_model(ModelConfig(**SMALL), **kwargs)
+
+
+def test_build_takes_a_model_config():
+    with pytest.raises(ConfigError, match=r"cfg is a dict, not a ModelConfig; pass a config's model"):
+        build_model({"layers": 1})
 
 
 def test_queries_from_a_start_position_see_the_keys_up_to_their_own():

@@ -168,7 +168,7 @@ def test_hyperjax_logical_axes_still_win(mesh):
         (
             {"out_sharding": "embed", "eager_sharding": False},
             r"tensor 'blocks/0/w': cannot read logical axes from its sharding metadata \{'out_sharding': 'embed'\}: "
-            r"out_sharding is a str, not a tuple or PartitionSpec",
+            r"out_sharding is the string 'embed', not a tuple of logical axis names",
         ),
         (
             {"out_sharding": P("embed", P.UNCONSTRAINED), "eager_sharding": False},

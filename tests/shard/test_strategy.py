@@ -109,8 +109,10 @@ def test_error_axis_used_twice(mesh):
 
 def test_error_no_rule(mesh):
     s = Strategy(rules=RULES, params={"w": ("embed", "mpl")})
-    with pytest.raises(ShardingError, match=r"logical axis 'mpl' has no rule; did you mean 'mlp'\?"):
+    with pytest.raises(ShardingError, match=r"tensor 'w': logical axis 'mpl' has no rule; did you mean 'mlp'\?"):
         s.shardings({"w": jnp.zeros((8, 8))}, mesh)
+    with pytest.raises(ShardingError, match=r"'mlp' has no rule \(the rules are empty\); add one, e.g. rules=\{'mlp'"):
+        Strategy(rules={}).spec(("mlp",))
 
 
 def test_error_unknown_mesh_axis(mesh):
@@ -134,3 +136,81 @@ def test_error_bad_rule_and_zero_stage():
         Strategy(rules={"x": 3})
     with pytest.raises(ShardingError, match="zero_stage=3 must be 0, 1 or 2"):
         Strategy(rules={}, zero_stage=3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rules": None}, r"rules=None must map logical axis names to a mesh axis"),
+        ({"rules": [("mlp", "tensor")]}, r"rules=\[\('mlp', 'tensor'\)\] must map logical axis names"),
+        ({"rules": {}, "params": {"w": "mlp"}}, r"params\['w'\]='mlp' is the string 'mlp', not a tuple .* \('mlp',\)"),
+        ({"rules": {}, "params": {"w": None}}, r"params\['w'\]=None is a NoneType, not a tuple"),
+        ({"rules": {}, "params": {"w": ("mlp", 3)}}, r"params\['w'\]=\('mlp', 3\) entry 1 \(3\) is neither a name"),
+        ({"rules": {}, "params": [("w", ("mlp",))]}, r"params=\[.*\] must map key-path glob patterns"),
+        ({"rules": {}, "zero_stage": "1"}, r"zero_stage='1' must be 0, 1 or 2"),
+        ({"rules": {}, "zero_stage": True}, r"zero_stage=True must be 0, 1 or 2"),
+        ({"rules": {}, "zero_axes": "data"}, r"zero_axes='data' must be a tuple of mesh axis names, e.g. \('data',\)"),
+    ],
+)
+def test_error_malformed_strategy(kwargs, message):
+    with pytest.raises(ShardingError, match=message):
+        Strategy(**kwargs)
+
+
+def test_error_malformed_calls(mesh):
+    s = Strategy(rules=RULES, params={"w": ("embed", "mlp")}, zero_stage=2)
+    tree = {"w": jnp.zeros((8, 8))}
+    with pytest.raises(ShardingError, match=r"role='optimiser' is not one of params, gradients, optimizer"):
+        s.shardings(tree, mesh, role="optimiser")
+    with pytest.raises(ShardingError, match=r"mesh='cloudmatrix384' is a str, not a jax.sharding.Mesh"):
+        s.explain(tree, "cloudmatrix384")
+    with pytest.raises(ShardingError, match=r"logical axes 'batch' must be a sequence .* e.g. \('batch',\)"):
+        s.spec("batch")
+    with pytest.raises(ShardingError, match=r"logical axis \['batch'\] is a list; give a logical axis name"):
+        s.spec((["batch"],))
+    missing = Strategy(rules=RULES, params=s.params, zero_stage=1, zero_axes=("dp",))
+    with pytest.raises(ShardingError, match=r"shards the optimizer over zero_axes=\('dp',\), none of which the mesh"):
+        missing.shardings(tree, mesh, role="optimizer")
+    assert missing.shardings(tree, mesh)["w"].spec == P(None, "tensor")  # parameters take no ZeRO axis
+    some = Strategy(rules=RULES, params=s.params, zero_stage=1, zero_axes=("data", "context"))
+    assert some.shardings(tree, mesh, role="optimizer")["w"].spec == P("data", "tensor")  # over those it has
+
+
+@pytest.mark.parametrize(
+    ("shape", "axes", "message"),
+    [
+        ((8, 250), ("batch", "mlp"), r"dimension 'mlp' of size 250 is not divisible by mesh axes \('tensor',\)"),
+        ((8, 256, 2), ("batch",), r"has shape \(8, 256, 2\) \(3 dims\) but logical axes \('batch',\) \(1\)"),
+        ((8,), ("batch", "mlp"), r"has shape \(8,\) \(1 dims\) but logical axes"),
+        ((8, 8), ("batch", "dp"), r"logical axis 'dp' has no rule"),
+        ((8, 8), ("batch", "data2"), r"logical axis 'data2' maps to mesh axis 'dp', which the mesh"),
+        (
+            (8, 8),
+            ("batch", "twice"),
+            r"mesh axis 'data' is used twice in one spec, by logical axes 'batch' and 'twice'",
+        ),
+    ],
+)
+@pytest.mark.parametrize("traced", [True, False])
+def test_error_constrain_checks_as_shardings_does(mesh, shape, axes, message, traced):
+    s = Strategy(rules={**RULES, "data2": "dp", "twice": "data"})
+    f = lambda a: s.constrain(a, axes, mesh=mesh)
+    with pytest.raises(ShardingError, match=r"^x in constrain\(x, .*\):? " + message):
+        (jax.jit(f) if traced else f)(jnp.ones(shape))
+
+
+def test_a_strategy_pickles_copies_and_hashes(mesh):
+    import copy
+    import pickle
+
+    s = Strategy(rules=RULES, params={"w": ("embed", "mlp")}, zero_stage=1, zero_axes=("data",))
+    for other in (pickle.loads(pickle.dumps(s)), copy.deepcopy(s)):
+        assert other == s and hash(other) == hash(s)
+        assert other.shardings({"w": jnp.zeros((8, 8))}, mesh)["w"].spec == P(None, "tensor")
+    f = jax.jit(lambda x, strategy: strategy.constrain(x, ("batch", "mlp"), mesh=mesh), static_argnums=1)
+    assert f(jnp.ones((8, 8)), s).sharding.spec == P("data", "tensor")
+    # rules in any order are one strategy; params are not, the first matching pattern winning
+    flipped = Strategy(rules=dict(reversed(RULES.items())), params=s.params, zero_stage=1, zero_axes=("data",))
+    assert flipped == s and hash(flipped) == hash(s)
+    first, second = {"a/*": ("embed", "mlp")}, {"*/w": ("mlp", "embed")}
+    assert Strategy(rules=RULES, params=first | second) != Strategy(rules=RULES, params=second | first)

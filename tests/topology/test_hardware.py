@@ -164,6 +164,10 @@ def test_an_empty_or_listed_preset_file_says_what_a_preset_gives(tmp_path, capsy
         (lambda raw: raw["tiers"][1].update(name=raw["tiers"][0]["name"]), r"two tiers are named '\w+' \(.*\); "),
         (lambda raw: raw.update(tiers=5), r"tiers=5 must be a list of tier mappings"),
         (lambda raw: raw.update({5: "x"}), r"unknown key '5'; allowed keys: name"),
+        (
+            lambda raw: raw.update(tierz=raw.pop("tiers")),
+            r"unknown key 'tierz' \(did you mean 'tiers'\?\); allowed keys: name, .*device, tiers, host",
+        ),
         (lambda raw: raw["device"].update(fused_attention=["a"]), r"device.fused_attention=\['a'\] must name a"),
         (lambda raw: raw.update(name=["x"]), r"name=\['x'\] must be a non-empty string"),
         (lambda raw: raw["device"].update(name={"a": 1}), r"device.name=\{'a': 1\} must be a non-empty string"),

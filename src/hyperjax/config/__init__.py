@@ -4,10 +4,10 @@ The bottom floor of the package: plain frozen data and the closed vocabularies, 
 is read. :func:`hyperjax.resolve` turns a ``Config`` into a ``Run``.
 """
 
-from hyperjax.config.load import apply_override, build, load_config
+from hyperjax.config.load import apply_override, build, check_key, load_config
 from hyperjax.config.model import FAMILY_PARTS, ModelConfig, MoEConfig, RopeScaling, VisionConfig
 from hyperjax.config.parallel import MPMDConfig, ParallelConfig, SubmeshConfig
-from hyperjax.config.rl import RLRun
+from hyperjax.config.rl import RLRun, check_run
 from hyperjax.config.run import Run, Stage
 from hyperjax.config.sections import (
     Config,
@@ -116,6 +116,8 @@ __all__ = [
     "VisionConfig",
     "apply_override",
     "build",
+    "check_key",
+    "check_run",
     "choices",
     "load_config",
     "recomputed",

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hyperjax.errors import ConfigError
@@ -33,6 +34,82 @@ def literal_options(hint: Any) -> tuple[Any, ...] | None:
         if typing.get_origin(option) is typing.Literal:
             return typing.get_args(option)
     return None
+
+
+def check_fields(obj: Any, section: str) -> None:
+    """Every field of dataclass ``obj`` holds a value of its annotated type, as a config built in Python
+    may not (YAML is checked as it is read): a bool for a bool, an integer (not a bool) for an int, a finite
+    number for a float, a word of its vocabulary (:func:`vocabularies`), a section for a section. A list
+    given for a tuple is kept as a tuple.
+
+    Raises:
+      ConfigError: naming ``section.key`` (the key alone for the top level, ``section=""``), the value, the
+        type expected and the type given.
+    """
+    vocabularies(obj, section)
+    for name, hint in _field_hints(type(obj)):
+        value = getattr(obj, name)
+        if isinstance(value, list) and _tuple_hint(hint):
+            value = tuple(value)
+            object.__setattr__(obj, name, value)
+        key = f"{section}.{name}" if section else name
+        if not _matches(value, hint):
+            raise ConfigError(
+                f"{key}={value!r} has the wrong type: expected {type_name(hint)}, got {type(value).__name__}"
+            )
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value!r} must be a finite number")
+
+
+def type_name(hint: Any) -> str:
+    """A type hint as a config's reader would write it (``int | None``)."""
+    return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
+@functools.cache
+def _field_hints(cls: type) -> tuple[tuple[str, Any], ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
+
+
+def _options(hint: Any) -> tuple[Any, ...]:
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    return typing.get_args(hint) if union else (hint,)
+
+
+def _tuple_hint(hint: Any) -> bool:
+    return any(typing.get_origin(o) is tuple for o in _options(hint))
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether ``value`` is of type ``hint`` (the forms config sections use)."""
+    if hint is Any:
+        return True
+    options = _options(hint)
+    if len(options) > 1:
+        return any(_matches(value, o) for o in options)
+    origin = typing.get_origin(hint)
+    if hint is type(None):
+        return value is None
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is tuple:
+        item = typing.get_args(hint)[0]
+        item = str if typing.get_origin(item) is typing.Literal else item  # words: checked by the section
+        return isinstance(value, tuple) and all(_matches(x, item) for x in value)
+    if origin in (Mapping, dict):
+        return isinstance(value, Mapping)
+    if dataclasses.is_dataclass(hint):
+        return isinstance(value, hint)
+    return True
 
 
 def vocabularies(obj: Any, section: str) -> None:

@@ -12,16 +12,16 @@ import difflib
 import math
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from hyperjax.config import hf
-from hyperjax.config.checks import literal_options
+from hyperjax.config.checks import literal_options, type_name
 from hyperjax.config.sections import Config
-from hyperjax.errors import ConfigError
+from hyperjax.errors import ConfigError, article
 from hyperjax.files import parse_yaml, read_yaml
 
 
@@ -36,6 +36,20 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     Raises:
       ConfigError: a missing, empty or malformed file, an unknown key, a wrong type, or an invalid value.
     """
+    if path is not None and not isinstance(path, str | Path):
+        raise ConfigError(
+            f"load_config(path): path {path!r} is {article(type(path).__name__)}; give a file's path or None"
+        )
+    overrides = () if overrides is None else overrides
+    if isinstance(overrides, str) or not isinstance(overrides, Iterable):
+        raise ConfigError(
+            f"load_config(overrides={overrides!r}): give a list of 'key=value' strings, e.g. ['parallel.tensor=4']"
+        )
+    overrides = tuple(overrides)  # an iterator is read once
+    if not all(isinstance(item, str) for item in overrides):
+        raise ConfigError(
+            f"load_config(overrides={overrides!r}): give a list of 'key=value' strings, e.g. ['parallel.tensor=4']"
+        )
     raw: dict[str, Any] = {}
     if path is not None and hf.is_hf_config(path):  # a Hugging Face config.json: its model, the rest defaults
         raw = hf.run_section(hf.read_hf_config(path), str(path))
@@ -86,6 +100,34 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     node[parts[-1]] = value
 
 
+def check_key(key: str, what: str) -> None:
+    """``key`` is a dotted config key (``parallel.tensor``, ``rl.learner.parallel.tensor``).
+
+    Raises:
+      ConfigError: naming ``what`` (the argument it came in), with a did-you-mean.
+    """
+    if not isinstance(key, str):
+        raise ConfigError(f"{what}: key {key!r} is not a dotted config key such as 'parallel.tensor'")
+    cls: Any = Config
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if part not in fields:
+            close = difflib.get_close_matches(part, sorted(fields), n=1)
+            head = ".".join([*parts[:i], close[0]]) if close else ""
+            raise ConfigError(f"{what}: unknown config key {key}" + (f"; did you mean {head}?" if close else ""))
+        hint = typing.get_type_hints(cls)[part]
+        options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        nested = [o for o in options if dataclasses.is_dataclass(o)]
+        if i + 1 < len(parts) and not nested:
+            raise ConfigError(f"{what}: {'.'.join(parts[: i + 1])} is a value, not a section; {key} does not exist")
+        if i + 1 == len(parts) and nested:
+            raise ConfigError(
+                f"{what}: {key} is a section; give one of its keys, e.g. {key}.{dataclasses.fields(nested[0])[0].name}"
+            )
+        cls = nested[0] if nested else None
+
+
 def build(cls: type, raw: Any, prefix: str = "") -> Any:
     """Build dataclass ``cls`` from a raw mapping, checking every key and type.
 
@@ -129,7 +171,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if value is None:
         if type(None) in options:
             return None
-        raise ConfigError(f"{key} must not be null; give a {_name(hint)}")
+        raise ConfigError(f"{key} must not be null; give a {type_name(hint)}")
     words = literal_options(hint)
     if words is not None:
         if value in words:
@@ -158,8 +200,4 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             kind = str if typing.get_origin(kind) is typing.Literal else kind  # words: checked by the section
             if all(isinstance(x, kind) and not isinstance(x, bool) for x in value):
                 return tuple(value)
-    raise ConfigError(f"{key}={value!r} has the wrong type: expected {_name(hint)}, got {type(value).__name__}")
-
-
-def _name(hint: Any) -> str:
-    return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
+    raise ConfigError(f"{key}={value!r} has the wrong type: expected {type_name(hint)}, got {type(value).__name__}")

@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from hyperjax.config.checks import positive, vocabularies
+from hyperjax.config.checks import check_fields, positive
 from hyperjax.config.types import (
     GATED,
     AttentionKernel,
@@ -70,6 +70,7 @@ class VisionConfig:
     channels: int = 3  # colour channels
 
     def __post_init__(self) -> None:
+        check_fields(self, "model.vision")
         positive(self, "model.vision", ("layers", "d_model", "heads", "d_ff", "image_size", "patch", "channels"))
         if self.d_model % self.heads:
             raise ConfigError(
@@ -125,7 +126,7 @@ class RopeScaling:
     mscale_all_dim: float | None = None  # yarn: the same, over every dimension (DeepSeek-V3: 1.0)
 
     def __post_init__(self) -> None:
-        vocabularies(self, "model.rope_scaling")
+        check_fields(self, "model.rope_scaling")
         positive(self, "model.rope_scaling", ("original_max_position",))
         for key in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"):
             if not getattr(self, key) > 0:
@@ -180,7 +181,7 @@ class MoEConfig:
     routed_scaling: float = 1.0  # the routed experts' weights are multiplied by this (DeepSeek-V3: 2.5)
 
     def __post_init__(self) -> None:
-        vocabularies(self, "model.moe")
+        check_fields(self, "model.moe")
         positive(self, "model.moe", ("experts", "top_k", "d_ff", "every"))
         if self.top_k > self.experts:
             raise ConfigError(
@@ -287,7 +288,7 @@ class ModelConfig:
     vision: VisionConfig | None = None  # an image encoder in front of the language model (positions: rope)
 
     def __post_init__(self) -> None:
-        vocabularies(self, "model")
+        check_fields(self, "model")
         if self.attention_impl is not None and self.attention_kernel != "flash":
             raise ConfigError(
                 f"model.attention_impl={self.attention_impl!r} names a fused attention kernel, but "

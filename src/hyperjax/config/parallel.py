@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from hyperjax.config.checks import positive, vocabularies
+from hyperjax.config.checks import check_fields, positive
 from hyperjax.config.types import ContextImpl, Dispatcher, DpOverlap, FsdpUnit, Overlap, ScheduleName, TpOverlap
 from hyperjax.errors import ConfigError
 
@@ -42,7 +42,7 @@ class ParallelConfig:
     # (PyTorch DDP's buckets); null: when the replicas span emulating processes
 
     def __post_init__(self) -> None:
-        vocabularies(self, "parallel")
+        check_fields(self, "parallel")
         positive(self, "parallel", ("fsdp", "expert", "tensor", "context", "pipeline", "virtual_stages"))
         if self.stage_devices is not None and any(n < 1 for n in self.stage_devices):
             raise ConfigError(f"parallel.stage_devices={list(self.stage_devices)} must be positive integers")
@@ -106,6 +106,7 @@ class SubmeshConfig:
     tensor: int = 1  # tensor-parallel degree inside it
 
     def __post_init__(self) -> None:
+        check_fields(self, "mpmd.submeshes[]")
         positive(self, "mpmd.submeshes[]", ("fsdp", "tensor"))
         positive(self, "mpmd.submeshes[]", ("devices", "data"), optional=True)
 
@@ -117,6 +118,7 @@ class MPMDConfig:
     submeshes: tuple[SubmeshConfig, ...] = ()  # in the order data flows through them
 
     def __post_init__(self) -> None:
+        check_fields(self, "mpmd")
         names = [sub.name for sub in self.submeshes if sub.name]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:

@@ -12,6 +12,7 @@ from typing import Any
 
 from hyperjax.config.run import Run
 from hyperjax.config.sections import Config, RLConfig
+from hyperjax.errors import ConfigError, expect
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,3 +100,24 @@ class RLRun:
         rollout = f"rollout {self.rollout.devices} devices ({self.rollout.describe(serving=True)})"
         learner = f"learner {self.learner.devices} devices ({self.learner.describe()})"
         return f"{r.algorithm} {r.placement}{stale}: {rollout} | {learner}"
+
+
+def check_run(run: object, function: str, rl_function: str | None = None) -> None:
+    """``run`` is what ``function`` takes: a resolved :class:`Run` of a supervised config.
+
+    Raises:
+      ConfigError: a :class:`Config` not yet resolved, an :class:`RLRun`, another value, or a run resolved
+        from a config with an ``rl:`` section (``function`` would train or price it as supervised training);
+        naming ``rl_function``, what takes those instead.
+    """
+    instead = f"hyperjax.{rl_function}" if rl_function else "hyperjax.resolve_rl, whose phases are runs of their own"
+    if isinstance(run, RLRun):
+        raise ConfigError(f"{function}(run) takes a supervised Run, not an RLRun; an rl: config's goes to {instead}")
+    if isinstance(run, Config):
+        raise ConfigError(f"{function}(run) takes a resolved Run, not a Config; pass hyperjax.resolve(config)")
+    expect(run, Run, f"{function}(run): run", "pass hyperjax.resolve(config)")
+    if run.config.rl is not None:
+        raise ConfigError(
+            f"{function}(run): the run's config has an rl: section, which {function} would run as supervised "
+            f"training; resolve it with hyperjax.resolve_rl and use {instead}"
+        )

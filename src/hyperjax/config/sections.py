@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
-from hyperjax.config.checks import positive, vocabularies
+from hyperjax.config.checks import check_fields, positive
 from hyperjax.config.model import ModelConfig
 from hyperjax.config.parallel import MPMDConfig, ParallelConfig, check_sequence_parallel
 from hyperjax.config.types import (
@@ -43,6 +44,7 @@ class EmulateConfig:
     processes: int | None = None  # processes to emulate them in; null: the fewest that work on this machine
 
     def __post_init__(self) -> None:
+        check_fields(self, "emulate")
         positive(self, "emulate", ("devices", "processes"), optional=True)
 
 
@@ -59,7 +61,7 @@ class Fp8Config:
     block: int = 128  # blockwise: tile width (1 x block activations and gradients, block x block weights)
 
     def __post_init__(self) -> None:
-        vocabularies(self, "train.fp8")
+        check_fields(self, "train.fp8")
         positive(self, "train.fp8", ("amax_history", "block"))
         defaults = {f.name: f.default for f in dataclasses.fields(Fp8Config)}
         for key, recipe, what in (("amax_history", "delayed", "its scales"), ("block", "blockwise", "its tiles")):
@@ -105,7 +107,7 @@ class TrainConfig:
     keep_checkpoints: int = 3  # the newest checkpoints kept; older ones are deleted
 
     def __post_init__(self) -> None:
-        vocabularies(self, "train")
+        check_fields(self, "train")
         positive(self, "train", ("global_batch", "steps", "checkpoint_every", "keep_checkpoints"))
         positive(self, "train", ("micro_batch", "microbatches"), optional=True)
         if self.lr <= 0:
@@ -158,7 +160,7 @@ class OffloadConfig:
     manual: Mapping[str, OffloadOption] = dataclasses.field(default_factory=dict)  # group pattern -> option
 
     def __post_init__(self) -> None:
-        vocabularies(self, "offload")
+        check_fields(self, "offload")
         if self.device_memory_gib is not None and not self.device_memory_gib > 0:
             raise ConfigError(f"offload.device_memory_gib={self.device_memory_gib} must be > 0 (GiB per device)")
         if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
@@ -189,6 +191,7 @@ class ServeConfig:
     new_tokens: int | None = None  # tokens generated per sequence; null: the rest of model.seq_len
 
     def __post_init__(self) -> None:
+        check_fields(self, "serve")
         positive(self, "serve", ("batch", "prompt_len", "new_tokens"), optional=True)
 
 
@@ -200,6 +203,7 @@ class PhaseConfig:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)  # its degrees, as parallel: has them
 
     def __post_init__(self) -> None:
+        check_fields(self, "rl.rollout or rl.learner")
         positive(self, "rl.rollout or rl.learner", ("devices",), optional=True)
 
 
@@ -231,7 +235,7 @@ class RLConfig:
     learner: PhaseConfig = dataclasses.field(default_factory=PhaseConfig)
 
     def __post_init__(self) -> None:
-        vocabularies(self, "rl")
+        check_fields(self, "rl")
         positive(self, "rl", ("group_size", "prompts_per_step", "max_new_tokens", "updates"))
         positive(self, "rl", ("prompt_len", "top_k", "rollout_batch"), optional=True)
         if self.group_size < 2:
@@ -309,6 +313,9 @@ class Config:
             )
 
     def __post_init__(self) -> None:
+        if isinstance(self.hardware, os.PathLike):  # a preset file's path, kept as text
+            object.__setattr__(self, "hardware", os.fspath(self.hardware))
+        check_fields(self, "")
         for logical, target in self.shard.items():
             if not isinstance(logical, str):
                 raise ConfigError(f"shard key {logical!r} must be a logical axis name (a string), e.g. shard.mlp")

@@ -17,7 +17,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hyperjax.config import Run
+from hyperjax.config import Run, check_run
 from hyperjax.cost.counts import count_params, model_flops_per_sequence
 from hyperjax.cost.overlap import Pair, pair_exchange
 from hyperjax.cost.pipeline import boundary_span, in_flight, peak_with, with_in_flight
@@ -205,7 +205,11 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
       run: the resolved run.
       cores: stage cores already priced for runs of the same model, hardware and dtype (a search shares
         one between the strategies it prices); ``None``: priced afresh.
+
+    Raises:
+      ConfigError: ``run`` is not a resolved :class:`Run`, or it is an ``rl:`` config's.
     """
+    check_run(run, "estimate", "estimate_rl")
     hw = run.hardware
     spans = _stage_spans(hw, run)
     p2p = _hand_over_span(hw, run)

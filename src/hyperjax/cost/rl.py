@@ -34,6 +34,7 @@ from hyperjax.cost.counts import count_params
 from hyperjax.cost.estimate import GIB, Estimate, estimate, memory_budget
 from hyperjax.cost.inference import InferenceEstimate, estimate_inference
 from hyperjax.cost.pipeline import boundary_span
+from hyperjax.errors import expect
 from hyperjax.topology import axis_spans
 
 
@@ -92,7 +93,12 @@ class RLEstimate:
 
 
 def estimate_rl(rl: RLRun) -> RLEstimate:
-    """Predict one iteration of ``rl`` on its preset's hardware."""
+    """Predict one iteration of ``rl`` on its preset's hardware.
+
+    Raises:
+      ConfigError: ``rl`` is not a resolved :class:`RLRun`.
+    """
+    expect(rl, RLRun, "estimate_rl(rl): rl", "pass hyperjax.resolve_rl(config) of a config with an rl: section")
     r, hw = rl.rl, rl.hardware
     out = estimate_inference(rl.rollout)
     rollout_s = rl.waves * (out.prefill_s + r.max_new_tokens * out.decode_s_per_token)

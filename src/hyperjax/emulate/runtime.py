@@ -166,6 +166,12 @@ def start_devices(local_devices: int, cluster: Cluster | None = None, *, platfor
     """
     import jax
 
+    if platform not in ("cpu", "auto"):
+        raise EmulationError(
+            f"platform={platform!r} must be 'cpu' (emulated CPU devices) or 'auto' (the host's accelerators)"
+        )
+    if isinstance(local_devices, bool):
+        raise EmulationError(f"local_devices={local_devices!r} must be a positive integer, not a bool")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from flax import nnx
 
 from hyperjax.config import Activation, DType, Fp8Config, ModelConfig, Overlap, Recompute, choices
-from hyperjax.errors import ConfigError
+from hyperjax.errors import ConfigError, expect
 from hyperjax.models.transformer import BlockPolicy, Transformer
 from hyperjax.models.vlm import VisionLanguageModel
 
@@ -30,13 +30,32 @@ def build_model(
     as two halves. ``fp8`` (``train.fp8``): the blocks' linear layers multiply in FP8 by that recipe.
 
     Raises:
-      ConfigError: a ``recompute`` or ``dtype`` outside its vocabulary, or an overlap a vision-language
-        model cannot run.
+      ConfigError: ``cfg`` is not a :class:`ModelConfig`; a ``recompute``, ``dtype``, ``overlap`` or
+        ``recompute_modules`` outside its vocabulary, modules named without selective recomputation, a seed
+        that is not an integer, ``policies`` not one per layer, or an overlap a vision-language model cannot run.
     """
-    if recompute not in choices(Recompute):
-        raise ConfigError(f"train.recompute={recompute!r} is not one of {choices(Recompute)}")
-    if dtype not in choices(DType):
-        raise ConfigError(f"train.dtype={dtype!r} is not one of {choices(DType)}")
+    expect(cfg, ModelConfig, "build_model(cfg): cfg", "pass a config's model: build_model(config.model)")
+    for key, value, kind in (
+        ("recompute", recompute, Recompute),
+        ("dtype", dtype, DType),
+        ("overlap", overlap, Overlap),
+    ):
+        if value not in choices(kind):
+            raise ConfigError(f"{key}={value!r} is not one of {choices(kind)}")
+    if recompute_modules is not None:
+        if isinstance(recompute_modules, str) or not set(recompute_modules) <= set(choices(Activation)):
+            raise ConfigError(
+                f"recompute_modules={recompute_modules!r} must be a tuple of one or more of {choices(Activation)}"
+            )
+        if recompute != "selective" or not recompute_modules:
+            raise ConfigError(
+                f"recompute_modules={tuple(recompute_modules)} names what selective recomputation recomputes, "
+                f"but recompute={recompute!r}; pass recompute='selective' or drop recompute_modules"
+            )
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ConfigError(f"seed={seed!r} must be an integer")
+    if policies is not None and len(policies) != cfg.layers:
+        raise ConfigError(f"policies has {len(policies)} entries; give one per layer (model.layers={cfg.layers})")
     rngs = nnx.Rngs(params=seed)
     if cfg.vision is not None:
         if overlap == "two-microbatch":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hyperjax.config import Config, Run
+from hyperjax.config import Config, Run, check_run
 from hyperjax.cost import Estimate, estimate
 from hyperjax.errors import ConfigError
 from hyperjax.offload.placement import Placement, from_patterns, from_recompute
@@ -85,8 +85,10 @@ def offload_pass(run: Run) -> OffloadResult:
     and ``auto`` search from scratch (recomputation is one of the options they weigh).
 
     Raises:
-      ConfigError: the run has no decoder blocks to place (a vision-language model).
+      ConfigError: the run has no decoder blocks to place (a vision-language model), or ``run`` is not a
+        resolved :class:`Run`.
     """
+    check_run(run, "offload_pass")
     o, policy = run.config.offload, run.offload
     hardware = run.hardware
     est = estimate(dataclasses.replace(run, recompute="none"))

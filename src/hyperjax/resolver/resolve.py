@@ -8,7 +8,6 @@ a run that resolves can be priced (``predict``, ``plan``), placed (the offload p
 
 from __future__ import annotations
 
-import difflib
 import functools
 import math
 from collections.abc import Mapping, Sequence
@@ -17,11 +16,11 @@ from hyperjax.config import Config, ModelConfig, Run, Stage
 from hyperjax.config.parallel import check_modifiers
 from hyperjax.config.run import replica_axes, spans_processes, stage_replica_axes, stage_schedule, staged
 from hyperjax.emulate import plan_processes
-from hyperjax.errors import ConfigError, EmulationError, ShardingError
+from hyperjax.errors import ConfigError, EmulationError, ShardingError, expect
 from hyperjax.mpmd.schedules import PAIRED, check_sizes, warm_up
 from hyperjax.resolver.checks import check_preset, check_stage
 from hyperjax.resolver.stages import mpmd_stages, pipeline_axes, pipeline_sizes, pipeline_stages, spmd_stage
-from hyperjax.shard import LOGICAL_AXES, strategy_for
+from hyperjax.shard import check_overrides, strategy_for
 from hyperjax.shard.strategy import entry_axes
 from hyperjax.topology import Hardware, load_hardware
 from hyperjax.topology.mesh import check_capacity
@@ -53,18 +52,19 @@ def device_count(cfg: Config, devices: int | None = None) -> int:
     return DEFAULT_DEVICES
 
 
-def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | None = None) -> Run:
+def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | str | None = None) -> Run:
     """Resolve ``config`` into the run it describes.
 
     Args:
       config: the config as read.
       devices: the device count (``--devices``); default :func:`device_count`.
-      hardware: the machine, if already loaded (default: ``config.hardware``'s preset).
+      hardware: the machine, loaded or a preset's name or path (default: ``config.hardware``'s preset).
 
     Raises:
       HyperjaxError: any inconsistency, naming the key or tensor, the sizes and the fix.
     """
-    hw = load_hardware(config.hardware) if hardware is None else hardware
+    expect(config, Config, "resolve(config): config", "pass hyperjax.load_config(path)")
+    hw = load_hardware(config.hardware if hardware is None else hardware)
     t, p = config.train, config.parallel
     check_preset(config, hw)
     n = device_count(config, devices)
@@ -115,14 +115,7 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
             f"which the batch degrees (data x fsdp x expert) {dps} must divide; use a global batch that is a "
             f"multiple of {microbatches * math.lcm(*dps)}"
         )
-    unknown = [name for name in config.shard if name not in LOGICAL_AXES]
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], LOGICAL_AXES, n=1)
-        raise ConfigError(
-            f"shard.{unknown[0]}: {unknown[0]!r} is not a logical axis of the model"
-            + (f"; did you mean {close[0]!r}?" if close else "")
-            + f" The logical axes are {', '.join(LOGICAL_AXES)}"
-        )
+    check_overrides(config.shard, ConfigError)
     shard = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.shard.items()))
     split = p.expert_tensor in (None, p.tensor) or p.tensor == 1  # experts' hidden split over the tensor axis
     _check_fp8_tiles(config)

@@ -15,29 +15,34 @@ import re
 from hyperjax.config import Config, EmulateConfig, ParallelConfig, RLRun, Run, ServeConfig
 from hyperjax.config.parallel import FEATURES, MODIFIERS, modifier_value, set_modifiers
 from hyperjax.emulate import plan_processes
-from hyperjax.errors import ConfigError, EmulationError, HyperjaxError
+from hyperjax.errors import ConfigError, EmulationError, HyperjaxError, expect, positive_int
 from hyperjax.resolver.resolve import DEFAULT_DEVICES, resolve
 from hyperjax.topology import Hardware, load_hardware
 
 
-def resolve_rl(config: Config, devices: int | None = None, *, hardware: Hardware | None = None) -> RLRun:
+def resolve_rl(config: Config, devices: int | None = None, *, hardware: Hardware | str | None = None) -> RLRun:
     """Resolve the ``rl:`` section of ``config`` into its phases.
 
     Args:
       config: a config with an ``rl:`` section.
       devices: the job's devices (``--devices``); default ``emulate.devices``, else what the phases' devices
         add up to (disaggregated), else 8.
-      hardware: the machine, if already loaded.
+      hardware: the machine, loaded or a preset's name or path (default: ``config.hardware``'s preset).
 
     Raises:
       ConfigError: devices that do not add up, a prompt and completion longer than ``model.seq_len``, a
         rollout layout generation cannot run, a learner layout the RL step cannot train, or any error
         of either phase's run (naming ``rl.rollout.*`` or ``rl.learner.*``).
     """
+    expect(config, Config, "resolve_rl(config): config", "pass hyperjax.load_config(path)")
     r = config.rl
     if r is None:
-        raise ConfigError("this config has no rl: section; hyperjax train runs it as supervised training")
-    hw = load_hardware(config.hardware) if hardware is None else hardware
+        raise ConfigError(
+            "this config has no rl: section; hyperjax train runs it as supervised training (hyperjax.resolve)"
+        )
+    if devices is not None:
+        devices = positive_int(devices, "devices")
+    hw = load_hardware(config.hardware if hardware is None else hardware)
     m = config.model
     if r.top_k is not None and r.top_k > m.vocab:
         raise ConfigError(f"rl.top_k={r.top_k} is more than model.vocab={m.vocab}; use at most {m.vocab}, or null")

@@ -30,12 +30,14 @@ import jax
 import numpy as np
 
 from hyperjax.config import RLRun
+from hyperjax.errors import expect
 from hyperjax.rl.losses import group_advantages
 from hyperjax.rl.phases import Learner, Rollout, build_learner, build_rollout, hand_over
 from hyperjax.rl.rewards import load_reward, score
 from hyperjax.train.data import Batches
 from hyperjax.train.generate import decode_text
 from hyperjax.train.loop import save_figure
+from hyperjax.train.prepare import check_outputs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -120,6 +122,8 @@ def train_rl(
     Raises:
       ConfigError: a reward that cannot be loaded or returns bad values, or an unreadable checkpoint.
     """
+    expect(rl, RLRun, "train_rl(rl): rl", "pass hyperjax.resolve_rl(config) of a config with an rl: section")
+    check_outputs(metrics_out, out_dir)
     r = rl.rl
     log = sys.stdout if log is None else log
     reward = load_reward(r.reward)

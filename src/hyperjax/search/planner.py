@@ -29,11 +29,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hyperjax.config import Config, Run
+from hyperjax.config import Config, Run, check_key
 from hyperjax.config.parallel import FEATURES, MODIFIERS, idle_modifiers, modifier_value, set_modifiers
 from hyperjax.config.run import stage_schedule
 from hyperjax.cost import Estimate, StageCore, estimate, unpriced_overrides
-from hyperjax.errors import ConfigError, HyperjaxError
+from hyperjax.errors import ConfigError, HyperjaxError, expect, positive_int
 from hyperjax.offload import budget_bytes, offload_pass, with_offload
 from hyperjax.resolver import check_preset, resolve
 from hyperjax.search.bounds import lower_bound
@@ -147,7 +147,7 @@ def plan(
     devices: int,
     *,
     keep: int = 10,
-    hardware: Hardware | None = None,
+    hardware: Hardware | str | None = None,
     progress: Callable[[int, int], None] | None = None,
     prune: bool = True,
     where: Mapping[str, Any] | None = None,
@@ -160,7 +160,7 @@ def plan(
       cfg: the config whose model, batch and optimizer are planned for.
       devices: devices to plan for.
       keep: how many of the fastest to return.
-      hardware: the machine (default: ``cfg.hardware``'s preset).
+      hardware: the machine, loaded or a preset's name or path (default: ``cfg.hardware``'s preset).
       progress: called with ``(bases done, bases in all)`` as the search goes.
       prune: stop at the first base whose lower bound cannot beat the answer (``False``: price every one).
       where: search only the strategies with these settings, e.g. ``{"parallel.expert": 64}`` (a strategy
@@ -176,7 +176,14 @@ def plan(
         term that overflows in the leanest candidate).
     """
     start = time.perf_counter()
-    hw = load_hardware(cfg.hardware) if hardware is None else hardware
+    expect(cfg, Config, "plan(cfg): cfg", "pass hyperjax.load_config(path)")
+    if cfg.rl is not None:
+        raise ConfigError("this config has an rl: section; plan its phases with hyperjax.plan_rl (hyperjax plan does)")
+    devices = positive_int(devices, "plan(cfg, devices): devices")
+    keep = positive_int(keep, "plan(keep=)")
+    for key in where or {}:
+        check_key(key, "plan(where=)")
+    hw = load_hardware(cfg.hardware if hardware is None else hardware)
     check_preset(cfg, hw)
     budget_gib = budget_bytes(cfg, hw) / 2**30
     combinations = list(strategies(cfg, devices, accumulate=accumulate, one_program=one_program))

@@ -22,10 +22,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from hyperjax.config import Config, ParallelConfig, PhaseConfig
+from hyperjax.config import Config, ParallelConfig, PhaseConfig, check_key
 from hyperjax.config.parallel import MODIFIERS
 from hyperjax.cost.rl import RLEstimate, estimate_rl
-from hyperjax.errors import ConfigError, HyperjaxError
+from hyperjax.errors import ConfigError, HyperjaxError, expect, positive_int
 from hyperjax.resolver import check_preset, check_rollout_modifiers, learner_config, resolve_rl
 from hyperjax.search.planner import NothingFits, plan
 from hyperjax.search.strategies import divisors
@@ -167,7 +167,7 @@ def plan_rl(
     devices: int,
     *,
     keep: int = 5,
-    hardware: Hardware | None = None,
+    hardware: Hardware | str | None = None,
     held: Mapping[str, Any] | None = None,
 ) -> RLSearch:
     """Rank the splits and layouts of ``cfg``'s ``rl:`` section on ``devices`` devices by predicted iteration.
@@ -179,7 +179,14 @@ def plan_rl(
       ConfigError: no split and layouts fit (naming the leanest tried), or none has the ``held`` settings.
     """
     start = time.perf_counter()
+    expect(cfg, Config, "plan_rl(cfg): cfg", "pass hyperjax.load_config(path)")
+    if cfg.rl is None:
+        raise ConfigError("this config has no rl: section; plan its training with hyperjax.plan")
+    devices = positive_int(devices, "plan_rl(cfg, devices): devices")
+    keep = positive_int(keep, "plan_rl(keep=)")
     held = dict(held or {})
+    for key in held:
+        check_key(key, "plan_rl(held=)")
     if cfg.rl.placement == "disaggregated" and devices < 2:
         raise ConfigError(
             f"--devices {devices}: rl.placement=disaggregated gives each phase devices of its own, so it needs 2 "
@@ -197,7 +204,7 @@ def plan_rl(
             f"rl.rollout.parallel.{key}: the rollout's layouts searched vary its {' and '.join(ROLLOUT_HELD[:2])} "
             f"degrees with data over the rest, so {key} cannot be held; drop it, or price that layout with predict"
         )
-    hw = load_hardware(cfg.hardware) if hardware is None else hardware
+    hw = load_hardware(cfg.hardware if hardware is None else hardware)
     base = learner_config(cfg)  # the learner searched as it will run: its own phase's runtime settings
     base = dataclasses.replace(base, parallel=runtime_parallel(cfg.rl.learner.parallel))
     check_preset(base, hw)  # what the config asks of the device, named before any split is tried

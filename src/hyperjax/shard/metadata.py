@@ -26,7 +26,7 @@ def metadata_axes(path: str, meta: Mapping[str, Any]) -> LogicalAxes | None:
     found = {key: meta[key] for key in METADATA_KEYS if meta.get(key) is not None}
     read = {}
     for key, value in found.items():
-        problem = _unreadable(value)
+        problem = unreadable(value)
         if problem:
             raise ShardingError(
                 f"tensor {path!r}: cannot read logical axes from its sharding metadata {found}: {key} {problem}. "
@@ -42,8 +42,10 @@ def metadata_axes(path: str, meta: Mapping[str, Any]) -> LogicalAxes | None:
     return next(iter(read.values()), None)
 
 
-def _unreadable(value: Any) -> str:
+def unreadable(value: Any) -> str:
     """Why ``value`` is not a readable tuple of logical axes ('' when it is)."""
+    if isinstance(value, str):
+        return f"is the string {value!r}, not a tuple of logical axis names (one per dimension: ({value!r},))"
     if not isinstance(value, tuple | list | P):
         return f"is a {type(value).__name__}, not a tuple or PartitionSpec of logical axis names"
     for i, entry in enumerate(value):

@@ -23,10 +23,11 @@ over ``data`` and ``context``: ``expert`` already splits it), 2 also gradients. 
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping
 
-from hyperjax.errors import ShardingError
+from hyperjax.errors import HyperjaxError, ShardingError, integral
 from hyperjax.shard.strategy import MeshAxes, Strategy, entry_axes
 
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
@@ -52,6 +53,9 @@ def mesh_axes_for(
     Raises:
       ShardingError: a degree is not a positive integer, or the degrees do not multiply to ``devices``.
     """
+    if not integral(devices) or devices < 1:
+        raise ShardingError(f"devices={devices!r} must be a positive integer")
+    devices = int(devices)
     degrees = {"fsdp": fsdp, "expert": expert, "context": context, "tensor": tensor, "pipeline": pipeline}
     if data is not None:
         degrees["data"] = data
@@ -112,6 +116,7 @@ def strategy_for(
         "experts": "expert" if expert_tensor else ("expert", "tensor"),
         "expert_mlp": "tensor" if expert_tensor else None,
     }
+    check_overrides(overrides or {})
     for name, axes in (overrides or {}).items():
         listed = entry_axes(axes)
         unknown = [a for a in listed if a not in MESH_AXES]
@@ -121,3 +126,23 @@ def strategy_for(
             )
         rules[name] = axes
     return Strategy(rules=rules, zero_stage=zero_stage, zero_axes=("data", "context", "expert"))
+
+
+def check_overrides(overrides: Mapping[str, MeshAxes], error: type[HyperjaxError] = ShardingError) -> None:
+    """``shard:`` overrides name logical axes of hyperjax's models, each mapped to mesh axes or null.
+
+    Raises:
+      error: naming the override, with a did-you-mean.
+    """
+    if not isinstance(overrides, Mapping):
+        raise error(f"overrides={overrides!r} must map logical axes to mesh axes, e.g. {{'vocab': None}}")
+    for name, axes in overrides.items():
+        if name not in LOGICAL_AXES:
+            close = difflib.get_close_matches(str(name), LOGICAL_AXES, n=1)
+            raise error(
+                f"shard.{name}: {name!r} is not a logical axis of the model"
+                + (f"; did you mean {close[0]!r}?" if close else "")
+                + f" The logical axes are {', '.join(LOGICAL_AXES)}"
+            )
+        if axes is not None and not isinstance(axes, str | tuple | list):
+            raise error(f"shard.{name}={axes!r}: give a mesh axis, a list of them, or null")

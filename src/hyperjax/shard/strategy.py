@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
@@ -33,11 +34,13 @@ from jax.sharding import PartitionSpec as P
 from jax.tree_util import keystr
 
 from hyperjax.errors import ShardingError
+from hyperjax.shard.checks import check_mesh, checked_fields, one_per_dimension
 from hyperjax.shard.explanation import Explanation, TensorPlacement
 from hyperjax.shard.metadata import LogicalAxes, metadata_axes
 
 MeshAxes = str | tuple[str, ...] | None
 Role = Literal["params", "gradients", "optimizer"]
+ROLES: tuple[Role, ...] = ("params", "gradients", "optimizer")
 Constrain = Callable[[jax.Array, LogicalAxes], jax.Array]
 
 
@@ -62,21 +65,25 @@ class Strategy:
     zero_axes: tuple[str, ...] = ("data",)
 
     def __post_init__(self) -> None:
-        rules = {}
-        for name, axes in self.rules.items():
-            if axes is not None and not isinstance(axes, str):
-                if not isinstance(axes, Sequence) or not all(isinstance(a, str) for a in axes):
-                    raise ShardingError(
-                        f"rule for logical axis {name!r} is {axes!r}; give a mesh axis name, a list of them, or null"
-                    )
-                axes = tuple(axes)
-            rules[name] = axes
+        rules, params, zero_axes = checked_fields(self.rules, self.params, self.zero_stage, self.zero_axes)
         object.__setattr__(self, "rules", MappingProxyType(rules))
-        object.__setattr__(self, "params", MappingProxyType({k: tuple(v) for k, v in self.params.items()}))
-        if self.zero_stage not in (0, 1, 2):
-            raise ShardingError(
-                f"zero_stage={self.zero_stage} must be 0, 1 or 2 (stage 3 is FSDP: shard 'embed' over an axis)"
-            )
+        object.__setattr__(self, "params", MappingProxyType(params))
+        object.__setattr__(self, "zero_axes", zero_axes)
+
+    def _key(self) -> tuple:
+        # rules in any order; params in theirs, since the first pattern that matches wins
+        return frozenset(self.rules.items()), tuple(self.params.items()), self.zero_stage, self.zero_axes
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Strategy) and type(other) is type(self) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __reduce__(self) -> tuple:
+        # the read-only mappings do not pickle; a strategy is rebuilt from plain ones
+        fields = dict(rules=dict(self.rules), params=dict(self.params), zero_stage=self.zero_stage)
+        return (functools.partial(type(self), **fields, zero_axes=self.zero_axes), ())
 
     def mesh_axes(self, logical: str | tuple[str, ...] | None) -> tuple[str, ...]:
         """The mesh axes of one dimension's logical axis (empty when replicated).
@@ -93,14 +100,20 @@ class Strategy:
         """
         if logical is None:
             return ()
-        if isinstance(logical, tuple):
+        if isinstance(logical, tuple) and all(isinstance(name, str) for name in logical):
             return tuple(axis for name in logical for axis in self.mesh_axes(name))
+        if not isinstance(logical, str):
+            raise ShardingError(
+                f"logical axis {logical!r} is a {type(logical).__name__}; give a logical axis name, None, or a "
+                "tuple of names"
+            )
         if logical not in self.rules:
             close = difflib.get_close_matches(logical, list(self.rules), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
+            known = f"the rules name {', '.join(self.rules)}" if self.rules else "the rules are empty"
             raise ShardingError(
-                f"logical axis {logical!r} has no rule{hint} Known logical axes: {', '.join(self.rules)}. "
-                f"Add one under shard: (e.g. {logical}: null to replicate it)."
+                f"logical axis {logical!r} has no rule{hint} ({known}); add one, e.g. rules={{{logical!r}: None}} "
+                f"to replicate it (in a config, shard: {{{logical}: null}})"
             )
         axes = self.rules[logical]
         return () if axes is None else (axes,) if isinstance(axes, str) else axes
@@ -117,6 +130,7 @@ class Strategy:
         Raises:
           ShardingError: a logical axis has no rule.
         """
+        one_per_dimension(logical_axes)
         return P(*(spec_entry(self.mesh_axes(name)) for name in logical_axes))
 
     def logical_axes(self, tree: Any) -> Any:
@@ -169,11 +183,19 @@ class Strategy:
           ShardingError: a rule is missing, a mesh axis is used twice in one spec, a mesh axis is not in
             ``mesh``, or a dimension is not divisible by its mesh axes.
         """
+        if role not in ROLES:
+            raise ShardingError(f"role={role!r} is not one of {', '.join(ROLES)}")
+        check_mesh(mesh)
         zero = (
             self.zero_axes
             if (role == "optimizer" and self.zero_stage >= 1) or (role == "gradients" and self.zero_stage >= 2)
             else ()
         )
+        if zero and not any(a in mesh.shape for a in zero):  # ZeRO over those of them the mesh has
+            raise ShardingError(
+                f"zero_stage={self.zero_stage} shards the {role} over zero_axes={self.zero_axes}, none of which the "
+                f"mesh {dict(mesh.shape)} has; give zero_axes among the mesh's axes"
+            )
 
         def one(path: tuple, leaf: Any) -> Any:
             value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
@@ -199,25 +221,40 @@ class Strategy:
         Raises:
           ShardingError: as :meth:`shardings`.
         """
+        return self._check(f"tensor {path!r}", shape, logical_axes, mesh, zero=zero)
+
+    def _check(
+        self,
+        what: str,
+        shape: tuple[int, ...],
+        logical_axes: LogicalAxes | None,
+        mesh: jax.sharding.Mesh,
+        *,
+        zero: tuple[str, ...] = (),
+    ) -> P:
         if logical_axes is None:
             logical_axes = (None,) * len(shape)
+        one_per_dimension(logical_axes)
         if len(logical_axes) != len(shape):
             raise ShardingError(
-                f"tensor {path!r} has shape {shape} ({len(shape)} dims) but logical axes {logical_axes} "
+                f"{what} has shape {shape} ({len(shape)} dims) but logical axes {tuple(logical_axes)} "
                 f"({len(logical_axes)}); give one logical axis (or null) per dimension"
             )
-        per_dim = [list(self.mesh_axes(name)) for name in logical_axes]
+        try:
+            per_dim = [list(self.mesh_axes(name)) for name in logical_axes]
+        except ShardingError as e:
+            raise ShardingError(f"{what}: {e}") from None
         seen: dict[str, str | None] = {}
         for name, axes in zip(logical_axes, per_dim, strict=True):
             for axis in axes:
                 if axis not in mesh.shape:
                     raise ShardingError(
-                        f"tensor {path!r}: logical axis {name!r} maps to mesh axis {axis!r}, which the mesh "
+                        f"{what}: logical axis {name!r} maps to mesh axis {axis!r}, which the mesh "
                         f"{dict(mesh.shape)} does not have; fix the rule for {name!r}"
                     )
                 if axis in seen:
                     raise ShardingError(
-                        f"tensor {path!r}: mesh axis {axis!r} is used twice in one spec, by logical axes "
+                        f"{what}: mesh axis {axis!r} is used twice in one spec, by logical axes "
                         f"{seen[axis]!r} and {name!r}; map one of them to another mesh axis or to null"
                     )
                 seen[axis] = name
@@ -225,7 +262,7 @@ class Strategy:
             ways = math.prod(mesh.shape[a] for a in axes)
             if size % ways:
                 raise ShardingError(
-                    f"tensor {path!r}: dimension {name!r} of size {size} is not divisible by mesh axes "
+                    f"{what}: dimension {name!r} of size {size} is not divisible by mesh axes "
                     f"{tuple(axes)} of total size {ways}; choose degrees that divide {size} or map {name!r} "
                     "to fewer mesh axes"
                 )
@@ -303,9 +340,10 @@ class Strategy:
           ``x`` with the constraint applied.
 
         Raises:
-          ShardingError: a logical axis has no rule, or no ``mesh`` is given and none is set.
+          ShardingError: as :meth:`shardings` (``x`` named by its logical axes), or no ``mesh`` is given and
+            none is set.
         """
-        spec = self.spec(logical_axes)
+        one_per_dimension(logical_axes)
         if mesh is None:
             mesh = _context_mesh(x)
             if mesh is None:
@@ -313,6 +351,9 @@ class Strategy:
                     f"constrain(x, {tuple(logical_axes)!r}) has no mesh: pass mesh=, or set one around the call "
                     "with `with jax.set_mesh(mesh):`"
                 )
+        check_mesh(mesh)
+        what = f"x in constrain(x, {tuple(logical_axes)!r})"
+        spec = self._check(what, np.shape(x), tuple(logical_axes), mesh)
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 

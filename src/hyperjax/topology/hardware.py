@@ -17,7 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from hyperjax.errors import PresetError
+from hyperjax.errors import PresetError, expect
 from hyperjax.files import read_yaml
 from hyperjax.topology.device import DeviceSpec, is_count, require_name, require_number, require_positive
 
@@ -260,11 +260,11 @@ def list_presets() -> list[str]:
     return sorted(p.stem for p in presets_dir().glob("*.yaml"))
 
 
-def load_hardware(preset: str | Path) -> Hardware:
+def load_hardware(preset: str | Path | Hardware) -> Hardware:
     """Load a hardware preset by name (``cloudmatrix384``) or from a YAML file path.
 
     Args:
-      preset: a shipped preset's name or the path of a preset file.
+      preset: a shipped preset's name or the path of a preset file (a :class:`Hardware` is returned as it is).
 
     Returns:
       The parsed, validated :class:`Hardware`.
@@ -272,6 +272,11 @@ def load_hardware(preset: str | Path) -> Hardware:
     Raises:
       PresetError: the preset is unknown, the file is malformed, or a value is invalid.
     """
+    if isinstance(preset, Hardware):
+        return preset
+    expect(
+        preset, (str, Path), f"hardware preset {preset!r}", "give a preset's name or a preset file's path", PresetError
+    )
     path = Path(preset)
     if path.suffix not in (".yaml", ".yml"):
         names = list_presets()
@@ -334,12 +339,13 @@ def _mapping(value: Any, where: str, cls: type) -> dict[str, Any]:
 
 def _fields(cls: type, raw: dict[str, Any], where: str | None, skip: tuple[str, ...] = ()) -> dict[str, Any]:
     at = f"{where}: " if where else ""
+    allowed = [f.name for f in dataclasses.fields(cls)]  # ``skip``: read by the caller, allowed all the same
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in skip}
     unknown = sorted(map(str, set(raw) - set(fields)))
     if unknown:
-        close = difflib.get_close_matches(unknown[0], list(fields), n=1)
+        close = difflib.get_close_matches(unknown[0], allowed, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise PresetError(f"{at}unknown key {unknown[0]!r}{hint}; allowed keys: {', '.join(fields)}")
+        raise PresetError(f"{at}unknown key {unknown[0]!r}{hint}; allowed keys: {', '.join(allowed)}")
     required = [n for n in _required(cls) if n not in skip]
     missing = [n for n in required if n not in raw]
     if missing:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hyperjax.errors import MeshError
+from hyperjax.errors import MeshError, integral
 from hyperjax.topology.hardware import Hardware, load_hardware
 
 if TYPE_CHECKING:
@@ -81,9 +81,15 @@ def check_axes(axes: Mapping[str, int], devices: int | None = None) -> None:
     Raises:
       MeshError: an axis size is not a positive integer, or the product differs from ``devices``.
     """
+    if isinstance(axes, str):
+        raise MeshError(f"mesh axes {axes!r} are text; read them with hyperjax.parse_axes({axes!r})")
+    if not isinstance(axes, Mapping):
+        raise MeshError(f"mesh axes {axes!r} must be a mapping of axis name to size, e.g. {{'data': 2, 'tensor': 4}}")
     if not axes:
         raise MeshError("mesh axes are empty; give at least one axis, e.g. {'data': 8}")
     for name, size in axes.items():
+        if not isinstance(name, str) or not _AXIS_NAME.match(name):
+            raise MeshError(f"mesh axis name {name!r} is not an identifier; name axes like 'data' or 'tensor'")
         if not isinstance(size, int | np.integer) or isinstance(size, bool) or size < 1:
             raise MeshError(f"mesh axis {name!r} has size {size!r}; axis sizes must be positive integers")
     product = math.prod(axes.values())
@@ -94,12 +100,19 @@ def check_axes(axes: Mapping[str, int], devices: int | None = None) -> None:
         )
 
 
-def default_axes(hardware: Hardware, devices: int) -> dict[str, int]:
+def default_axes(hardware: Hardware | str | Path, devices: int) -> dict[str, int]:
     """The mesh axes a command uses when given none.
 
     The preset's own ``default_axes`` when ``devices`` is the preset's device count; otherwise a
     ``tensor`` axis filling the innermost tier as far as ``devices`` allows and a ``data`` axis outside it.
+
+    Raises:
+      MeshError: ``devices`` is not a positive integer.
     """
+    hardware = load_hardware(hardware)
+    if not integral(devices) or devices < 1:
+        raise MeshError(f"devices={devices!r} must be a positive integer")
+    devices = int(devices)
     if devices == hardware.devices:
         return dict(hardware.default_axes)
     inner = math.gcd(devices, hardware.tiers[0].group_size or devices)
@@ -107,7 +120,7 @@ def default_axes(hardware: Hardware, devices: int) -> dict[str, int]:
 
 
 def axis_spans(
-    hardware: Hardware, axes: Mapping[str, int], *, groups: Mapping[str, Sequence[str]] | None = None
+    hardware: Hardware | str | Path, axes: Mapping[str, int], *, groups: Mapping[str, Sequence[str]] | None = None
 ) -> dict[str, AxisSpan]:
     """Report, for every mesh axis, which tiers its device groups span.
 
@@ -115,7 +128,7 @@ def axis_spans(
     devices in that order with the last axis fastest (as :func:`make_mesh` does).
 
     Args:
-      hardware: the machine.
+      hardware: the machine (a :class:`Hardware`, a preset name or a preset file's path).
       axes: mesh axis sizes, outermost first.
       groups: composite groups to report as well, by name: ``{"data+expert": ("data", "expert")}`` is the
         span of a collective over both axes at once (a gradient reduced over every device holding a batch
@@ -128,16 +141,23 @@ def axis_spans(
       MeshError: invalid sizes, more devices than the machine's tiers connect, or a group naming an axis
         that is not in ``axes``.
     """
+    hardware = load_hardware(hardware)
     check_axes(axes)
     total = math.prod(axes.values())
     check_capacity(hardware, total)
     positions = np.arange(total).reshape(tuple(axes.values()))
     names = list(axes)
     spans = {name: _span(hardware, positions, [k], name) for k, name in enumerate(names)}
+    if groups is not None and not isinstance(groups, Mapping):
+        raise MeshError(f"groups={groups!r} must map a group's name to its mesh axes, e.g. {{'dp': ('data',)}}")
     for group, members in (groups or {}).items():
+        if isinstance(members, str) or not isinstance(members, Sequence):
+            raise MeshError(f"group {group!r} is {members!r}; give a tuple of mesh axis names, e.g. ('data',)")
         unknown = [a for a in members if a not in axes]
         if unknown:
             raise MeshError(f"group {group!r} names mesh axes {unknown} that are not among {names}")
+        if len(set(members)) != len(members):
+            raise MeshError(f"group {group!r} names a mesh axis twice ({tuple(members)}); give each axis once")
         spans[group] = _span(hardware, positions, [names.index(a) for a in members], group)
     return spans
 
@@ -243,9 +263,18 @@ def make_mesh(
     """
     import jax
 
-    if isinstance(hardware, str | Path):
-        hardware = load_hardware(hardware)
+    hardware = load_hardware(hardware)
+    if devices is not None:
+        devices = list(devices)
+        strays = [d for d in devices if not isinstance(d, jax.Device)]
+        if strays:
+            raise MeshError(f"devices holds {strays[0]!r}, not a jax.Device; pass devices from jax.devices()")
+        if len(set(devices)) != len(devices):
+            twice = next(d for d in devices if devices.count(d) > 1)
+            raise MeshError(f"devices holds {twice} twice; give each device once")
     devs = physical_order(jax.devices() if devices is None else devices)
+    if not devs:
+        raise MeshError("devices is empty; pass the devices of the mesh (default: all of jax.devices())")
     check_axes(axes, len(devs))
     check_capacity(hardware, len(devs))
     if axis_types is None:

@@ -17,14 +17,14 @@ from typing import Any, TextIO
 
 import jax
 
-from hyperjax.config import Run
+from hyperjax.config import Run, check_run
 from hyperjax.errors import ConfigError
 from hyperjax.models import build_model, count_params
 from hyperjax.offload import block_policies
 from hyperjax.train.breakdown import CollectiveTime, check_profiled, collective_times, profile_ops
 from hyperjax.train.checkpoint import Checkpoints, imported, restore_params, saved_meta, saved_steps
 from hyperjax.train.interrupt import Interrupted, stop_on_interrupt
-from hyperjax.train.prepare import Prepared, prepare
+from hyperjax.train.prepare import Prepared, check_outputs, prepare
 from hyperjax.train.programs import build_program
 from hyperjax.train.saved_model import check_model, model_record
 
@@ -88,12 +88,17 @@ def train(
         compiled step (:attr:`RunResult.collectives`; one SPMD program only).
 
     Raises:
-      HyperjaxError: a run that cannot train here (see :func:`hyperjax.train.prepare.prepare`), ``resume``
-        without a readable checkpoint, or one written for another model or data.
+      HyperjaxError: a run that cannot train here (see :func:`hyperjax.train.prepare.prepare`), ``run`` not a
+        resolved :class:`Run` (or one of an ``rl:`` config: :func:`hyperjax.train_rl` trains those), outputs
+        that cannot be written (:func:`~hyperjax.train.prepare.check_outputs`), ``resume`` without a readable
+        checkpoint, or one written for another model or data.
       Interrupted: Ctrl-C in a single process (:mod:`hyperjax.train.interrupt`): the run stopped after the
         step under way, with that step's checkpoint written (where ``checkpoint_dir`` is given) and
         ``loss.png`` drawn.
     """
+    if not isinstance(run, Prepared):
+        check_run(run, "train", "train_rl")
+    check_outputs(metrics_out, out_dir, checkpoint_dir, resume=resume)
     ready = run if isinstance(run, Prepared) else prepare(run)
     run = ready.run
     cfg, t = run.config, run.config.train
@@ -120,8 +125,6 @@ def train(
         ckpt = Checkpoints(checkpoint_dir, keep=t.keep_checkpoints, host=program.host_checkpoints)
     records: list[dict[str, Any]] = []
     if resume:
-        if ckpt is None:
-            raise ConfigError("--resume needs --checkpoint-dir, the folder the run wrote its checkpoints to")
         try:
             if imported(ckpt.directory):  # weights alone (import-hf): they start the run at step 0
                 if run.staged:

@@ -9,6 +9,7 @@ Whether this machine can emulate the run's devices is the launcher's question (`
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from hyperjax.config import Run
 from hyperjax.errors import ConfigError
@@ -65,3 +66,26 @@ def prepare(run: Run) -> Prepared:
         fsdp_context=run.config.parallel.fsdp_context,
     )
     return Prepared(run=run, strategy=strategy, offload=offload)
+
+
+def check_outputs(
+    metrics_out: str | None, out_dir: str | None, checkpoint_dir: str | None = None, *, resume: bool = False
+) -> None:
+    """Where a run writes can take what it writes, checked before the run starts: ``metrics_out`` a file in a
+    folder that exists, ``out_dir`` and ``checkpoint_dir`` folders (made if missing), ``resume`` from a
+    ``checkpoint_dir``.
+
+    Raises:
+      ConfigError: naming the argument, the path and the fix.
+    """
+    if resume and checkpoint_dir is None:
+        raise ConfigError("resume needs checkpoint_dir (--checkpoint-dir), the folder the run wrote its checkpoints to")
+    if metrics_out is not None:
+        path = Path(metrics_out)
+        if path.is_dir():
+            raise ConfigError(f"metrics_out={metrics_out!r} is a folder; give the path of a JSON-lines file")
+        if not path.parent.is_dir():
+            raise ConfigError(f"metrics_out={metrics_out!r}: folder {str(path.parent)!r} does not exist; create it")
+    for key, folder in (("out_dir", out_dir), ("checkpoint_dir", checkpoint_dir)):
+        if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
+            raise ConfigError(f"{key}={folder!r} is a file, not a folder; give a folder's path")

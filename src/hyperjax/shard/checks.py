@@ -1,0 +1,85 @@
+"""The checks a :class:`~hyperjax.shard.strategy.Strategy` makes of what it is given: its fields, the logical
+axes of one tensor, and the mesh."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from hyperjax.errors import ShardingError
+from hyperjax.shard.metadata import LogicalAxes, unreadable
+
+
+def checked_fields(
+    rules_in: Any, params_in: Any, zero_stage: Any, zero_axes: Any
+) -> tuple[dict[str, str | tuple[str, ...] | None], dict[str, LogicalAxes], tuple[str, ...]]:
+    """A strategy's ``rules``, ``params`` and ``zero_axes`` as it keeps them (tuples for lists), checked with
+    its ``zero_stage``.
+
+    Raises:
+      ShardingError: a field of the wrong kind, naming it and giving an example of the right one.
+    """
+    if not isinstance(rules_in, Mapping) or not all(isinstance(k, str) for k in rules_in):
+        raise ShardingError(
+            f"rules={rules_in!r} must map logical axis names to a mesh axis, a tuple of them or None, "
+            "e.g. rules={'batch': 'data', 'mlp': 'tensor', 'embed': None}"
+        )
+    rules = {}
+    for name, axes in rules_in.items():
+        if axes is not None and not isinstance(axes, str):
+            if not isinstance(axes, Sequence) or not all(isinstance(a, str) for a in axes):
+                raise ShardingError(
+                    f"rule for logical axis {name!r} is {axes!r}; give a mesh axis name, a list of them, or null"
+                )
+            axes = tuple(axes)
+        rules[name] = axes
+    if not isinstance(params_in, Mapping) or not all(isinstance(k, str) for k in params_in):
+        raise ShardingError(
+            f"params={params_in!r} must map key-path glob patterns to logical axes, "
+            "e.g. params={'*/mlp/w_in': ('embed', 'mlp')}"
+        )
+    params = {}
+    for pattern, axes in params_in.items():
+        problem = unreadable(axes)
+        if problem:
+            raise ShardingError(
+                f"params[{pattern!r}]={axes!r} {problem}; give one logical axis (or None) per dimension, "
+                "e.g. ('embed', 'mlp') or ('mlp',)"
+            )
+        params[pattern] = tuple(axes)
+    if type(zero_stage) is not int or zero_stage not in (0, 1, 2):
+        raise ShardingError(
+            f"zero_stage={zero_stage!r} must be 0, 1 or 2 (stage 3 is FSDP: shard 'embed' over an axis)"
+        )
+    zero = zero_axes
+    if isinstance(zero, str) or not isinstance(zero, Sequence) or not all(isinstance(a, str) for a in zero):
+        raise ShardingError(f"zero_axes={zero!r} must be a tuple of mesh axis names, e.g. ('data',)")
+    return rules, params, tuple(zero)
+
+
+def one_per_dimension(logical_axes: Any) -> None:
+    """``logical_axes`` is a sequence of entries, one per dimension, not a bare name.
+
+    Raises:
+      ShardingError: showing the one-entry tuple meant.
+    """
+    if isinstance(logical_axes, str) or not isinstance(logical_axes, Sequence):
+        raise ShardingError(
+            f"logical axes {logical_axes!r} must be a sequence with one entry per dimension (a logical axis "
+            f"name, None or a tuple of names), e.g. ({logical_axes!r},)"
+        )
+
+
+def check_mesh(mesh: Any) -> None:
+    """``mesh`` is a JAX mesh.
+
+    Raises:
+      ShardingError: naming what was given and how to make one.
+    """
+    if not isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):
+        raise ShardingError(
+            f"mesh={mesh!r} is a {type(mesh).__name__}, not a jax.sharding.Mesh; make one with "
+            "hyperjax.make_mesh(hardware, axes)"
+        )
