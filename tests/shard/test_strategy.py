@@ -214,3 +214,30 @@ def test_a_strategy_pickles_copies_and_hashes(mesh):
     assert flipped == s and hash(flipped) == hash(s)
     first, second = {"a/*": ("embed", "mlp")}, {"*/w": ("mlp", "embed")}
     assert Strategy(rules=RULES, params=first | second) != Strategy(rules=RULES, params=second | first)
+
+
+def test_a_pattern_that_matches_nothing_while_a_tensor_goes_unnamed_is_a_misspelling(mesh):
+    s = Strategy(rules=RULES, params={"w_inn": ("embed", "mlp"), "w_out": ("mlp", "embed")})
+    tree = {"w_in": jnp.zeros((8, 8)), "w_out": jnp.zeros((8, 8)), "step": jnp.zeros(())}
+    with pytest.raises(ShardingError, match=r"pattern 'w_inn' matches no tensor .*w_in: it carries no logical axes"):
+        s.shardings(tree, mesh)
+    with pytest.raises(ShardingError, match=r"did you mean 'w_in'\?"):
+        s.explain(tree, mesh)
+    # a tree of some of the tensors, every one named: the patterns for the others are not for it
+    assert s.shardings({"w_out": jnp.zeros((8, 8)), "step": jnp.zeros(())}, mesh)["w_out"].spec == P("tensor", None)
+    # the optimizer's copies under other paths would be replicated: said, not done
+    right = Strategy(rules=RULES, params={"w_out": ("mlp", "embed")})
+    with pytest.raises(ShardingError, match=r"'w_out' matches no tensor of the tree, and mu/w_out: it carries"):
+        right.shardings({"mu": {"w_out": jnp.zeros((8, 8))}}, mesh)
+
+
+def test_the_patterns_a_state_adds_may_match_nothing(mesh):
+    import pickle
+
+    model = build_model(ModelConfig(layers=1, d_model=64, heads=4, d_ff=128, seq_len=16))
+    state = nnx.state(model)
+    rules = {**RULES, "vocab": "tensor", "kv_heads": "tensor", "head_dim": None}
+    s = Strategy(rules=rules).with_param_axes(state)
+    pure = nnx.to_pure_dict(state)  # the '*/...' patterns match nothing here, and that is no mistake
+    assert s.shardings(pure, mesh)["blocks"][0]["mlp"]["w_in"].spec == P(None, "tensor")
+    assert pickle.loads(pickle.dumps(s)).shardings({"mu": pure}, mesh)["mu"]["embed"].spec == P("tensor", None)

@@ -1,8 +1,10 @@
 """The checks a :class:`~hyperjax.shard.strategy.Strategy` makes of what it is given: its fields, the logical
-axes of one tensor, and the mesh."""
+axes of one tensor, its ``params`` patterns against a tree, and the mesh (or the one ``jax.set_mesh`` set)."""
 
 from __future__ import annotations
 
+import difflib
+import fnmatch
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -83,3 +85,36 @@ def check_mesh(mesh: Any) -> None:
             f"mesh={mesh!r} is a {type(mesh).__name__}, not a jax.sharding.Mesh; make one with "
             "hyperjax.make_mesh(hardware, axes)"
         )
+
+
+def check_patterns(patterns: list[str], paths: list[str], bare: list[str]) -> None:
+    """A ``params`` pattern that matches none of a tree's ``paths`` while tensors of it carry no logical axes
+    (``bare``, replicated) is a pattern meant for them, misspelt.
+
+    Raises:
+      ShardingError: naming the pattern, the tensors nothing names, and the closest of them.
+    """
+    unused = [p for p in patterns if not any(fnmatch.fnmatchcase(path, p) for path in paths)]
+    if unused and bare:
+        close = difflib.get_close_matches(unused[0], bare, n=1, cutoff=0.0)
+        shown = ", ".join(bare[:4]) + (f" and {len(bare) - 4} more" if len(bare) > 4 else "")
+        they = "it carries" if len(bare) == 1 else "they carry"
+        raise ShardingError(
+            f"params pattern {unused[0]!r} matches no tensor of the tree, and {shown}: {they} no logical axes, so "
+            f"would be replicated; did you mean {close[0]!r}? Fix the pattern, or name those tensors' axes (None "
+            "replicates on purpose)"
+        )
+
+
+def context_mesh(x: Any) -> jax.sharding.Mesh | jax.sharding.AbstractMesh | None:
+    """The mesh ``jax.set_mesh`` set, concrete where ``x`` is (outside ``jit``); ``None`` when none is set."""
+    abstract = jax.sharding.get_abstract_mesh()
+    if abstract.empty:
+        return None
+    if isinstance(x, jax.core.Tracer):
+        return abstract
+    try:
+        # a concrete array outside jit needs the concrete mesh; jax refuses it while tracing
+        return jax.sharding.get_mesh()
+    except ValueError:
+        return abstract

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
-import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
@@ -34,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jax.tree_util import keystr
 
 from hyperjax.errors import ShardingError
-from hyperjax.shard.checks import check_mesh, checked_fields, one_per_dimension
+from hyperjax.shard.checks import check_mesh, check_patterns, checked_fields, context_mesh, one_per_dimension
 from hyperjax.shard.explanation import Explanation, TensorPlacement
 from hyperjax.shard.metadata import LogicalAxes, metadata_axes
 
@@ -63,6 +62,8 @@ class Strategy:
     params: Mapping[str, LogicalAxes] = dataclasses.field(default_factory=dict)
     zero_stage: int = 0
     zero_axes: tuple[str, ...] = ("data",)
+    # the patterns with_param_axes added: they mirror a state's variables, and may match nothing in a tree
+    _derived: frozenset[str] = dataclasses.field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         rules, params, zero_axes = checked_fields(self.rules, self.params, self.zero_stage, self.zero_axes)
@@ -83,7 +84,7 @@ class Strategy:
     def __reduce__(self) -> tuple:
         # the read-only mappings do not pickle; a strategy is rebuilt from plain ones
         fields = dict(rules=dict(self.rules), params=dict(self.params), zero_stage=self.zero_stage)
-        return (functools.partial(type(self), **fields, zero_axes=self.zero_axes), ())
+        return (_rebuilt, (type(self), {**fields, "zero_axes": self.zero_axes}, self._derived))
 
     def mesh_axes(self, logical: str | tuple[str, ...] | None) -> tuple[str, ...]:
         """The mesh axes of one dimension's logical axis (empty when replicated).
@@ -197,14 +198,20 @@ class Strategy:
                 f"mesh {dict(mesh.shape)} has; give zero_axes among the mesh's axes"
             )
 
+        paths, bare = [], []  # every leaf's path; those of the tensors nothing names, which are replicated
+
         def one(path: tuple, leaf: Any) -> Any:
             value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
             (axes,) = self._axes_of(leaf, path)
-            spec = self.check(keystr(path, simple=True, separator="/"), np.shape(value), axes, mesh, zero=zero)
-            sharding = NamedSharding(mesh, spec)
+            name = keystr(path, simple=True, separator="/")
+            paths.append(name)
+            bare.extend([name] if axes is None and np.ndim(value) > 0 else [])
+            sharding = NamedSharding(mesh, self.check(name, np.shape(value), axes, mesh, zero=zero))
             return leaf.replace(value=sharding) if isinstance(leaf, nnx.Variable) else sharding
 
-        return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_variable)
+        out = jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_variable)
+        check_patterns([p for p in self.params if p not in self._derived], paths, bare)
+        return out
 
     def check(
         self,
@@ -290,7 +297,9 @@ class Strategy:
                 found[name] = found[f"*/{name}"] = axes
 
         jax.tree_util.tree_map_with_path(record, state, is_leaf=_is_variable)
-        return dataclasses.replace(self, params={**found, **self.params})
+        out = dataclasses.replace(self, params={**found, **self.params})
+        object.__setattr__(out, "_derived", self._derived | (found.keys() - self.params.keys()))
+        return out
 
     def explain(self, tree: Any, mesh: jax.sharding.Mesh, *, role: Role = "params") -> Explanation:
         """Per tensor: path, shape, logical axes, ``PartitionSpec`` and bytes per device; and totals.
@@ -345,7 +354,7 @@ class Strategy:
         """
         one_per_dimension(logical_axes)
         if mesh is None:
-            mesh = _context_mesh(x)
+            mesh = context_mesh(x)
             if mesh is None:
                 raise ShardingError(
                     f"constrain(x, {tuple(logical_axes)!r}) has no mesh: pass mesh=, or set one around the call "
@@ -355,6 +364,12 @@ class Strategy:
         what = f"x in constrain(x, {tuple(logical_axes)!r})"
         spec = self._check(what, np.shape(x), tuple(logical_axes), mesh)
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def _rebuilt(cls: type[Strategy], fields: dict[str, Any], derived: frozenset[str]) -> Strategy:
+    out = cls(**fields)
+    object.__setattr__(out, "_derived", derived)
+    return out
 
 
 def _leaves(tree: Any) -> list[tuple[tuple, Any]]:
@@ -368,20 +383,6 @@ def _at_path(path: tuple, leaf: Any) -> Any:
         name = getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))
         tree = {name: tree}
     return tree
-
-
-def _context_mesh(x: Any) -> jax.sharding.Mesh | jax.sharding.AbstractMesh | None:
-    """The mesh ``jax.set_mesh`` set, concrete where ``x`` is (outside ``jit``); ``None`` when none is set."""
-    abstract = jax.sharding.get_abstract_mesh()
-    if abstract.empty:
-        return None
-    if isinstance(x, jax.core.Tracer):
-        return abstract
-    try:
-        # a concrete array outside jit needs the concrete mesh; jax refuses it while tracing
-        return jax.sharding.get_mesh()
-    except ValueError:
-        return abstract
 
 
 def spec_entry(axes: tuple[str, ...]) -> MeshAxes:
