@@ -15,6 +15,7 @@ Writes ``benchmarks/results/fp8.json``.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -132,6 +133,7 @@ def predict(case: dict, recipe: str | None) -> dict:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     console = Console(width=160)
     table = Table(title="BF16 against FP8 recipes, predicted on dgx-h100 at published layouts")
     for col in ("model", "precision", "step s", "speed-up", "FP8 products", "casts", "peak GiB", "measured speed-up"):

@@ -16,6 +16,7 @@ measurement (so that table shows how closely the preset's two-number form follow
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -273,6 +274,7 @@ def report_all(stem: str, script: str, report, width: int = 130) -> int:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     return report_all("kernels", "gpu_kernels_measure.py", report)
 
 

@@ -16,6 +16,7 @@ Nothing is fitted to these measurements.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -168,6 +169,7 @@ def report(path: Path, console: Console) -> dict:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     return report_all("moe", "gpu_moe_measure.py", report, width=140)
 
 

@@ -20,6 +20,7 @@ Writes ``benchmarks/results/infer_offload.json`` and ``benchmarks/results/infer_
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import time
@@ -59,6 +60,7 @@ def estimate():
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     console = Console(width=140)
     est = estimate()
     budget = BUDGET_GIB * 2**30

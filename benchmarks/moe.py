@@ -16,6 +16,7 @@ memory per device. Writes ``benchmarks/results/moe.json`` and ``benchmarks/resul
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -73,6 +74,7 @@ def best(machine: str, expert: int) -> dict | None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     start = time.perf_counter()
     rows = [best(machine, ep) for machine in MACHINES for ep in EXPERT_DEGREES]
     table = Table(title=f"DeepSeek-V3-671B, {DEVICES} devices, 1536 x 4096 tokens per step (predicted)")

@@ -20,6 +20,7 @@ overlapped layout on ``cloudmatrix384`` (``moe_overlap.trace.json``, its all-to-
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -80,6 +81,7 @@ def machine_rows(machine: str) -> tuple[list[dict], hyperjax.Estimate]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     console = Console(width=200)
     rows, traced = [], None
     for machine in MACHINES:

@@ -32,6 +32,7 @@ Writes ``benchmarks/results/mpmd.json``, a Perfetto trace and a Gantt chart per 
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import statistics
@@ -241,11 +242,18 @@ def vlm() -> dict:
 
 
 def main() -> None:
-    import sys
-
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--vlm-only",
+        action="store_true",
+        help="price the VLM comparison again and keep the bubbles measured by the last run (results/mpmd.json)",
+    )
+    args = parser.parse_args()
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "mpmd.json"
     previous = json.loads(out.read_text()) if out.exists() else {}
+    if args.vlm_only and not previous.get("bubbles"):
+        parser.error(f"--vlm-only keeps the bubbles measured in {out}, which holds none; run without it")
     v = vlm()
     console = Console(width=140)
     table = Table(title="VLM on cloudmatrix384 (384 devices), predicted step time")
@@ -264,7 +272,7 @@ def main() -> None:
         )
     console.print(table)
     print(f"MPMD vs best SPMD: {v['speedup_vs_spmd_best']:.2f}x")
-    rows = previous.get("bubbles", []) if "--vlm-only" in sys.argv else [measure(*case) for case in CASES]
+    rows = previous["bubbles"] if args.vlm_only else [measure(*case) for case in CASES]
     table = Table(title="pipeline bubble fraction: measured task times on the executed grid vs theory")
     cols = ("schedule", "p", "m", "v", "theory", "theory at F/B/W", "at mean F/B/W", "at stage medians")
     cols += ("measured", "gap (points)", "F/B/W ms", "predicted")

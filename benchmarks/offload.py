@@ -23,6 +23,7 @@ Writes ``benchmarks/results/offload.json`` and ``benchmarks/results/offload-budg
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from collections.abc import Callable
@@ -110,6 +111,7 @@ def largest(ok: Callable[[int], bool], start: int, cap: int) -> int:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     RESULTS.mkdir(exist_ok=True)
     start = time.perf_counter()
     console = Console(width=150)

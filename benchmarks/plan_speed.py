@@ -12,6 +12,7 @@ plot of search seconds against strategies searched (``plan_speed.png``).
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -89,6 +90,7 @@ def run(name: str, hardware: str, devices: int, batch: int, folder: Path) -> dic
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     RESULTS.mkdir(exist_ok=True)
     cases = [("gpt3-175b", "cloudmatrix384", 384, 1536), ("llama3-405b", "dgx-h100", 16384, 2048)]
     cases += [(n, "dgx-h100", d, b) for n in GPT for d in DEVICES for b in GPT_BATCHES]

@@ -17,6 +17,7 @@ Writes ``benchmarks/results/rl.json``.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import time
@@ -166,6 +167,7 @@ def at_tensor(est: hyperjax.RLEstimate, tensor: int, expert: int | None = None) 
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     rows: list[dict] = []
     started = time.perf_counter()
     for model, file in MODELS.items():

@@ -15,6 +15,7 @@ state what was assumed; the comparison is of shape, not a reproduction. Writes
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -51,6 +52,7 @@ def best(sets: list[str], hardware: str, devices: int) -> tuple[hyperjax.Candida
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     console = Console(width=150)
     results: dict = {}
 

@@ -21,6 +21,7 @@ Writes ``benchmarks/results/validate.json``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -196,6 +197,7 @@ def print_training(rows: list[dict], console: Console) -> dict:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     found = [*sorted((HERE / "validation").glob("*.yaml"))]
     found += [
         *sorted((HERE / "validation" / "fp8").glob("*.yaml")),

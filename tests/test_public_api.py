@@ -52,3 +52,15 @@ def test_benchmarks_import_only_the_public_api(path):
                 assert not alias.name.startswith("hyperjax.") or alias.name.count(".") <= 1, alias.name
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "hyperjax":
             assert node.attr in hyperjax.__all__, f"{path.name}: hyperjax.{node.attr} is not exported"
+
+
+@pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: p.name)
+def test_benchmarks_parse_their_command_line(path):
+    """Every benchmark reads its arguments with argparse: ``--help`` says what it measures, and a flag it does
+    not know is refused (exit 2) rather than ignored while the whole benchmark runs."""
+    tree = ast.parse(path.read_text())
+    calls = {
+        node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+    }
+    assert "parse_args" in calls, f"{path.name} reads no command line"
+    assert "argv" not in {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}, f"{path.name} reads sys.argv"
