@@ -31,7 +31,9 @@ def test_requested_processes():
 
 def test_one_process_above_256_is_refused():
     with pytest.raises(
-        EmulationError, match=r"384 devices per process .* exceeds the 256-device limit .* deadlock.*\(--processes 2\)"
+        EmulationError,
+        match=r"384 devices per process \(384 devices over 1 process\) exceeds the 256-device limit .* deadlock.*"
+        r"\(--processes 2\)",
     ):
         plan_processes(384, 1, fd_limit=BIG)
 

@@ -124,14 +124,14 @@ def plan_processes(devices: int, processes: int | None = None, *, fd_limit: int 
     if per > MAX_DEVICES_PER_PROCESS:
         need = plan_processes(devices, fd_limit=limit)
         raise EmulationError(
-            f"{per} devices per process ({devices} devices over {processes} processes) exceeds the "
+            f"{per} devices per process ({devices} devices over {_processes(processes)}) exceeds the "
             f"{MAX_DEVICES_PER_PROCESS}-device limit of one process: XLA's CPU collectives over sub-groups "
             f"deadlock above it. Use at least {need} processes (--processes {need}) or leave the count unset."
         )
     if not _fits(devices, processes, limit):
         need = plan_processes(devices, fd_limit=limit)
         raise EmulationError(
-            f"{per} devices per process ({devices} devices over {processes} processes) would need about "
+            f"{per} devices per process ({devices} devices over {_processes(processes)}) would need about "
             f"{per * files_per_device(devices) + _FD_RESERVE} open files per process (gloo keeps a socket per "
             f"pair of devices in a collective: {files_per_device(devices)} per device), above the limit of "
             f"{limit} (ulimit -n). Use at least {need} processes (--processes {need}) or leave the count unset."
@@ -148,6 +148,10 @@ def _check_memory(devices: int, processes: int) -> None:
             f"{need / 2**30:.0f} GiB of memory, more than this machine's {machine_memory() / 2**30:.0f} GiB allows; "
             "emulate fewer devices or raise the open-file limit (ulimit -n) so fewer processes suffice"
         )
+
+
+def _processes(n: int) -> str:
+    return f"{n} process{'es' if n != 1 else ''}"
 
 
 def start_devices(local_devices: int, cluster: Cluster | None = None, *, platform: str = "cpu") -> None:
