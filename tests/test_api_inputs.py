@@ -78,7 +78,7 @@ HW = hyperjax.load_hardware("cloudmatrix384")
             r"group 'g' names a mesh axis twice",
         ),
         (lambda: hyperjax.start_devices(8, platform="CPU"), EmulationError, r"platform='CPU' must be 'cpu'"),
-        (lambda: hyperjax.start_devices(True), EmulationError, r"local_devices=True must be a positive integer"),
+        (lambda: hyperjax.start_devices(True), EmulationError, r"devices=True must be a positive integer"),
         # the standard strategy's overrides name its logical axes
         (lambda: hyperjax.strategy_for(overrides={"mlpp": "tensor"}), ShardingError, r"did you mean 'mlp'\?"),
         (lambda: hyperjax.strategy_for(overrides={"mlp": 3}), ShardingError, r"shard.mlp=3: give a mesh axis"),

@@ -55,14 +55,14 @@ def article(noun: str) -> str:
     return f"{'an' if spelled or noun[:1] in 'aeiouAEIOU' else 'a'} {noun}"
 
 
-def positive_int(value: Any, what: str) -> int:
+def positive_int(value: Any, what: str, error: type[HyperjaxError] = ConfigError) -> int:
     """``value``, a count, as an ``int``: a positive integer (a NumPy one too; not ``True``).
 
     Raises:
-      ConfigError: naming ``what`` and the value.
+      error: naming ``what`` and the value.
     """
     if not integral(value) or value < 1:
-        raise ConfigError(f"{what}={value!r} must be a positive integer")
+        raise error(f"{what}={value!r} must be a positive integer")
     return int(value)
 
 

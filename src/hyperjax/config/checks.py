@@ -47,7 +47,7 @@ def check_fields(obj: Any, section: str) -> None:
         type expected and the type given.
     """
     vocabularies(obj, section)
-    for name, hint in _field_hints(type(obj)):
+    for name, hint in field_hints(type(obj)):
         value = getattr(obj, name)
         if isinstance(value, list) and _tuple_hint(hint):
             value = tuple(value)
@@ -67,25 +67,27 @@ def type_name(hint: Any) -> str:
 
 
 @functools.cache
-def _field_hints(cls: type) -> tuple[tuple[str, Any], ...]:
+def field_hints(cls: type) -> tuple[tuple[str, Any], ...]:
+    """``(field, type hint)`` of each field of dataclass ``cls``, in order (read once per class)."""
     hints = typing.get_type_hints(cls)
     return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
 
 
-def _options(hint: Any) -> tuple[Any, ...]:
+def hint_options(hint: Any) -> tuple[Any, ...]:
+    """The types a hint allows: a union's members, else the hint itself."""
     union = typing.get_origin(hint) in (typing.Union, types.UnionType)
     return typing.get_args(hint) if union else (hint,)
 
 
 def _tuple_hint(hint: Any) -> bool:
-    return any(typing.get_origin(o) is tuple for o in _options(hint))
+    return any(typing.get_origin(o) is tuple for o in hint_options(hint))
 
 
 def _matches(value: Any, hint: Any) -> bool:
     """Whether ``value`` is of type ``hint`` (the forms config sections use)."""
     if hint is Any:
         return True
-    options = _options(hint)
+    options = hint_options(hint)
     if len(options) > 1:
         return any(_matches(value, o) for o in options)
     origin = typing.get_origin(hint)

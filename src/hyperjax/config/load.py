@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from hyperjax.config import hf
-from hyperjax.config.checks import literal_options, type_name
+from hyperjax.config.checks import field_hints, hint_options, literal_options, type_name
 from hyperjax.config.sections import Config
 from hyperjax.errors import ConfigError, article
 from hyperjax.files import parse_yaml, read_yaml
@@ -40,13 +40,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         raise ConfigError(
             f"load_config(path): path {path!r} is {article(type(path).__name__)}; give a file's path or None"
         )
-    overrides = () if overrides is None else overrides
-    if isinstance(overrides, str) or not isinstance(overrides, Iterable):
-        raise ConfigError(
-            f"load_config(overrides={overrides!r}): give a list of 'key=value' strings, e.g. ['parallel.tensor=4']"
-        )
-    overrides = tuple(overrides)  # an iterator is read once
-    if not all(isinstance(item, str) for item in overrides):
+    listed = isinstance(overrides, Iterable) and not isinstance(overrides, str)
+    items = () if overrides is None else tuple(overrides) if listed else None  # an iterator is read once
+    if items is None or not all(isinstance(item, str) for item in items):
         raise ConfigError(
             f"load_config(overrides={overrides!r}): give a list of 'key=value' strings, e.g. ['parallel.tensor=4']"
         )
@@ -68,7 +64,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             )
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(raw).__name__}")
-    for item in overrides:
+    for item in items:
         apply_override(raw, item)
     config = build(Config, raw, "")
     if "global_batch" in (raw.get("train") or {}):  # given, even as the default: an rl: config's must agree
@@ -111,14 +107,12 @@ def check_key(key: str, what: str) -> None:
     cls: Any = Config
     parts = key.split(".")
     for i, part in enumerate(parts):
-        fields = {f.name for f in dataclasses.fields(cls)}
-        if part not in fields:
-            close = difflib.get_close_matches(part, sorted(fields), n=1)
+        hints = dict(field_hints(cls))
+        if part not in hints:
+            close = difflib.get_close_matches(part, sorted(hints), n=1)
             head = ".".join([*parts[:i], close[0]]) if close else ""
             raise ConfigError(f"{what}: unknown config key {key}" + (f"; did you mean {head}?" if close else ""))
-        hint = typing.get_type_hints(cls)[part]
-        options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-        nested = [o for o in options if dataclasses.is_dataclass(o)]
+        nested = [o for o in hint_options(hints[part]) if dataclasses.is_dataclass(o)]
         if i + 1 < len(parts) and not nested:
             raise ConfigError(f"{what}: {'.'.join(parts[: i + 1])} is a value, not a section; {key} does not exist")
         if i + 1 == len(parts) and nested:

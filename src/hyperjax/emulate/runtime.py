@@ -21,7 +21,7 @@ import resource
 import sys
 
 from hyperjax.emulate.launcher import follow_launcher
-from hyperjax.errors import EmulationError
+from hyperjax.errors import EmulationError, integral
 
 MAX_DEVICES_PER_PROCESS = 256
 """The most CPU devices one process may emulate; collectives over sub-groups deadlock above it."""
@@ -101,8 +101,9 @@ def plan_processes(devices: int, processes: int | None = None, *, fd_limit: int 
       EmulationError: non-positive counts, a count that does not divide ``devices``, more than
         :data:`MAX_DEVICES_PER_PROCESS` devices in one process, or more open files than the limit.
     """
-    if not isinstance(devices, int) or devices < 1:
+    if not integral(devices) or devices < 1:
         raise EmulationError(f"devices={devices!r} must be a positive integer (emulate.devices / --devices)")
+    devices = int(devices)
     limit = open_file_limit() if fd_limit is None else fd_limit
     if processes is None:
         processes = next((p for p in range(1, devices + 1) if devices % p == 0 and _fits(devices, p, limit)), devices)
@@ -174,8 +175,6 @@ def start_devices(local_devices: int, cluster: Cluster | None = None, *, platfor
         raise EmulationError(
             f"platform={platform!r} must be 'cpu' (emulated CPU devices) or 'auto' (the host's accelerators)"
         )
-    if isinstance(local_devices, bool):
-        raise EmulationError(f"local_devices={local_devices!r} must be a positive integer, not a bool")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

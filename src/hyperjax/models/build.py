@@ -5,7 +5,7 @@ from __future__ import annotations
 from flax import nnx
 
 from hyperjax.config import Activation, DType, Fp8Config, ModelConfig, Overlap, Recompute, choices
-from hyperjax.errors import ConfigError, expect
+from hyperjax.errors import ConfigError, expect, integral
 from hyperjax.models.transformer import BlockPolicy, Transformer
 from hyperjax.models.vlm import VisionLanguageModel
 
@@ -52,7 +52,7 @@ def build_model(
                 f"recompute_modules={tuple(recompute_modules)} names what selective recomputation recomputes, "
                 f"but recompute={recompute!r}; pass recompute='selective' or drop recompute_modules"
             )
-    if not isinstance(seed, int) or isinstance(seed, bool):
+    if not integral(seed):
         raise ConfigError(f"seed={seed!r} must be an integer")
     if policies is not None and len(policies) != cfg.layers:
         raise ConfigError(f"policies has {len(policies)} entries; give one per layer (model.layers={cfg.layers})")

@@ -27,7 +27,7 @@ import difflib
 import math
 from collections.abc import Mapping
 
-from hyperjax.errors import HyperjaxError, ShardingError, integral
+from hyperjax.errors import HyperjaxError, ShardingError, positive_int
 from hyperjax.shard.strategy import MeshAxes, Strategy, entry_axes
 
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
@@ -53,9 +53,7 @@ def mesh_axes_for(
     Raises:
       ShardingError: a degree is not a positive integer, or the degrees do not multiply to ``devices``.
     """
-    if not integral(devices) or devices < 1:
-        raise ShardingError(f"devices={devices!r} must be a positive integer")
-    devices = int(devices)
+    devices = positive_int(devices, "devices", ShardingError)
     degrees = {"fsdp": fsdp, "expert": expert, "context": context, "tensor": tensor, "pipeline": pipeline}
     if data is not None:
         degrees["data"] = data

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hyperjax.errors import MeshError, integral
+from hyperjax.errors import MeshError, positive_int
 from hyperjax.topology.hardware import Hardware, load_hardware
 
 if TYPE_CHECKING:
@@ -110,9 +110,7 @@ def default_axes(hardware: Hardware | str | Path, devices: int) -> dict[str, int
       MeshError: ``devices`` is not a positive integer.
     """
     hardware = load_hardware(hardware)
-    if not integral(devices) or devices < 1:
-        raise MeshError(f"devices={devices!r} must be a positive integer")
-    devices = int(devices)
+    devices = positive_int(devices, "devices", MeshError)
     if devices == hardware.devices:
         return dict(hardware.default_axes)
     inner = math.gcd(devices, hardware.tiers[0].group_size or devices)
