@@ -16,7 +16,7 @@ SIZES = [(p, m) for p in range(1, 9) for m in range(1, 17)]
 def test_every_grid_is_valid_and_has_the_textbook_bubble(name):
     checked = 0
     for p, m in SIZES:
-        for v in (1, 2, 3) if name == "interleaved" else (1,):
+        for v in (2, 3, 4) if name == "interleaved" else (1,):
             if name == "interleaved" and m % p:
                 continue
             sched = make_schedule(name, p, m, v)
@@ -88,6 +88,7 @@ def test_validator_catches_broken_grids():
         (("1f1b", 2, 0), "train.microbatches"),
         (("1f1b", 2, 4, 2), "parallel.virtual_stages=2 needs parallel.schedule: interleaved"),
         (("interleaved", 4, 6, 2), "multiple of 4"),
+        (("interleaved", 4, 8, 1), "virtual_stages=1 is 1F1B's grid"),
     ],
 )
 def test_bad_sizes_name_the_key(args, match):

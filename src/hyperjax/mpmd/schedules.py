@@ -167,6 +167,11 @@ def check_sizes(name: str, stages: int, microbatches: int, virtual_stages: int) 
             f"parallel.virtual_stages={virtual_stages} needs parallel.schedule: interleaved (got {name!r}); "
             "set virtual_stages: 1 or use the interleaved schedule"
         )
+    if virtual_stages == 1 and name == "interleaved":
+        raise ConfigError(
+            "parallel.schedule='interleaved' with parallel.virtual_stages=1 is 1F1B's grid; give each stage two "
+            "or more chunks (virtual_stages >= 2), or set parallel.schedule: 1f1b"
+        )
     if name == "interleaved" and microbatches % stages:
         raise ConfigError(
             f"the interleaved schedule runs micro-batches in groups of parallel.pipeline={stages}, but "
