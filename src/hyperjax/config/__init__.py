@@ -5,7 +5,8 @@ is read. :func:`hyperjax.resolve` turns a ``Config`` into a ``Run``.
 """
 
 from hyperjax.config.load import apply_override, build, check_key, load_config
-from hyperjax.config.model import FAMILY_PARTS, ModelConfig, MoEConfig, RopeScaling, VisionConfig
+from hyperjax.config.model import FAMILY_PARTS, ModelConfig, VisionConfig
+from hyperjax.config.model_parts import MoEConfig, RopeScaling
 from hyperjax.config.parallel import MPMDConfig, ParallelConfig, SubmeshConfig
 from hyperjax.config.rl import RLRun, check_run
 from hyperjax.config.run import Run, Stage
