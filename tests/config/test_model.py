@@ -1,4 +1,4 @@
-"""A model's filled parts follow the values they are filled from when the model is changed."""
+"""A model's filled parts (and its experts') follow the values they are filled from when it is changed."""
 
 import dataclasses
 import pickle
@@ -6,7 +6,7 @@ import pickle
 import pytest
 
 from hyperjax import ConfigError
-from hyperjax.config import ModelConfig
+from hyperjax.config import ModelConfig, MoEConfig
 
 
 def test_replace_fills_again_what_the_model_was_not_given():
@@ -34,3 +34,15 @@ def test_replace_keeps_what_the_model_was_given():
     assert m.replace(kv_heads=None).kv_heads == 8  # None: filled again
     with pytest.raises(ConfigError, match=r"model.kv_heads=2 must divide model.heads=3"):
         m.replace(heads=3, head_dim=64)
+
+
+def test_replace_of_the_experts_takes_the_new_balance_methods_default():
+    moe = MoEConfig(balance="aux_loss")
+    assert (moe.aux_loss_weight, moe.bias_update_rate) == (0.01, None)
+    bias = moe.replace(balance="bias")
+    assert (bias.aux_loss_weight, bias.bias_update_rate) == (None, 0.001)
+    with pytest.raises(ConfigError, match=r"model.moe.aux_loss_weight=0.01 applies to model.moe.balance=aux_loss"):
+        dataclasses.replace(moe, balance="bias")
+    weighted = MoEConfig(aux_loss_weight=0.1)
+    with pytest.raises(ConfigError, match=r"model.moe.aux_loss_weight=0.1 applies to"):
+        weighted.replace(balance="bias")  # a weight given is kept, and refused under the other method

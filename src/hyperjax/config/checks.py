@@ -9,9 +9,28 @@ import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar, Self
 
 from hyperjax.errors import ConfigError
+
+
+class Filled:
+    """A frozen config section that fills the fields of :attr:`FILLED` left ``None`` from its other values.
+
+    :meth:`replace` fills them again from the new values; ``dataclasses.replace`` passes the filled values on
+    as if given. The section calls :meth:`note_open` in ``__post_init__`` before filling anything."""
+
+    FILLED: ClassVar[frozenset[str]] = frozenset()
+
+    def note_open(self) -> None:
+        """Remember which of :attr:`FILLED` were left ``None`` (to be filled)."""
+        object.__setattr__(self, "_open", frozenset(n for n in self.FILLED if getattr(self, n) is None))
+
+    def replace(self, **changes: Any) -> Self:
+        """This section with ``changes``, the fields it was not given filled again from the new values (a field
+        set to ``None`` is filled too)."""
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in self._open}
+        return type(self)(**{**given, **changes})
 
 
 def positive(obj: Any, section: str, keys: Sequence[str], *, optional: bool = False) -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
-from hyperjax.config.checks import check_fields, positive
+from hyperjax.config.checks import Filled, check_fields, positive
 from hyperjax.config.model_parts import MoEConfig, RopeScaling
 from hyperjax.config.types import (
     GATED,
@@ -45,9 +45,6 @@ FAMILY_PARTS: Mapping[str, Mapping[str, Any]] = {
     },
 }
 """What each family preset fills in (a part given in the config wins)."""
-
-FILLED = frozenset({*FAMILY_PARTS["gpt"], "qkv_bias", "head_dim", "kv_heads", "rope_theta"})
-"""The fields a ``ModelConfig`` fills when left ``None``: the family's parts and what follows from the rest."""
 
 ROPE_THETA = 10000.0
 """``model.rope_theta`` left null under rotary positions: the base of the RoFormer paper, GPT-NeoX and Llama 1-2."""
@@ -101,7 +98,7 @@ class VisionConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelConfig:
+class ModelConfig(Filled):
     """A decoder-only transformer (the ``model:`` section of a config): its shape and its parts.
 
     Parts left ``null`` are filled by the ``family`` preset when the config is read (:data:`FAMILY_PARTS`),
@@ -109,6 +106,10 @@ class ModelConfig:
     ``dataclasses.replace`` passes the filled values on as if given, so ``dataclasses.replace(m, heads=16)``
     keeps the ``kv_heads`` and ``head_dim`` derived from the old ``heads``.
     """
+
+    FILLED: ClassVar[frozenset[str]] = frozenset(
+        {*FAMILY_PARTS["gpt"], "qkv_bias", "head_dim", "kv_heads", "rope_theta"}
+    )  # the family's parts and what follows from the other fields
 
     family: Family = "gpt"  # preset for the parts below: gpt (GPT-2 style) or llama
     layers: int = 4  # transformer blocks
@@ -150,11 +151,7 @@ class ModelConfig:
             )
         positive(self, "model", ("layers", "d_model", "heads", "d_ff", "vocab", "seq_len"))
         positive(self, "model", ("kv_heads", "head_dim"), optional=True)
-        object.__setattr__(
-            self,
-            "_open",
-            frozenset(f.name for f in dataclasses.fields(self) if f.name in FILLED and getattr(self, f.name) is None),
-        )
+        self.note_open()
         for key, value in FAMILY_PARTS[self.family].items():
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)  # the preset fills what the config leaves open
@@ -217,13 +214,6 @@ class ModelConfig:
 
     def __hash__(self) -> int:  # computed once: the cost model keys its caches by model
         return self._hash
-
-    def replace(self, **changes: Any) -> ModelConfig:
-        """This model with ``changes``, the parts it was not given filled again from the new values (a
-        ``heads`` change moves the ``head_dim`` and ``kv_heads`` derived from it, a ``family`` change the
-        family's parts). A part set to ``None`` is filled again too."""
-        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in self._open}
-        return ModelConfig(**{**given, **changes})
 
     def _check_latent_attention(self) -> None:
         mla = {"kv_lora_rank": self.kv_lora_rank, "q_lora_rank": self.q_lora_rank, "rope_head_dim": self.rope_head_dim}

@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import ClassVar
 
-from hyperjax.config.checks import check_fields, positive
+from hyperjax.config.checks import Filled, check_fields, positive
 from hyperjax.config.types import Balance, RopeType, Router
 from hyperjax.errors import ConfigError
 
@@ -71,9 +72,12 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MoEConfig:
+class MoEConfig(Filled):
     """Mixture-of-experts MLPs (``model.moe:``): each token goes to ``top_k`` of ``experts`` routed experts,
-    plus ``shared_experts`` every token uses, in the layers ``first_dense`` and ``every`` pick."""
+    plus ``shared_experts`` every token uses, in the layers ``first_dense`` and ``every`` pick. Change one with
+    :meth:`replace` (a ``balance`` change then takes the new method's default setting)."""
+
+    FILLED: ClassVar[frozenset[str]] = frozenset({"aux_loss_weight", "bias_update_rate"})  # the balance's own
 
     experts: int = 8  # routed experts per MoE layer
     top_k: int = 2  # routed experts per token
@@ -94,6 +98,7 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "model.moe")
+        self.note_open()
         positive(self, "model.moe", ("experts", "top_k", "d_ff", "every"))
         if self.top_k > self.experts:
             raise ConfigError(
