@@ -146,7 +146,11 @@ def test_submeshes_are_consecutive_slices():
 @pytest.mark.parametrize(
     ("sets", "match"),
     [
-        (["parallel.pipeline=8"], "8 chunks, but model.layers=4"),
+        (["parallel.pipeline=8"], r"8 chunks, but model.layers=4; .* or a deeper model$"),
+        (
+            ["parallel.pipeline=2", "parallel.virtual_stages=3", "parallel.schedule=interleaved"],
+            r"6 chunks, but model.layers=4; .* or give parallel.stage_layers=\[0, 1, 1, 1, 1, 0\]",
+        ),
         (["parallel.pipeline=2", "parallel.stage_devices=[2,5]"], "sum to 7"),
         (["parallel.pipeline=2", "parallel.stage_devices=[2,2,4]"], "names 3 stages"),
         (["parallel.pipeline=2", "parallel.stage_devices=[2,6]"], "multiple of 24"),

@@ -72,7 +72,7 @@ def pipeline_stages(cfg: Config, sizes: Sequence[int], axes: Sequence[dict[str, 
     p = cfg.parallel
     chunks = p.pipeline * p.virtual_stages
     chunk_devices = [sizes[c % p.pipeline] for c in range(chunks)]
-    layers = balance_layers(cfg.model, chunk_devices, p.stage_layers)
+    layers = balance_layers(cfg.model, chunk_devices, p.stage_layers, virtual=p.virtual_stages)
     empty = [s for s in range(p.pipeline) if not any(layers[c] for c in range(s, chunks, p.pipeline))]
     if empty:
         raise ConfigError(
@@ -96,7 +96,7 @@ def pipeline_stages(cfg: Config, sizes: Sequence[int], axes: Sequence[dict[str, 
 
 
 def balance_layers(
-    m: ModelConfig, chunk_devices: Sequence[int], stage_layers: Sequence[int] | None = None
+    m: ModelConfig, chunk_devices: Sequence[int], stage_layers: Sequence[int] | None = None, *, virtual: int = 1
 ) -> list[int]:
     """Layers per chunk (model order) minimising the slowest chunk's training FLOPs per device.
 
@@ -105,7 +105,8 @@ def balance_layers(
     first or the last none (the embedding or the output layer alone, as Megatron can count them).
 
     Raises:
-      ConfigError: more chunks than layers, or ``stage_layers`` that do not fit the model.
+      ConfigError: more chunks than layers (naming a ``stage_layers`` that fits where the ``virtual`` chunks of
+        a stage let its end chunks hold no block), or ``stage_layers`` that do not fit the model.
     """
     chunks = len(chunk_devices)
     if stage_layers is not None:
@@ -125,9 +126,14 @@ def balance_layers(
             )
         return list(stage_layers)
     if chunks > m.layers:
+        split = ""
+        if virtual > 1 and chunks - 2 <= m.layers:  # the end chunks may hold the embedding or the output layer alone
+            counts = [0] + [1] * (chunks - 2) + [0]
+            counts[max(chunks - 2, 0)] += m.layers - (chunks - 2)
+            split = f", or give parallel.stage_layers={counts} (the first and last chunks may hold no block)"
         raise ConfigError(
             f"parallel.pipeline x parallel.virtual_stages = {chunks} chunks, but model.layers={m.layers}; "
-            f"every chunk needs a layer: use at most {m.layers} chunks or a deeper model"
+            f"the balanced split gives every chunk a layer: use at most {m.layers} chunks or a deeper model{split}"
         )
     return list(
         _balance(layer_flops_per_token(m), embed_flops_per_token(m), head_flops_per_token(m), tuple(chunk_devices))
