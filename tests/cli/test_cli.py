@@ -133,6 +133,12 @@ def test_bad_input_exits_2_with_a_message(capsys, args, pattern):
     assert "Traceback" not in err
 
 
+def test_a_key_set_again_takes_the_later_value(capsys):
+    sets = ["--set", "parallel.tensor=2", "--set", "train.steps=3", "--set", "parallel.tensor=4"]
+    assert main(["predict", str(CONFIGS / "quickstart.yaml"), *sets, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"]["parallel"]["tensor"] == 4
+
+
 def test_bad_input_from_the_shell_has_no_traceback():
     result = run_cli("selftest", "--hardware", "cloudmatrix384", "--axes", "data=12,tensor=x")
     assert result.returncode == 2

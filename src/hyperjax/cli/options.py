@@ -65,7 +65,7 @@ def add_set_argument(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config key (repeat), e.g. parallel.tensor=4",
+        help="override a config key (repeat; a key given again takes the later value), e.g. parallel.tensor=4",
     )
 
 
