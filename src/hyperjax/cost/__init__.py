@@ -4,7 +4,7 @@ from hyperjax.cost.attention import core_time
 from hyperjax.cost.collectives import KINDS, collective_time
 from hyperjax.cost.compute import gemm_time, grouped_gemm_time, stream_time
 from hyperjax.cost.counts import count_params, model_flops_per_sequence, model_tensors
-from hyperjax.cost.estimate import Estimate, estimate, memory_budget, stage_spans
+from hyperjax.cost.estimate import Estimate, estimate, memory_budget
 from hyperjax.cost.inference import InferenceEstimate, ServeLayer, estimate_inference
 from hyperjax.cost.layer import LayerCost, price_layer
 from hyperjax.cost.memory import (
@@ -20,6 +20,7 @@ from hyperjax.cost.memory import (
 )
 from hyperjax.cost.parts import chunk_starts
 from hyperjax.cost.rl import RLEstimate, estimate_rl
+from hyperjax.cost.spans import stage_spans
 from hyperjax.cost.stage import ChunkCost, PartCost, StageCore, StageCost
 from hyperjax.cost.trace import simulate, stage_metadata, task_events, write_trace
 from hyperjax.cost.unpriced import unpriced_overrides

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hyperjax.config import Run, check_run
 from hyperjax.cost.counts import count_params, model_flops_per_sequence
 from hyperjax.cost.overlap import Pair, pair_exchange
-from hyperjax.cost.pipeline import boundary_span, in_flight, peak_with, with_in_flight
+from hyperjax.cost.pipeline import in_flight, peak_with, with_in_flight
+from hyperjax.cost.spans import hand_over_span, run_stage_spans
 from hyperjax.cost.stage import ChunkCost, StageCore, StageCost, price_stage, stage_core
 from hyperjax.mpmd.schedules import Schedule, Task, run_schedule
 from hyperjax.mpmd.timing import (
@@ -32,7 +32,6 @@ from hyperjax.mpmd.timing import (
     task_seconds,
     uniform_bubble,
 )
-from hyperjax.topology import AxisSpan, Hardware, axis_spans
 
 GIB = 2**30
 MEMORY_TERMS = ("params", "optimizer", "gradients", "activations")
@@ -211,8 +210,8 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
     """
     check_run(run, "estimate", "estimate_rl")
     hw = run.hardware
-    spans = _stage_spans(hw, run)
-    p2p = _hand_over_span(hw, run)
+    spans = run_stage_spans(hw, run)
+    p2p = hand_over_span(hw, run)
     last = run.chunks - 1
     cores = {} if cores is None else cores
     kinds: list[StageCost] = []
@@ -358,59 +357,3 @@ def _closed_form_idle(run: Run, c: StageCost) -> float:
     ratio = lambda x: float(f"{x / f:.3g}")
     frac = uniform_bubble(run.schedule, p, m, v, 1.0, ratio(b), ratio(w))
     return m * c.per_microbatch_s * frac / (1 - frac)
-
-
-_SPANS: dict[tuple, dict[str, AxisSpan]] = {}
-
-GROUPS = {
-    "data+context+expert": ("data", "context", "expert"),
-    "data+context": ("data", "context"),
-    "data+expert": ("data", "expert"),
-    "fsdp+context": ("fsdp", "context"),
-    "expert+tensor": ("expert", "tensor"),
-}
-"""Collectives over several mesh axes at once: the gradient reduction of everything but the routed experts
-(every device holding a batch or sequence shard), that of the routed experts (replicated over the data
-and context axes), FSDP's gathers over the context axis too (``parallel.fsdp_context``), and the all-to-all
-of experts spread over the tensor axis too."""
-
-
-def _spans(hardware: Hardware, axes: tuple[tuple[str, int], ...]) -> dict[str, AxisSpan]:
-    # axis_spans walks every device; the planner asks for the same few meshes thousands of times
-    key = (hardware.name, hardware.tiers, axes)
-    if key not in _SPANS:
-        _SPANS[key] = axis_spans(hardware, dict(axes), groups=GROUPS)
-    return _SPANS[key]
-
-
-def stage_spans(hardware: Hardware, stages: int, axes: Mapping[str, int]) -> dict[str, AxisSpan]:
-    """The tiers a stage's mesh axes span when ``stages`` equal stages are consecutive blocks of devices
-    (one mesh with the pipeline axis outermost)."""
-    whole = _spans(hardware, (("pipeline", stages), *axes.items()))
-    key = (id(whole), "inner")
-    if key not in _SPANS:
-        _SPANS[key] = {k: v for k, v in whole.items() if k != "pipeline"}
-    return _SPANS[key]
-
-
-def _stage_spans(hw: Hardware, run: Run) -> list[dict[str, AxisSpan]]:
-    """The tiers each stage's axes span: equal stages as one mesh with the pipeline axis outermost (so each
-    stage is a consecutive block), unequal ones each on its own."""
-    sizes = {s.devices for s in run.stages}
-    if len(sizes) == 1 and len({tuple(s.axes.items()) for s in run.stages}) == 1:
-        return [stage_spans(hw, len(run.stages), run.stages[0].axes)] * len(run.stages)
-    return [_spans(hw, tuple(s.axes.items())) for s in run.stages]
-
-
-def _hand_over_span(hw: Hardware, run: Run) -> AxisSpan | None:
-    """The slowest tier a hand-over between neighbouring stages crosses (``None`` for one stage)."""
-    if len(run.stages) == 1:
-        return None
-    return _slowest_boundary(hw, tuple(s.first_device for s in run.stages))
-
-
-@functools.lru_cache(maxsize=4096)
-def _slowest_boundary(hw: Hardware, firsts: tuple[int, ...]) -> AxisSpan:
-    order = [t.name for t in hw.tiers]
-    spans = [boundary_span(hw, a, b) for a, b in itertools.pairwise(firsts)]
-    return max(spans, key=lambda sp: order.index(sp.tier))

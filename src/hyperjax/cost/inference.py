@@ -30,11 +30,12 @@ from typing import Any
 from hyperjax.config import ModelConfig, Run
 from hyperjax.cost.collectives import collective_time
 from hyperjax.cost.compute import gemm_time, stream_time
-from hyperjax.cost.estimate import GIB, memory_budget, stage_spans
+from hyperjax.cost.estimate import GIB, memory_budget
 from hyperjax.cost.layer import price_layer
 from hyperjax.cost.memory import sharding_axes, sharding_spans
 from hyperjax.cost.parts import chunk_starts, part_models
 from hyperjax.cost.pipeline import boundary_span
+from hyperjax.cost.spans import stage_spans
 from hyperjax.errors import ConfigError
 from hyperjax.topology import Hardware
 
