@@ -190,3 +190,22 @@ def test_predict_inference_prints_the_serving_layout(capsys):
     assert "micro-batches" not in line and "interleaved" not in line and "gradient buckets" not in line
     assert main(["predict", str(ROOT / "configs/llama3-70b.yaml")]) == 0
     assert "32 micro-batches" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("model", "tensor"),
+    [
+        (dict(family="llama", d_model=256, heads=8, kv_heads=2), 1),
+        (dict(family="llama", d_model=256, heads=8, kv_heads=2), 2),
+        (dict(family="llama", d_model=256, heads=8, kv_heads=1), 4),  # one head, kept whole on each device
+        (dict(family="llama", attention="mla", heads=8, kv_lora_rank=64, rope_head_dim=16, qk_norm=False), 4),
+    ],
+)
+def test_the_priced_cache_is_the_cache_generation_allocates(model, tensor):
+    from hyperjax.config import ModelConfig
+    from hyperjax.cost.inference import kv_bytes_per_token
+    from hyperjax.models.decode import cache_bytes
+
+    m = ModelConfig(**model)
+    held = cache_bytes(m, "bfloat16", 3, 17, lambda axis: tensor if axis == "act_kv_heads" and m.kv_heads > 1 else 1)
+    assert held == m.layers * 3 * 17 * kv_bytes_per_token(m, tensor, 2) > 0

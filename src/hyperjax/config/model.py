@@ -260,6 +260,15 @@ class ModelConfig(Filled):
         return self.kv_heads
 
     @property
+    def cached(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """What one layer caches per token of a sequence when generating, as (heads, width) per array: keys and
+        values, ``kv_heads`` of ``head_dim`` each; under latent attention the latent (one of ``kv_lora_rank``)
+        and the rotary key (one of ``rope_head_dim``), from which every head's keys and values are made."""
+        if self.attention == "mla":
+            return (1, self.kv_lora_rank), (1, self.rope_head_dim)
+        return (self.kv_heads, self.head_dim), (self.kv_heads, self.head_dim)
+
+    @property
     def attn_width(self) -> int:
         """Attention's inner width: query heads x head width."""
         return self.heads * self.head_dim

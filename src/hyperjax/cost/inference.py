@@ -121,10 +121,10 @@ is resolved as training resolves it, and a batch its degrees cannot split is fix
 
 
 def kv_bytes_per_token(m: ModelConfig, tensor: int, bytes_per_element: int) -> float:
-    """Bytes one layer caches per token of one sequence on one device of a tensor axis of ``tensor``."""
-    if m.attention == "mla":
-        return (m.kv_lora_rank + m.rope_head_dim) * bytes_per_element
-    return 2 * max(m.kv_heads / tensor, 1) * m.head_dim * bytes_per_element
+    """Bytes one layer caches per token of one sequence on one device of a tensor axis of ``tensor``
+    (``ModelConfig.cached``, the arrays the generation runtime allocates): the heads split over the tensor
+    axis, a device keeping at least one (latent attention's single latent is kept whole)."""
+    return sum(max(heads / tensor, 1) * width for heads, width in m.cached) * bytes_per_element
 
 
 def estimate_inference(run: Run) -> InferenceEstimate:

@@ -36,10 +36,9 @@ class LayerCache(NamedTuple):
 
 
 def cache_shapes(cfg: ModelConfig, batch: int, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The shapes of one layer's cached keys and values (:class:`LayerCache`)."""
-    if cfg.attention == "mla":
-        return (batch, max_len, 1, cfg.kv_lora_rank), (batch, max_len, 1, cfg.rope_head_dim)
-    return (batch, max_len, cfg.kv_heads, cfg.head_dim), (batch, max_len, cfg.kv_heads, cfg.head_dim)
+    """The shapes of one layer's cached keys and values (:class:`LayerCache`; ``ModelConfig.cached``)."""
+    (k_heads, k_width), (v_heads, v_width) = cfg.cached
+    return (batch, max_len, k_heads, k_width), (batch, max_len, v_heads, v_width)
 
 
 CACHE_LAYOUTS: dict[str, tuple[str | None, ...]] = {
