@@ -72,3 +72,19 @@ def test_offload_serves_longer_contexts_and_says_what_it_costs(deep):
 def test_bad_serving_problem_is_refused(est):
     with pytest.raises(ConfigError, match="context=0"):
         serve_problem(est, context=0, budget_bytes=2**30)
+
+
+@pytest.mark.parametrize("pipeline", [1, 2])
+def test_the_device_only_step_is_the_whole_decode_step(pipeline):
+    """The placement prices the fullest stage's layers; the rest of the step (the other stages', the head, the
+    hand-overs) is one more window, so with nothing on the host it is the estimate's decode step."""
+    sets = [*SETS, "model.layers=4", "emulate.devices=2", "parallel.pipeline=2" if pipeline > 1 else "parallel.data=2"]
+    sets += ["train.global_batch=4", "serve.batch=2", "offload.policy=greedy"]
+    est = estimate_inference(hyperjax.resolve(hyperjax.load_config(None, sets)))
+    assert len(est.layers) == 4 // pipeline
+    ctx = est.prompt_len + est.new_tokens / 2  # the context the estimate's decode step reads
+    windows = sum(x.rest_s + x.kv_read_s(ctx, est.run.hardware) for x in est.layers) + est.other_s
+    assert windows == pytest.approx(est.decode_s_per_token, rel=1e-9)
+    placed = hyperjax.offload.serving.serving_pass(est, budget_bytes=2**40)
+    assert placed.decode_s_per_token == placed.device_only_s_per_token
+    assert placed.device_only_s_per_token == pytest.approx(est.decode_s_per_token, rel=0.01)  # its own context

@@ -75,7 +75,8 @@ class InferenceEstimate:
       decode_breakdown_s: one decode step's ``weights_and_compute``, ``kv_cache_read``, ``communication``.
       layers: the fullest stage's decoder layers, in order.
       fixed_bytes: that stage's memory outside its layers' weights and caches (embeddings, head, activations).
-      other_s: that stage's decode step outside its layers (the head, hand-overs between stages).
+      other_s: the decode step outside that stage's layers (the other stages', the head, the hand-overs between
+        stages), so that with them the stage's layers make up ``decode_s_per_token``.
     """
 
     run: Run
@@ -156,7 +157,6 @@ def estimate_inference(run: Run) -> InferenceEstimate:
     prefill = step = kv_read = comm = 0.0
     fullest: dict[str, float] | None = None
     fullest_layers: list[ServeLayer] = []
-    fullest_other = 0.0
     n = len(run.stages)
     starts = chunk_starts(run)
     for i, stage in enumerate(run.stages):
@@ -237,7 +237,6 @@ def estimate_inference(run: Run) -> InferenceEstimate:
         memory["peak"] = sum(memory.values()) * hw.device.allocator_factor
         if fullest is None or memory["peak"] > fullest["peak"]:
             fullest, fullest_layers = memory, layers
-            fullest_other = stage_s - sum(x.rest_s + x.kv_read_s(ctx, hw) for x in layers)
     gib = {k: v / GIB for k, v in fullest.items()}
     return InferenceEstimate(
         run=run,
@@ -258,5 +257,6 @@ def estimate_inference(run: Run) -> InferenceEstimate:
         layers=tuple(fullest_layers),
         fixed_bytes=fullest["peak"] / hw.device.allocator_factor
         - sum(x.weight_bytes + x.kv_bytes_per_token * total for x in fullest_layers),
-        other_s=max(fullest_other, 0.0),
+        # the rest of the step: the other stages', the head and the hand-overs (a host fetch can run under them)
+        other_s=max(step - sum(x.rest_s + x.kv_read_s(ctx, hw) for x in fullest_layers), 0.0),
     )

@@ -51,7 +51,7 @@ def serve_problem(
     link, lat = hw.host.bandwidth, hw.host.latency
     n = len(est.layers)
     windows = [(f"layer {i}", x.rest_s + x.kv_read_s(context, hw)) for i, x in enumerate(est.layers)]
-    windows.append(("head and hand-over", est.other_s))
+    windows.append(("other stages, head and hand-overs", est.other_s))
     w = len(windows)
 
     def before(i: int) -> tuple[int, ...]:  # the windows computed just before layer i's, wrapping to the last step
