@@ -168,6 +168,15 @@ def test_nothing_fits(capsys):
     assert re.search(r"none of the \d+ strategies on 2 devices fits 119 GiB per device; the leanest needs", err), err
 
 
+def test_nothing_fits_for_mpmd_submeshes_answers_in_json(capsys):
+    args = ["plan", str(ROOT / "configs/vlm-8b-cm384.yaml"), "--devices", "2", "--json"]
+    assert main(args) == 2
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    assert report["fits"] is False and "none of the" in report["error"] and "Traceback" not in out.err
+    assert [s["name"] for s in report["leanest"]["mpmd.submeshes"]] == ["vision", "language"]
+
+
 GPT_22B = "korthikanti-22b-sp-selective.yaml"
 GPT_OSS = "megatron-bridge-gpt-oss-120b-h100-64.yaml"
 MOE_SMALL = ["model.layers=6", "model.moe.first_dense=1", "model.moe.every=2", "train.global_batch=64"]

@@ -51,6 +51,11 @@ VARIES = ("parallel.zero_stage", "train.recompute", "parallel.overlap")
 """What a base's variants change (and, between 1F1B and zero-bubble, ``parallel.schedule``)."""
 
 
+def plain(overrides: dict[str, Any]) -> dict[str, Any]:
+    """Config overrides as JSON values: an MPMD candidate's submeshes as mappings."""
+    return {k: [dataclasses.asdict(s) for s in v] if k == "mpmd.submeshes" else v for k, v in overrides.items()}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Candidate:
     """One strategy and its prediction.
@@ -77,11 +82,8 @@ class Candidate:
         config's ``shard`` overrides they do not price (``unpriced``, see
         :func:`hyperjax.cost.unpriced_overrides`)."""
         e = self.estimate
-        plain = {
-            k: [dataclasses.asdict(s) for s in v] if k == "mpmd.submeshes" else v for k, v in self.overrides.items()
-        }
         out = {
-            **plain,
+            **plain(self.overrides),
             "micro_batch_rows": e.run.micro_batch,
             "microbatches": e.run.microbatches,
             "step_time_s": e.step_time_s,
@@ -348,12 +350,12 @@ def _nothing_fits(
     mem = est.memory_per_device_gib
     term = max(("params", "optimizer", "gradients", "activations"), key=mem.__getitem__)
     report = {"fits": False, "priced": priced, "fitting": 0, "budget_gib": budget_gib}
-    report |= {"leanest": selected(cfg, overrides), "leanest_peak_gib": mem["peak"], "cannot_fit": term}
+    report |= {"leanest": plain(selected(cfg, overrides)), "leanest_peak_gib": mem["peak"], "cannot_fit": term}
     hint = "Use more devices, a smaller model or offload.policy: auto."
     if cfg.offload.policy in ("auto", "greedy") and too_big:
         lean = min(too_big, key=lambda oe: oe[1].memory_per_device_gib["peak"])
         offload = offload_pass(resolve(candidate(cfg, lean[0]), devices, hardware=hw))
-        report |= {"leanest": selected(cfg, lean[0]), "cannot_fit": offload.cannot_fit}
+        report |= {"leanest": plain(selected(cfg, lean[0])), "cannot_fit": offload.cannot_fit}
         report |= {"smallest_budget_gib": offload.smallest_budget_gib}
         term = f"{offload.cannot_fit} (which cannot leave the device)"
         hint = f"Offloading, the leanest strategy needs {offload.smallest_budget_gib:g} GiB; use more devices."
