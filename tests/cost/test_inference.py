@@ -197,7 +197,7 @@ def test_predict_inference_prints_the_serving_layout(capsys):
     [
         (dict(family="llama", d_model=256, heads=8, kv_heads=2), 1),
         (dict(family="llama", d_model=256, heads=8, kv_heads=2), 2),
-        (dict(family="llama", d_model=256, heads=8, kv_heads=1), 4),  # one head, kept whole on each device
+        (dict(family="llama", d_model=256, heads=8, kv_heads=1), 4),  # one head: every device holds it
         (dict(family="llama", attention="mla", heads=8, kv_lora_rank=64, rope_head_dim=16, qk_norm=False), 4),
     ],
 )
@@ -207,5 +207,5 @@ def test_the_priced_cache_is_the_cache_generation_allocates(model, tensor):
     from hyperjax.models.decode import cache_bytes
 
     m = ModelConfig(**model)
-    held = cache_bytes(m, "bfloat16", 3, 17, lambda axis: tensor if axis == "act_kv_heads" and m.kv_heads > 1 else 1)
+    held = cache_bytes(m, "bfloat16", 3, 17, lambda axis: tensor if axis == "act_kv_heads" else 1)  # rounded up
     assert held == m.layers * 3 * 17 * kv_bytes_per_token(m, tensor, 2) > 0

@@ -151,6 +151,10 @@ def test_submeshes_are_consecutive_slices():
             ["parallel.pipeline=2", "parallel.virtual_stages=3", "parallel.schedule=interleaved"],
             r"6 chunks, but model.layers=4; .* or give parallel.stage_layers=\[0, 1, 1, 1, 1, 0\]",
         ),
+        (  # one chunk too many: only the last is left without a block
+            ["parallel.pipeline=2", "parallel.virtual_stages=2", "parallel.schedule=interleaved", "model.layers=3"],
+            r"4 chunks, but model.layers=3; .* or give parallel.stage_layers=\[1, 1, 1, 0\]",
+        ),
         (["parallel.pipeline=2", "parallel.stage_devices=[2,5]"], "sum to 7"),
         (["parallel.pipeline=2", "parallel.stage_devices=[2,2,4]"], "names 3 stages"),
         (["parallel.pipeline=2", "parallel.stage_devices=[2,6]"], "multiple of 24"),

@@ -18,9 +18,11 @@ class Filled:
     """A frozen config section that fills the fields of :attr:`FILLED` left ``None`` from its other values.
 
     :meth:`replace` fills them again from the new values; ``dataclasses.replace`` passes the filled values on
-    as if given. The section calls :meth:`note_open` in ``__post_init__`` before filling anything."""
+    as if given. The section calls :meth:`note_open` in ``__post_init__`` before filling anything. So two equal
+    sections, one given a value the other filled, may replace differently: what was given is kept."""
 
     FILLED: ClassVar[frozenset[str]] = frozenset()
+    _open: frozenset[str] = frozenset()  # of FILLED, those left None (set by note_open)
 
     def note_open(self) -> None:
         """Remember which of :attr:`FILLED` were left ``None`` (to be filled)."""

@@ -108,7 +108,7 @@ class ModelConfig(Filled):
     """
 
     FILLED: ClassVar[frozenset[str]] = frozenset(
-        {*FAMILY_PARTS["gpt"], "qkv_bias", "head_dim", "kv_heads", "rope_theta"}
+        {*(k for parts in FAMILY_PARTS.values() for k in parts), "qkv_bias", "head_dim", "kv_heads", "rope_theta"}
     )  # the family's parts and what follows from the other fields
 
     family: Family = "gpt"  # preset for the parts below: gpt (GPT-2 style) or llama
