@@ -91,6 +91,7 @@ def test_captions_need_the_image():
         (["parallel.stage_layers=[4]"], r"parallel.stage_layers=\[4\]: an mpmd submesh runs a whole module"),
         (["parallel.schedule=interleaved", "parallel.virtual_stages=2"], "virtual_stages=2: an mpmd submesh runs"),
         (["parallel.pipeline=2"], "parallel.pipeline=2: mpmd.submeshes and parallel.pipeline > 1 both split"),
+        (["mpmd.submeshes=[]", "parallel.pipeline=2"], r"pipelines as its encoder and its language model on two"),
         (
             [MOE, "parallel.expert_tensor=1"],
             "parallel.expert_tensor=1: experts on an mpmd submesh split over its tensor axis",

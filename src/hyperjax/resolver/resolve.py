@@ -79,6 +79,12 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
         _check_rows(config, microbatches)
         stages = mpmd_stages(config, n, t.global_batch // microbatches)
     elif p.pipeline > 1:
+        if config.model.vision is not None:  # the runtime's chunks of such a model are its encoder and its LM
+            raise ConfigError(
+                f"parallel.pipeline={p.pipeline} cuts a decoder's layers into stages; a vision-language model "
+                "(model.vision) pipelines as its encoder and its language model on two submeshes: set "
+                "mpmd.submeshes (configs/vlm-tiny-mpmd.yaml), or parallel.pipeline: 1"
+            )
         sizes = pipeline_sizes(config, n)
         axes = pipeline_axes(config, sizes)
         microbatches = _microbatches(
