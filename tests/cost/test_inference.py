@@ -173,6 +173,16 @@ def test_inference_fits_the_offload_budget_and_places_what_does_not(capsys):
     offload = placed["offload"]
     assert placed["fits"] and offload["fits"] and offload["peak_gib"] <= 20 and offload["budget_gib"] == 20
     assert offload["kv_blocks_on_host"] > 0 and offload["decode_s_per_token"] > offload["device_only_s_per_token"]
+    # one answer: the run's step, throughput and memory are the placement's, the fetches a term of their own
+    exposed = offload["decode_s_per_token"] - offload["device_only_s_per_token"]
+    assert offload["policy"] == "auto" and placed["decode_breakdown_s"]["exposed_host_fetch"] == exposed
+    assert placed["decode_s_per_token"] == pytest.approx(squeezed["decode_s_per_token"] + exposed, rel=1e-12)
+    assert placed["decode_s_per_token"] == pytest.approx(sum(placed["decode_breakdown_s"].values()), rel=1e-12)
+    assert placed["tokens_per_s_per_device"] == pytest.approx(4 / 8 / placed["decode_s_per_token"], rel=1e-9)
+    mem, squeezed_mem = placed["memory_per_device_gib"], squeezed["memory_per_device_gib"]
+    assert mem["peak"] == offload["peak_gib"] and mem["host"] == offload["host_gib"]
+    assert mem["kv_cache"] == pytest.approx(squeezed_mem["kv_cache"] - offload["kv_cache_host_gib"], rel=1e-9)
+    assert placed["kv_cache_gib_per_device"] == pytest.approx(mem["kv_cache"], rel=1e-9)
     greedy = answer("offload.device_memory_gib=20", "offload.policy=greedy")["offload"]
     assert greedy["policy"] == "greedy" and greedy["decode_s_per_token"] >= offload["decode_s_per_token"] * (1 - 1e-3)
     assert main([*base, "--set", "offload.policy=manual"]) == 2  # manual names training's groups

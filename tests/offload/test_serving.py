@@ -46,6 +46,20 @@ def test_exact_equals_brute_force_and_beats_greedy(est):
         assert layer.kv_bytes_per_token == 2 * 2 * 64 * 2  # two KV heads of 64, key and value, bf16
 
 
+def test_exact_stopped_before_any_placement_takes_the_serving_greedy_pass(est, monkeypatch):
+    import hyperjax.offload.solve as solve
+
+    context, block = 3 * 4096, 4096
+    everything = est.fixed_bytes + sum(x.weight_bytes + x.kv_bytes_per_token * context for x in est.layers)
+    problem = serve_problem(est, context=context, budget_bytes=0.8 * 1.05 * everything, block_tokens=block)
+    greedy = place(problem, "greedy")  # a decode step's greedy pass: every group's reuse distance is one step
+    assert greedy is not None and not place(problem, "exact").time_limited
+    real = solve._milp
+    monkeypatch.setattr(solve, "_milp", lambda *a, **k: real(*a, **k).__class__(x=None, status=1, fun=None))
+    cut = place(problem, "exact")
+    assert cut.time_limited and cut.proved_gap is None and cut.placement == greedy.placement
+
+
 def test_no_offload_longest_context_is_the_closed_form(est):
     budget = 0.5 * 2**30
     got = longest_context(est, budget_bytes=budget, policy="none", block_tokens=1024)

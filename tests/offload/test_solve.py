@@ -135,6 +135,69 @@ def test_a_tighter_budget_never_speeds_the_step_up():
     assert times[0] == pytest.approx(full.base_step_s)  # everything fits: nothing moves
 
 
+def squeezed(layers: int = 8, fraction: float = 0.4):
+    full = problem_of(config(**{"model.layers": layers, "parallel.tensor": 1}), math.inf)
+    top, low = evaluate(full, Placement(())).peak_bytes, minimum_memory(full).peak_bytes
+    return dataclasses.replace(full, budget_bytes=low + fraction * (top - low))
+
+
+def stop_at_the_limit(monkeypatch, **result):
+    """HiGHS stopping the exact pass's search at its time limit (status 1) with ``result`` (``x``,
+    ``mip_gap``) patched over its own; the smallest-peak search (given no time limit) runs as it is."""
+    import hyperjax.offload.solve as solve
+
+    real = solve._milp
+
+    def stopped(*args, **kwargs):
+        res = real(*args, **kwargs)
+        if len(args) > 4:  # solve_exact's call, which passes its time limit and gap
+            res.status = 1
+            for k, v in result.items():
+                setattr(res, k, v)
+        return res
+
+    monkeypatch.setattr(solve, "_milp", stopped)
+
+
+def test_the_exact_pass_says_what_it_proved_and_when_its_time_ran_out(monkeypatch):
+    problem = squeezed()
+    done = solve_exact(problem)
+    assert not done.time_limited and done.proved_gap is not None and done.proved_gap <= 1e-9
+    assert done.placement != Placement(())  # the budget makes it search
+    roomy = solve_exact(dataclasses.replace(problem, budget_bytes=math.inf))  # everything on the device is fastest
+    assert roomy.placement == Placement(()) and roomy.proved_gap == 0.0 and roomy.host_bytes == 0
+    with monkeypatch.context() as m:  # stopped with a placement and a gap proved: both as HiGHS gave them
+        stop_at_the_limit(m, mip_gap=0.0123)
+        late = solve_exact(problem)
+    assert late.time_limited and late.proved_gap == 0.0123 and late.placement == done.placement
+    with monkeypatch.context() as m:  # stopped before any: the fallback's, said so, never "nothing fits"
+        stop_at_the_limit(m, x=None, mip_gap=math.inf)
+        cut = solve_exact(problem)
+        assert cut is not None and cut.fits and cut.time_limited and cut.proved_gap is None
+        assert cut.placement == greedy(problem).placement and cut.step_time_s >= done.step_time_s
+        lean = solve_exact(problem, fallback=lambda _: None)  # no fallback placement: the leanest, if it fits
+        assert lean.time_limited and lean.placement == minimum_memory(problem).placement
+        assert solve_exact(dataclasses.replace(problem, budget_bytes=1.0)) is None  # nothing fits at all
+
+
+def test_predict_reports_the_exact_pass_stopping_at_its_limit(monkeypatch, capsys):
+    import json
+
+    from hyperjax.cli.main import main
+
+    args = ["predict", str(ROOT / "configs/quickstart.yaml"), "--set", "offload.policy=auto", "--set",
+            "offload.device_memory_gib=0.02", "--set", "emulate.devices=null"]  # fmt: skip
+    assert main([*args, "--json"]) == 0
+    proved = json.loads(capsys.readouterr().out)["offload"]
+    assert proved["time_limited"] is False and proved["proved_gap"] <= 1e-9 and proved["host_gib_per_device"] > 0
+    stop_at_the_limit(monkeypatch, x=None, mip_gap=math.inf)
+    assert main([*args, "--json"]) == 0
+    cut = json.loads(capsys.readouterr().out)["offload"]
+    assert cut["time_limited"] is True and cut["proved_gap"] is None and cut["fits"]
+    assert main(args) == 0
+    assert "the exact pass stopped at its time limit: it had found none of its own" in capsys.readouterr().out
+
+
 def test_a_budget_nothing_fits_names_the_term_and_the_smallest_budget():
     cfg = config(**{"offload.policy": "auto", "offload.device_memory_gib": 0.001, "parallel.data": 4})
     plan = offload_pass(resolve(cfg))

@@ -27,7 +27,14 @@ from hyperjax.cost import Estimate, estimate, memory_budget, unpriced_overrides,
 from hyperjax.cost.inference import TRAINING_ONLY, InferenceEstimate, estimate_inference
 from hyperjax.cost.rl import RLEstimate, estimate_rl
 from hyperjax.errors import ConfigError
-from hyperjax.offload import OffloadResult, ServingPlacement, offload_pass, serving_pass, with_offload
+from hyperjax.offload import (
+    OffloadResult,
+    ServingPlacement,
+    offload_pass,
+    serving_pass,
+    with_offload,
+    with_serving,
+)
 from hyperjax.offload.placement import KINDS
 from hyperjax.resolver import resolve, resolve_rl
 from hyperjax.rl.rewards import check_reward
@@ -158,13 +165,13 @@ def _inference(args: argparse.Namespace, cfg: Config) -> int:
     run = resolve(without_training(cfg, offload=False), args.devices)
     est = estimate_inference(run)
     placed = serving_pass(est, budget_bytes=memory_budget(run)) if run.offload != "none" else None
+    if placed is not None:  # the run's step, memory and fit are the placement's
+        est = with_serving(est, placed)
     if args.json:
-        data = est.to_dict()
-        if placed is not None:  # the run's fit is the placement's
-            data |= {"fits": placed.fits, "offload": placed.to_dict()}
-        print(json.dumps(data | {"unpriced": list(unpriced_overrides(run))}, indent=2))
+        offloaded = {"offload": placed.to_dict()} if placed else {}
+        print(json.dumps(est.to_dict() | offloaded | {"unpriced": list(unpriced_overrides(run))}, indent=2))
         return 0
-    print_inference(est)
+    print_inference(est, placed=placed is not None)
     if placed is not None:
         print_serving_placement(placed)
     return 0
@@ -181,10 +188,12 @@ def print_serving_placement(p: ServingPlacement) -> None:
         + ("fits" if p.fits else "[red]does not fit[/red] even with everything it can place on the host"),
         soft_wrap=True,
     )
+    if p.time_limited:
+        out.print(f"  the exact pass stopped at its time limit: {proof(p.proved_gap)}", soft_wrap=True)
 
 
-def print_inference(est: InferenceEstimate) -> None:
-    """The readable form of a serving estimate."""
+def print_inference(est: InferenceEstimate, *, placed: bool = False) -> None:
+    """The readable form of a serving estimate (``placed``: under the serving offload pass's placement)."""
     out = console()
     run = est.run
     out.print(
@@ -200,7 +209,8 @@ def print_inference(est: InferenceEstimate) -> None:
     out.print(share_table("one decode step", "ms", est.decode_breakdown_s, est.decode_s_per_token, scale=1e3))
     out.print(memory_table(est.memory_per_device_gib, "{:.3g}"))
     budget = "offload.device_memory_gib" if run.config.offload.device_memory_gib is not None else "device memory"
-    out.print(f"  {'fits' if est.fits else '[red]does not fit[/red]'} in {budget} with everything on the device")
+    where = "with the placement below" if placed else "with everything on the device"
+    out.print(f"  {'fits' if est.fits else '[red]does not fit[/red]'} in {budget} {where}")
     print_unpriced(unpriced_overrides(run))
 
 
@@ -240,8 +250,20 @@ def print_offload(plan: OffloadResult) -> None:
         f"{p.host_bytes / 2**30:.3g} GiB on the host; host transfers {p.transfer_s * 1e3:.3g} ms a step, "
         f"{p.exposed_transfer_s * 1e3:.3g} ms of it exposed; recomputation {p.recompute_s * 1e3:.3g} ms"
     )
+    if p.time_limited:
+        out.print(f"  the exact pass stopped at its time limit: {proof(p.proved_gap)}", soft_wrap=True)
     if not plan.fits:
         out.print(f"  the smallest budget any placement fits: {plan.smallest_budget_gib:g} GiB")
+
+
+def proof(gap: float | None) -> str:
+    """What the exact pass proved of a placement it stopped on."""
+    if gap is None:
+        return (
+            "it had found none of its own, so this placement is the greedy pass's (else the leanest), not proved "
+            "the fastest"
+        )
+    return f"this placement's step is proved within {gap:.3g} (relative) of the fastest"
 
 
 def print_estimate(est: Estimate) -> None:

@@ -11,6 +11,7 @@ from hyperjax.offload.serving import (
     per_token_curve,
     serve_problem,
     serving_pass,
+    with_serving,
 )
 from hyperjax.offload.solve import brute_force, greedy, solve_exact
 
@@ -38,4 +39,5 @@ __all__ = [
     "serving_pass",
     "solve_exact",
     "with_offload",
+    "with_serving",
 ]

@@ -57,6 +57,8 @@ class OffloadResult:
             "budget_gib": self.budget_gib,
             "fits": self.fits,
         }
+        if self.policy == "auto":  # the exact pass: how close to the fastest it proved its placement
+            out |= {"proved_gap": p.proved_gap, "time_limited": p.time_limited}
         if not self.fits:
             out |= {"cannot_fit": self.cannot_fit, "smallest_budget_gib": self.smallest_budget_gib}
         return out

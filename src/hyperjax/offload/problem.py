@@ -95,7 +95,8 @@ class Problem:
 
 @dataclasses.dataclass(frozen=True)
 class Priced:
-    """A placement's predicted step."""
+    """A placement's predicted step. From the exact pass, ``proved_gap`` is how far (relative) its step was
+    proved from the fastest (``None``: not proved), and ``time_limited`` says it stopped at its time limit."""
 
     placement: Placement
     step_time_s: float
@@ -108,6 +109,8 @@ class Priced:
     phase_bytes: tuple[float, float]
     moved_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
     staging_bytes: float = 0.0
+    proved_gap: float | None = None
+    time_limited: bool = False
 
 
 def build_problem(est: Estimate, *, hardware: Hardware, budget_bytes: float, prefetch: int) -> Problem:

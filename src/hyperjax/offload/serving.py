@@ -103,13 +103,18 @@ def serve_problem(
     )
 
 
+def serve_greedy(problem: Problem) -> Priced | None:
+    """The greedy pass for a decode step: every group is read once per step, so the largest go first."""
+    return greedy(problem, distance=lambda group: 1)
+
+
 def place(problem: Problem, policy: Policy) -> Priced | None:
     """The placement ``policy`` gives ``problem`` (``None``: it does not fit): ``none`` keeps everything on
     the device, ``greedy`` evicts the largest groups first, ``exact`` is the fastest that fits."""
     if policy == "exact":
-        return solve_exact(problem, gap=GAP, time_limit_s=TIME_LIMIT_S)
+        return solve_exact(problem, gap=GAP, time_limit_s=TIME_LIMIT_S, fallback=serve_greedy)
     if policy == "greedy":
-        return greedy(problem, distance=lambda group: 1)  # every group is read once per decode step
+        return serve_greedy(problem)
     from hyperjax.offload.placement import Placement
     from hyperjax.offload.problem import evaluate
 
@@ -218,16 +223,20 @@ class ServingPlacement:
     """What ``offload.policy`` places for a serving estimate at its own context (prompt and new tokens).
 
     Attributes:
-      policy: the pass that placed it (``exact`` for ``offload.policy: auto``, or ``greedy``).
+      policy: ``offload.policy`` (``auto``: the exact pass placed it; ``greedy``).
       context: tokens per sequence the decode step caches.
       fits: whether the placement's peak fits the budget.
       budget_gib: the device-memory budget (``offload.device_memory_gib``, else the preset's usable HBM).
       peak_gib: device memory at the placement's peak (the smallest reachable when nothing fits).
-      host_gib: what it puts on the host.
+      host_gib: what it puts on the host: ``weights_host_gib`` of weights, ``kv_cache_host_gib`` of cache.
+      staging_gib: the device buffers host groups are fetched into.
       decode_s_per_token: the decode step under the placement.
       device_only_s_per_token: the same step with everything on the device (memory aside).
       weights_on_host: layers whose weights live on the host.
       kv_blocks_on_host: KV-cache blocks (of ``block_tokens``) on the host, of ``kv_blocks``.
+      proved_gap: under ``auto``, how far (relative) the exact pass proved its step from the fastest
+        (``None``: not proved, or the greedy pass).
+      time_limited: the exact pass stopped at its time limit (``TIME_LIMIT_S``) before proving ``GAP``.
     """
 
     policy: str
@@ -236,11 +245,16 @@ class ServingPlacement:
     budget_gib: float
     peak_gib: float
     host_gib: float
+    weights_host_gib: float
+    kv_cache_host_gib: float
+    staging_gib: float
     decode_s_per_token: float
     device_only_s_per_token: float
     weights_on_host: int
     kv_blocks_on_host: int
     kv_blocks: int
+    proved_gap: float | None = None
+    time_limited: bool = False
 
     def to_dict(self) -> dict[str, object]:
         """The placement as plain JSON values."""
@@ -249,8 +263,8 @@ class ServingPlacement:
 
 def serving_pass(est: InferenceEstimate, *, budget_bytes: float, block_tokens: int = 8192) -> ServingPlacement:
     """Place the weights and KV cache of ``est``'s decode step at its own context by ``offload.policy``
-    (``auto``: the exact pass; ``greedy``) within ``budget_bytes``; when nothing fits, the greedy pass's
-    smallest-peak placement is reported with ``fits`` false.
+    (``auto``: the exact pass; ``greedy``) within ``budget_bytes``; when nothing fits, the placement with
+    every group on the host (the smallest peak) is reported with ``fits`` false.
 
     Raises:
       ConfigError: ``offload.policy: manual`` (its patterns name training's groups) or ``none``, or
@@ -281,17 +295,44 @@ def serving_pass(est: InferenceEstimate, *, budget_bytes: float, block_tokens: i
         priced = evaluate(problem, Placement(tuple(sorted((g, "host") for g in problem.groups))))
     host = priced.placement.on("host")
     return ServingPlacement(
-        policy=policy,
+        policy=word,
         context=context,
         fits=fits,
         budget_gib=budget_bytes / 2**30,
         peak_gib=priced.peak_bytes / 2**30,
         host_gib=priced.host_bytes / 2**30,
+        weights_host_gib=priced.moved_bytes.get("params", 0.0) / 2**30,
+        kv_cache_host_gib=priced.moved_bytes.get("kv", 0.0) / 2**30,
+        staging_gib=priced.staging_bytes / 2**30,
         decode_s_per_token=priced.step_time_s,
         device_only_s_per_token=problem.base_step_s,
         weights_on_host=sum(g.endswith(".params") for g in host),
         kv_blocks_on_host=sum(".kv." in g for g in host),
         kv_blocks=sum(".kv." in g for g in problem.groups),
+        proved_gap=priced.proved_gap,
+        time_limited=priced.time_limited,
+    )
+
+
+def with_serving(est: InferenceEstimate, placed: ServingPlacement) -> InferenceEstimate:
+    """The serving estimate under ``placed``: device memory, verdict, and a decode step that adds the host
+    fetches the placement leaves exposed (``exposed_host_fetch``, priced at the fullest cache, the
+    placement's context) to the estimate's step (priced at the decode's mean context). The prefill is the
+    estimate's: its compute hides the fetches."""
+    mem = {k: v for k, v in est.memory_per_device_gib.items() if k != "peak"}
+    mem["weights"] -= placed.weights_host_gib
+    mem["kv_cache"] -= placed.kv_cache_host_gib
+    mem |= {"staging": placed.staging_gib, "host": placed.host_gib, "peak": placed.peak_gib}
+    exposed = max(placed.decode_s_per_token - placed.device_only_s_per_token, 0.0)
+    step = est.decode_s_per_token + exposed
+    return dataclasses.replace(
+        est,
+        decode_s_per_token=step,
+        tokens_per_s_per_device=est.tokens_per_s_per_device * est.decode_s_per_token / step,
+        kv_cache_gib_per_device=est.kv_cache_gib_per_device - placed.kv_cache_host_gib,
+        memory_per_device_gib=mem,
+        fits=placed.fits,
+        decode_breakdown_s=est.decode_breakdown_s | {"exposed_host_fetch": exposed},
     )
 
 
@@ -304,4 +345,5 @@ __all__ = [
     "place",
     "serve_problem",
     "serving_pass",
+    "with_serving",
 ]

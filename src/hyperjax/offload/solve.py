@@ -8,6 +8,7 @@ distance until the step fits; :func:`brute_force` enumerates small instances.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import os
@@ -106,9 +107,22 @@ def _native_stdout_silenced() -> Iterator[None]:
         os.close(saved)
 
 
-def solve_exact(problem: Problem, *, time_limit_s: float = 60.0, gap: float = 1e-9) -> Priced | None:
+def solve_exact(
+    problem: Problem,
+    *,
+    time_limit_s: float = 60.0,
+    gap: float = 1e-9,
+    fallback: Callable[[Problem], Priced | None] | None = None,
+) -> Priced | None:
     """The fastest placement that fits, found by HiGHS (proved within ``gap`` of the optimum, relative);
-    ``None`` when none fits."""
+    ``None`` when none fits. Everything on the device, when it fits, is the fastest (a move only adds time),
+    so it is taken without a search. When HiGHS reaches ``time_limit_s`` first, the best placement it found
+    comes back with ``time_limited`` and the gap it proved (``proved_gap``); having found none by then,
+    ``fallback``'s (default: :func:`greedy`), else the smallest-peak placement where that fits, its gap
+    unproved."""
+    whole = evaluate(problem, Placement(()))
+    if whole.fits:
+        return dataclasses.replace(whole, proved_gap=0.0)
     xs, p = _program(problem)
     nx, ny, nw = p["nx"], p["ny"], p["nw"]
     res = _milp(
@@ -119,9 +133,19 @@ def solve_exact(problem: Problem, *, time_limit_s: float = 60.0, gap: float = 1e
         time_limit_s,
         gap,
     )
+    limited = res.status == 1  # HiGHS's time (or iteration) limit
     if res.x is None:
-        return None
-    return evaluate(problem, Placement.of({g: o for j, (g, o) in enumerate(xs) if res.x[j] > 0.5}))
+        if not limited:
+            return None
+        found = (fallback or greedy)(problem)
+        if found is None and (leanest := minimum_memory(problem)).fits:
+            found = leanest
+        return None if found is None else dataclasses.replace(found, proved_gap=None, time_limited=True)
+    priced = evaluate(problem, Placement.of({g: o for j, (g, o) in enumerate(xs) if res.x[j] > 0.5}))
+    proved = getattr(res, "mip_gap", None)
+    return dataclasses.replace(
+        priced, proved_gap=None if proved is None or not math.isfinite(proved) else float(proved), time_limited=limited
+    )
 
 
 def minimum_memory(problem: Problem) -> Priced:
