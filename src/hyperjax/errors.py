@@ -55,6 +55,11 @@ def article(noun: str) -> str:
     return f"{'an' if spelled or noun[:1] in 'aeiouAEIOU' else 'a'} {noun}"
 
 
+def written(value: Any) -> str:
+    """A config value in a message, as YAML and ``--set`` write it: ``true``, ``null``, ``4``, ``'1f1b'``."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
+
+
 def positive_int(value: Any, what: str, error: type[HyperjaxError] = ConfigError) -> int:
     """``value``, a count, as an ``int``: a positive integer (a NumPy one too; not ``True``).
 

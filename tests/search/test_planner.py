@@ -87,6 +87,9 @@ def test_plan_cli_holds_a_searched_key_set_on_the_command_line(capsys):
     assert len({c["parallel.tensor"] for c in json.loads(capsys.readouterr().out)["candidates"]}) > 1
     assert main(["plan", quick, "--devices", "8", "--set", "parallel.tensor=3"]) == 2
     assert "no strategy the search tries on 8 devices has parallel.tensor=3; drop" in capsys.readouterr().err
+    sets = ["--set", "parallel.tensor=3", "--set", "parallel.sequence_parallel=true"]
+    assert main(["plan", quick, "--devices", "8", *sets]) == 2
+    assert "has parallel.sequence_parallel=true, parallel.tensor=3; drop" in capsys.readouterr().err  # as YAML
     assert main([*base, "--set", "parallel.tp_overlap=bulk"]) == 0
     capsys.readouterr()
     # as one mapping too; a key a dense model's strategies lack and a null (derived) degree hold nothing
@@ -166,6 +169,7 @@ def test_nothing_fits(capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert re.search(r"none of the \d+ strategies on 2 devices fits 119 GiB per device; the leanest needs", err), err
+    assert err.rstrip().endswith("Use more devices, a smaller model or offload.policy: auto.")
 
 
 def test_nothing_fits_for_mpmd_submeshes_answers_in_json(capsys):
@@ -175,6 +179,8 @@ def test_nothing_fits_for_mpmd_submeshes_answers_in_json(capsys):
     report = json.loads(out.out)
     assert report["fits"] is False and "none of the" in report["error"] and "Traceback" not in out.err
     assert [s["name"] for s in report["leanest"]["mpmd.submeshes"]] == ["vision", "language"]
+    # the placement pass cannot place a vision-language model's groups, so it is not suggested
+    assert "offload" not in report["error"] and report["error"].endswith("Use more devices, a smaller model.")
 
 
 GPT_22B = "korthikanti-22b-sp-selective.yaml"

@@ -33,7 +33,7 @@ from hyperjax.config import Config, Run, check_key
 from hyperjax.config.parallel import FEATURES, MODIFIERS, idle_modifiers, modifier_value, set_modifiers
 from hyperjax.config.run import stage_schedule
 from hyperjax.cost import Estimate, StageCore, estimate, unpriced_overrides
-from hyperjax.errors import ConfigError, HyperjaxError, expect, positive_int
+from hyperjax.errors import ConfigError, HyperjaxError, expect, positive_int, written
 from hyperjax.offload import budget_bytes, offload_pass, with_offload
 from hyperjax.resolver import check_preset, resolve
 from hyperjax.search.bounds import lower_bound
@@ -263,7 +263,7 @@ def plan(
         fitting += _with_offload(cfg, devices, hw, too_big, best)
         best = sorted(best, key=lambda c: c.estimate.step_time_s)[:keep]
     if not priced and where:
-        held = ", ".join(f"{k}={v!r}" for k, v in where.items())
+        held = ", ".join(f"{k}={written(v)}" for k, v in where.items())
         micro = any(k.startswith("train.micro") for k in where)
         counts = " and its micro-batches: micro_batch_rows, microbatches" if micro else ""
         raise ConfigError(
@@ -329,7 +329,7 @@ def _check_held_modifiers(cfg: Config, combinations: list[dict[str, Any]], where
         if not (kept := [k for k in kept if k in idle]):
             return
     if combinations and kept:
-        key, held = kept[0], ", ".join(f"{k}={v!r}" for k, v in where.items())
+        key, held = kept[0], ", ".join(f"{k}={written(v)}" for k, v in where.items())
         raise ConfigError(
             f"parallel.{key}={modifier_value(getattr(cfg.parallel, key))} says how {FEATURES[MODIFIERS[key]]} runs, "
             f"but no strategy the search tries with {held} has it; remove parallel.{key}, or hold a layout that "
@@ -351,7 +351,9 @@ def _nothing_fits(
     term = max(("params", "optimizer", "gradients", "activations"), key=mem.__getitem__)
     report = {"fits": False, "priced": priced, "fitting": 0, "budget_gib": budget_gib}
     report |= {"leanest": plain(selected(cfg, overrides)), "leanest_peak_gib": mem["peak"], "cannot_fit": term}
-    hint = "Use more devices, a smaller model or offload.policy: auto."
+    # the placement pass places a decoder's blocks: a vision-language model has none it can place
+    can_offload = cfg.offload.policy in ("none", "manual") and cfg.model.vision is None
+    hint = "Use more devices, a smaller model" + (" or offload.policy: auto." if can_offload else ".")
     if cfg.offload.policy in ("auto", "greedy") and too_big:
         lean = min(too_big, key=lambda oe: oe[1].memory_per_device_gib["peak"])
         offload = offload_pass(resolve(candidate(cfg, lean[0]), devices, hardware=hw))
