@@ -13,6 +13,23 @@ def test_overrides_are_read_as_yaml():
     assert cfg.parallel.tensor == 4 and cfg.train.lr == 3e-4 and cfg.parallel.data is None
 
 
+def test_a_moe_key_on_a_model_without_experts_is_refused_unless_it_gives_the_count():
+    quick = CONFIGS / "quickstart.yaml"
+    with pytest.raises(ConfigError, match=r"--set 'model.moe.top_k=1': this model has no experts .* a mixture of "
+                       r"8 experts \(the default count\).*--set 'model.moe=\{experts: N, top_k: 1\}'"):  # fmt: skip
+        load_config(quick, ["model.moe.top_k=1"])
+    # the count first, or the section whole, says it: later keys refine it
+    counted = load_config(quick, ["model.moe.experts=4", "model.moe.top_k=1"]).model.moe
+    assert (counted.experts, counted.top_k) == (4, 1)
+    assert load_config(quick, ["model.moe={top_k: 1}"]).model.moe.top_k == 1
+    # a model with experts takes the key; null removes the section
+    assert load_config(CONFIGS / "moe-tiny.yaml", ["model.moe.top_k=1"]).model.moe.top_k == 1
+    with pytest.raises(ConfigError, match=r"no experts \(no model.moe section\)"):
+        load_config(CONFIGS / "moe-tiny.yaml", ["model.moe=null", "model.moe.top_k=1"])
+    with pytest.raises(ConfigError, match=r"did you mean model.moe.experts\?"):  # a misspelt key: named as such
+        load_config(quick, ["model.moe.expert=8"])
+
+
 def test_vocabularies_are_checked_when_read_and_when_built():
     with pytest.raises(ConfigError, match=r"train.recompute='ful' is not one of .*did you mean 'full'"):
         load_config(None, ["train.recompute=ful"])

@@ -20,6 +20,7 @@ import yaml
 
 from hyperjax.config import hf
 from hyperjax.config.checks import field_hints, hint_options, literal_options, type_name
+from hyperjax.config.model_parts import MoEConfig
 from hyperjax.config.sections import Config
 from hyperjax.errors import ConfigError, article
 from hyperjax.files import parse_yaml, read_yaml
@@ -65,6 +66,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(raw).__name__}")
     for item in items:
+        refuse_new_part(raw, item)
         apply_override(raw, item)
     config = build(Config, raw, "")
     if "global_batch" in (raw.get("train") or {}):  # given, even as the default: an rl: config's must agree
@@ -94,6 +96,30 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
             raise ConfigError(f"--set {item!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
         node = child
     node[parts[-1]] = value
+
+
+def refuse_new_part(raw: dict[str, Any], item: str) -> None:
+    """A dotted ``--set`` key inside ``model.moe`` of a model without experts, other than ``experts``: it
+    would build an 8-expert section (the default count) that nothing asked for.
+
+    Raises:
+      ConfigError: naming the key, the count it would take and the forms that mean it.
+    """
+    parts = item.partition("=")[0].strip().split(".")
+    if len(parts) < 3 or parts[:2] != ["model", "moe"] or parts[2] == "experts":
+        return
+    if parts[2] not in {f.name for f in dataclasses.fields(MoEConfig)}:
+        return  # an unknown key: building the section names it, with a did-you-mean
+    model = raw.get("model")
+    if isinstance(model, dict) and model.get("moe") is not None:
+        return
+    key, value = parts[2], item.partition("=")[2].strip()
+    raise ConfigError(
+        f"--set {item!r}: this model has no experts (no model.moe section), so the key would make it a mixture "
+        f"of {MoEConfig().experts} experts (the default count) with every other model.moe key at its default; "
+        f"give the count first (--set model.moe.experts=N) or the section whole "
+        f"(--set 'model.moe={{experts: N, {key}: {value}}}'), else drop the key"
+    )
 
 
 def check_key(key: str, what: str) -> None:
