@@ -128,11 +128,8 @@ def balance_layers(
     if chunks > m.layers:
         split = ""
         if virtual > 1 and chunks - 2 <= m.layers:  # the end chunks may hold the embedding or the output layer alone
-            if chunks == m.layers + 1:  # one chunk too many: only the last holds no block
-                counts = [1] * m.layers + [0]
-            else:
-                counts = [0] + [1] * (chunks - 2) + [0]
-                counts[max(chunks - 2, 0)] += m.layers - (chunks - 2)
+            # one chunk too many: only the last holds no block; two: the end chunks hold none
+            counts = [1] * m.layers + [0] if chunks == m.layers + 1 else [0] + [1] * m.layers + [0]
             split = f", or give parallel.stage_layers={counts} (the first and last chunks may hold no block)"
         raise ConfigError(
             f"parallel.pipeline x parallel.virtual_stages = {chunks} chunks, but model.layers={m.layers}; "
