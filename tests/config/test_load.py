@@ -18,6 +18,9 @@ def test_a_moe_key_on_a_model_without_experts_is_refused_unless_it_gives_the_cou
     with pytest.raises(ConfigError, match=r"--set 'model.moe.top_k=1': this model has no experts .* a mixture of "
                        r"8 experts \(the default count\).*--set 'model.moe=\{experts: N, top_k: 1\}'"):  # fmt: skip
         load_config(quick, ["model.moe.top_k=1"])
+    from hyperjax.cli.main import main
+
+    assert main(["predict", str(quick), "--set", "model.moe.top_k=1"]) == 2  # the command line exits 2
     # the count first, or the section whole, says it: later keys refine it
     counted = load_config(quick, ["model.moe.experts=4", "model.moe.top_k=1"]).model.moe
     assert (counted.experts, counted.top_k) == (4, 1)

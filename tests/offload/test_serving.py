@@ -60,6 +60,21 @@ def test_exact_stopped_before_any_placement_takes_the_serving_greedy_pass(est, m
     assert cut.time_limited and cut.proved_gap is None and cut.placement == greedy.placement
 
 
+def test_a_budget_nothing_fits_reports_the_smallest_peak_any_placement_reaches(capsys):
+    from hyperjax.cli.predict import print_serving_placement
+    from hyperjax.offload.serving import serving_pass
+    from hyperjax.offload.solve import minimum_memory
+
+    est = estimate_inference(hyperjax.resolve(hyperjax.load_config(None, [*SETS, "offload.policy=greedy"]), 1))
+    placed = serving_pass(est, budget_bytes=1.0)  # one byte: nothing fits
+    context = est.prompt_len + est.new_tokens
+    problem = serve_problem(est, context=context, budget_bytes=1.0, block_tokens=context)
+    assert not placed.fits and placed.peak_gib == pytest.approx(minimum_memory(problem).peak_bytes / 2**30, rel=1e-12)
+    assert placed.weights_on_host == len(est.layers) and placed.host_gib > 0  # here every layer's weights go
+    print_serving_placement(placed)
+    assert "does not fit: no placement reaches a smaller peak" in capsys.readouterr().out
+
+
 def test_no_offload_longest_context_is_the_closed_form(est):
     budget = 0.5 * 2**30
     got = longest_context(est, budget_bytes=budget, policy="none", block_tokens=1024)

@@ -185,7 +185,7 @@ def print_serving_placement(p: ServingPlacement) -> None:
         f"weights of {p.weights_on_host} layers and {p.kv_blocks_on_host} of {p.kv_blocks} KV-cache blocks on the "
         f"host ({p.host_gib:.3g} GiB); peak {p.peak_gib:.3g} GiB; decode {p.decode_s_per_token * 1e3:.4g} ms per "
         f"token against {p.device_only_s_per_token * 1e3:.4g} ms all on the device; "
-        + ("fits" if p.fits else "[red]does not fit[/red] even with everything it can place on the host"),
+        + ("fits" if p.fits else "[red]does not fit[/red]: no placement reaches a smaller peak"),
         soft_wrap=True,
     )
     if p.time_limited:

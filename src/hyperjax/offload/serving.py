@@ -23,7 +23,7 @@ from typing import Literal
 from hyperjax.cost.inference import InferenceEstimate
 from hyperjax.errors import ConfigError
 from hyperjax.offload.problem import Choice, Priced, Problem
-from hyperjax.offload.solve import greedy, solve_exact
+from hyperjax.offload.solve import greedy, minimum_memory, solve_exact
 
 Policy = Literal["none", "greedy", "exact"]
 GAP = 1e-3
@@ -227,7 +227,7 @@ class ServingPlacement:
       context: tokens per sequence the decode step caches.
       fits: whether the placement's peak fits the budget.
       budget_gib: the device-memory budget (``offload.device_memory_gib``, else the preset's usable HBM).
-      peak_gib: device memory at the placement's peak (the smallest reachable when nothing fits).
+      peak_gib: device memory at the placement's peak (when nothing fits, the smallest any placement reaches).
       host_gib: what it puts on the host: ``weights_host_gib`` of weights, ``kv_cache_host_gib`` of cache.
       staging_gib: the device buffers host groups are fetched into.
       decode_s_per_token: the decode step under the placement.
@@ -263,8 +263,8 @@ class ServingPlacement:
 
 def serving_pass(est: InferenceEstimate, *, budget_bytes: float, block_tokens: int = 8192) -> ServingPlacement:
     """Place the weights and KV cache of ``est``'s decode step at its own context by ``offload.policy``
-    (``auto``: the exact pass; ``greedy``) within ``budget_bytes``; when nothing fits, the placement with
-    every group on the host (the smallest peak) is reported with ``fits`` false.
+    (``auto``: the exact pass; ``greedy``) within ``budget_bytes``; when nothing fits, the smallest-peak
+    placement (:func:`hyperjax.offload.solve.minimum_memory`) is reported with ``fits`` false.
 
     Raises:
       ConfigError: ``offload.policy: manual`` (its patterns name training's groups) or ``none``, or
@@ -288,11 +288,8 @@ def serving_pass(est: InferenceEstimate, *, budget_bytes: float, block_tokens: i
     problem = serve_problem(est, context=context, budget_bytes=budget_bytes, prefetch=prefetch, block_tokens=block)
     priced = place(problem, policy)
     fits = priced is not None
-    if priced is None:  # nothing fits: everything that can go to the host goes
-        from hyperjax.offload.placement import Placement
-        from hyperjax.offload.problem import evaluate
-
-        priced = evaluate(problem, Placement(tuple(sorted((g, "host") for g in problem.groups))))
+    if priced is None:  # nothing fits: the smallest-peak placement, as training's pass reports
+        priced = minimum_memory(problem)
     host = priced.placement.on("host")
     return ServingPlacement(
         policy=word,
