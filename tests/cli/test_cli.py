@@ -66,6 +66,9 @@ def test_topology_says_how_float32_products_run(capsys):
     assert "matrix products run as" not in capsys.readouterr().out
 
 
+QUICK_SIX = ["train", str(CONFIGS / "quickstart.yaml"), "--devices", "6", "--set", "train.global_batch=30"]
+
+
 @pytest.mark.parametrize(
     ("args", "pattern"),
     [
@@ -112,6 +115,10 @@ def test_topology_says_how_float32_products_run(capsys):
         (
             ["predict", str(CONFIGS / "quickstart.yaml"), "--set", "parallel.overlap=two-microbatch"],
             r"parallel.overlap='two-microbatch' hides a mixture of experts' all-to-all, but the model has no MoE",
+        ),
+        (
+            [*QUICK_SIX, "--set", "parallel.zero_stage=2"],
+            r"tensor 'embed' .* zero_stage=2 shards its state over mesh axis 'data' \(3 devices\)",
         ),
         (
             [

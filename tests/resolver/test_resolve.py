@@ -384,3 +384,26 @@ def test_serving_describes_the_layout_alone():
     assert paired.describe(serving=True) == want
     buckets = resolve(load_config(CONFIGS / "moe-tiny.yaml", [*moe[:5], "parallel.gradient_buckets=true"]))
     assert "gradient buckets" in buckets.describe() and buckets.describe(serving=True) == want
+
+
+def test_zero_over_a_degree_no_dimension_divides_is_refused_before_anything_runs():
+    # 6 devices, tensor 2: data 3, and no dimension of the quick start's tensors divides by 3
+    quick = ["train.global_batch=30", "parallel.zero_stage=1"]
+    with pytest.raises(ShardingError) as e:
+        resolve(load_config(CONFIGS / "quickstart.yaml", quick), 6)
+    for part in ["tensor 'embed' of shape (256, 256)", "zero_stage=1", "'data' (3 devices)", "(128, 256)", "=0"]:
+        assert part in str(e.value), (part, str(e.value))
+    assert resolve(load_config(CONFIGS / "quickstart.yaml", quick[:1]), 6).parallel["data"] == 3  # stage 0 runs
+    # a pipeline names the stage; the stages' first refusal is the run's
+    piped = [*quick, "parallel.tensor=1", "parallel.pipeline=2", "train.microbatches=2", "parallel.zero_stage=2"]
+    with pytest.raises(ShardingError, match=r"^stage 0: tensor .*zero_stage=2 shards its state over mesh axis 'data'"):
+        resolve(load_config(CONFIGS / "quickstart.yaml", piped), 6)
+
+
+def test_the_zero_check_reaches_the_mixture_of_experts_blocks_after_the_dense_ones():
+    # moe-tiny's block 0 is dense (first_dense 1): widths of 192 and 384 split 3 ways, the 8 routing biases do not
+    sets = ["parallel.data=3", "parallel.expert=2", "model.d_model=192", "model.d_ff=384", "train.global_batch=36"]
+    sets += ["model.moe.balance=bias", "model.moe.router=sigmoid"]
+    assert resolve(load_config(CONFIGS / "moe-tiny.yaml", sets), 6).parallel["data"] == 3
+    with pytest.raises(ShardingError, match=r"tensor 'blocks/1/mlp/router_bias' of shape \(8,\).*'data' \(3 devices\)"):
+        resolve(load_config(CONFIGS / "moe-tiny.yaml", [*sets, "parallel.zero_stage=1"]), 6)

@@ -417,3 +417,22 @@ def test_divisors_pair_up_to_the_square_root():
         assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
     big = divisors(10**12)
     assert len(big) == 169 and big == sorted(big) and all(10**12 % d == 0 for d in big)
+
+
+def test_plan_tries_no_zero_stage_the_runtime_cannot_shard():
+    # 6 devices: a data degree of 3 or 6 divides none of the quick start's dimensions, so ZeRO is refused there
+    cfg = load_config(ROOT / "configs/quickstart.yaml", ["train.global_batch=30"])
+    found = plan(cfg, 6, keep=100, prune=False)
+    assert found.fitting > 0
+    for c in found.best:
+        run = resolve(candidate(cfg, c.overrides), 6)  # what the plan lists resolves, at its ZeRO stage
+        assert run.zero_stage == 0 or run.parallel["data"] in (1, 2), c.overrides
+    with pytest.raises(ConfigError, match=r"with parallel.zero_stage=1 is refused: .* no dimension of it divides by 3"):
+        plan(cfg, 6, where={"parallel.zero_stage": 1})
+
+
+def test_plan_prices_mpmd_splits_at_the_configs_zero_stage():
+    # a split carries no parallel.zero_stage of its own: it runs, and is checked and priced, at the config's
+    cfg = load_config(ROOT / "configs/vlm-tiny-mpmd.yaml", ["parallel.zero_stage=1"])
+    splits = [c for c in plan(cfg, 8, keep=1000).best if c.overrides.get("mpmd.submeshes")]
+    assert splits and all(c.run.zero_stage == 1 for c in splits)

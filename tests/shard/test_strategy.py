@@ -72,13 +72,26 @@ def test_explain(mesh):
 
 def test_zero_adds_the_data_axis_where_it_divides(mesh):
     s = Strategy(rules=RULES, params={"w": ("embed", "mlp")}, zero_stage=1)
-    tree = {"w": jnp.zeros((8, 16)), "odd": jnp.zeros((3,))}
+    tree = {"w": jnp.zeros((8, 16)), "count": jnp.zeros((), jnp.int32), "b": jnp.zeros((3, 4))}
     assert s.shardings(tree, mesh)["w"].spec == P(None, "tensor")
     opt = s.shardings(tree, mesh, role="optimizer")
-    assert opt["w"].spec == P("data", "tensor") and opt["odd"].spec == P(None)
+    assert opt["w"].spec == P("data", "tensor") and opt["b"].spec == P(None, "data")  # the first it divides
+    assert opt["count"].spec == P()  # a scalar (the optimizer's step count) has nothing to split
     assert s.shardings(tree, mesh, role="gradients")["w"].spec == P(None, "tensor")  # stage 1 keeps gradients
     s2 = Strategy(rules=RULES, params={"w": ("embed", "mlp")}, zero_stage=2)
     assert s2.shardings(tree, mesh, role="gradients")["w"].spec == P("data", "tensor")
+
+
+@pytest.mark.parametrize("role", ["optimizer", "gradients"])
+def test_zero_refuses_a_tensor_no_dimension_of_which_it_can_split(mesh, role):
+    # (3, 4) with "mlp" over tensor 4 is (3, 1) a device: data's 2 divides neither
+    s = Strategy(rules=RULES, params={"w": ("embed", "mlp")}, zero_stage=2)
+    with pytest.raises(ShardingError) as e:
+        s.shardings({"w": jnp.zeros((3, 4))}, mesh, role=role)
+    message = str(e.value)
+    for part in ["'w'", "(3, 4)", "('embed', 'mlp')", "zero_stage=2", "'data' (2 devices)", "(3, 1)", "zero_stage=0"]:
+        assert part in message, (part, message)
+    assert s.shardings({"w": jnp.zeros((3, 4))}, mesh)["w"].spec == P(None, "tensor")  # the weights are not ZeRO's
 
 
 def test_with_param_axes_reaches_pure_copies(mesh):

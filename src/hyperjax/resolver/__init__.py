@@ -2,7 +2,7 @@
 
 from hyperjax.resolver.checks import check_attention_impl, check_dispatcher_sms, check_preset
 from hyperjax.resolver.elastic import elastic_overrides
-from hyperjax.resolver.resolve import DEFAULT_DEVICES, device_count, resolve
+from hyperjax.resolver.resolve import DEFAULT_DEVICES, check_zero, device_count, resolve
 from hyperjax.resolver.rl import check_rollout_modifiers, learner_config, resolve_rl
 from hyperjax.resolver.stages import MODULES, balance_layers
 
@@ -14,6 +14,7 @@ __all__ = [
     "check_dispatcher_sms",
     "check_preset",
     "check_rollout_modifiers",
+    "check_zero",
     "device_count",
     "elastic_overrides",
     "learner_config",

@@ -18,14 +18,15 @@ from hyperjax.topology import Hardware
 
 
 def stage_tensors(m: ModelConfig, stage: Stage) -> list[Tensor]:
-    """The parameters a stage holds (one block stands for all: they share shapes)."""
+    """The parameters a stage holds (one block of each kind stands for all of its kind: they share shapes)."""
+    kinds = {m.is_moe(i): i for i in reversed(range(m.layers))}  # the first dense block and the first MoE block
     out: list[Tensor] = []
     if "encoder" in stage.modules:
         out += encoder_tensors(m.vision, m.d_model)
     if "language_model" in stage.modules:
-        out += decoder_tensors(m, "language_model", range(1))
+        out += decoder_tensors(m, "language_model", sorted(kinds.values()))
     if "decoder" in stage.modules:
-        out += decoder_tensors(m, "", range(1))
+        out += decoder_tensors(m, "", sorted(kinds.values()))
     return out
 
 
@@ -49,14 +50,16 @@ def activations(m: ModelConfig, stage: Stage, rows: int) -> dict[str, tuple[tupl
 
 
 def check_stage(m: ModelConfig, strategy: Strategy, stage: Stage, rows: int) -> None:
-    """``strategy`` places every parameter of ``stage`` and every activation of a micro-batch on its mesh.
+    """``strategy`` places every parameter of ``stage`` (and its ZeRO-sharded state) and every activation of a
+    micro-batch on its mesh.
 
     Raises:
       ShardingError: the first tensor it cannot place.
     """
     mesh = jax.sharding.AbstractMesh(tuple(stage.axes.values()), tuple(stage.axes))
+    zero = strategy.zero_axes if strategy.zero_stage >= 1 else ()  # the optimizer state's (and gradients') split
     for axes, shape, path in tensors_by_axes(stage_tensors(m, stage)):
-        strategy.check(path, shape, axes, mesh)
+        strategy.check(path, shape, axes, mesh, zero=zero)
     for name, (shape, logical) in activations(m, stage, rows).items():
         try:
             strategy.check(f"activation {name}", shape, logical, mesh)

@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from hyperjax.config import Config, ModelConfig, Run, Stage
-from hyperjax.config.parallel import check_modifiers
+from hyperjax.config.parallel import ParallelConfig, check_modifiers
 from hyperjax.config.run import replica_axes, spans_processes, stage_replica_axes, stage_schedule, staged
 from hyperjax.emulate import plan_processes
 from hyperjax.errors import ConfigError, EmulationError, ShardingError, expect
@@ -122,24 +122,9 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
             f"multiple of {microbatches * math.lcm(*dps)}"
         )
     check_overrides(config.shard, ConfigError)
-    shard = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.shard.items()))
-    split = p.expert_tensor in (None, p.tensor) or p.tensor == 1  # experts' hidden split over the tensor axis
+    split = _experts_split(p)
     _check_fp8_tiles(config)
-    for s in stages:
-        try:
-            _check(
-                config.model,
-                p.sequence_parallel,
-                p.zero_stage,
-                split,
-                shard,
-                tuple(s.axes.items()),
-                s.modules,
-                rows,
-                p.fsdp_context,
-            )
-        except ShardingError as e:
-            raise ShardingError(f"{s.name}: {e}" if len(stages) > 1 else str(e)) from None
+    _check_stages(config, stages, rows, p.zero_stage)
     try:
         processes, limit = plan_processes(n, config.emulate.processes), None
     except EmulationError as e:
@@ -301,6 +286,43 @@ def _overrides_touch(cfg: Config, replicas: tuple[str, ...]) -> bool:
     """Whether the config's ``shard`` overrides name ``batch`` or put any logical axis on a replica axis (the
     standard rules that :func:`hyperjax.config.run.replica_axes` assumes then may not hold)."""
     return any(logical == "batch" or set(entry_axes(target)) & set(replicas) for logical, target in cfg.shard.items())
+
+
+def check_zero(run: Run, zero_stage: int) -> None:
+    """``run``'s tensors placed again under ``zero_stage`` (a search prices a resolved run at another ZeRO stage
+    without resolving it again), so that a ZeRO axis that divides no dimension of a tensor is refused there too.
+
+    Raises:
+      ShardingError: naming the tensor, the axis, the sizes and the fix.
+    """
+    if zero_stage != run.zero_stage:
+        _check_stages(run.config, run.stages, run.rows, zero_stage)
+
+
+def _experts_split(p: ParallelConfig) -> bool:
+    """Whether an expert's hidden width splits over the tensor axis (rather than the experts spreading over it)."""
+    return p.expert_tensor in (None, p.tensor) or p.tensor == 1
+
+
+def _check_stages(config: Config, stages: Sequence[Stage], rows: int, zero_stage: int) -> None:
+    """:func:`_check` for every stage, the stage named in the error when there are several."""
+    p = config.parallel
+    shard = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.shard.items()))
+    for s in stages:
+        try:
+            _check(
+                config.model,
+                p.sequence_parallel,
+                zero_stage,
+                _experts_split(p),
+                shard,
+                tuple(s.axes.items()),
+                s.modules,
+                rows,
+                p.fsdp_context,
+            )
+        except ShardingError as e:
+            raise ShardingError(f"{s.name}: {e}" if len(stages) > 1 else str(e)) from None
 
 
 @functools.lru_cache(maxsize=65536)

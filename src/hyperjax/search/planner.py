@@ -35,7 +35,7 @@ from hyperjax.config.run import stage_schedule
 from hyperjax.cost import Estimate, StageCore, estimate, unpriced_overrides
 from hyperjax.errors import ConfigError, HyperjaxError, expect, positive_int, written
 from hyperjax.offload import budget_bytes, offload_pass, with_offload
-from hyperjax.resolver import check_preset, resolve
+from hyperjax.resolver import check_preset, check_zero, resolve
 from hyperjax.search.bounds import lower_bound
 from hyperjax.search.strategies import (
     RECOMPUTE,
@@ -131,6 +131,16 @@ def price(cfg: Config, overrides: dict[str, Any], devices: int, hardware: Hardwa
     return estimate(resolve(candidate(cfg, overrides), devices, hardware=hardware))
 
 
+def _zero_refusal(base: Run, zero_stage: int) -> HyperjaxError | None:
+    """Why ``base`` at ``zero_stage`` cannot place some tensor's ZeRO-sharded state (:func:`check_zero`), or
+    ``None`` where it can."""
+    try:
+        check_zero(base, zero_stage)
+    except HyperjaxError as e:
+        return e
+    return None
+
+
 def bases(combinations: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
     """Combinations grouped by what resolves alike: all but the ZeRO stage, and 1F1B with zero-bubble."""
     out: dict[tuple, list[dict[str, Any]]] = {}
@@ -204,6 +214,7 @@ def plan(
     fastest: list[float] = []  # the negated steps of the ``keep`` fastest found so far (a heap)
     priced = 0
     leanest: tuple[dict[str, Any], Estimate] | None = None
+    refused: HyperjaxError | None = None  # the first ZeRO stage refused, for a search that prices none
     too_big: list[tuple[dict[str, Any], Estimate]] = []  # fast strategies that do not fit: offload candidates
     cores: dict[tuple, StageCore] = {}
     for done, g in enumerate(order):
@@ -213,13 +224,18 @@ def plan(
             break  # bases come in bound order: none after this one can enter the answer
         try:
             named = cfg.train.recompute_modules is not None  # what selective recomputes, kept for pricing
-            plain = {**groups[g][0], "train.recompute": "selective" if named else "none"} | (
+            # resolved at ZeRO stage 0: each candidate's own stage is checked against it (:func:`_zero_refusal`)
+            plain = {**groups[g][0], "train.recompute": "selective" if named else "none", "parallel.zero_stage": 0} | (
                 {"parallel.overlap": "none"} if cfg.model.moe else {}
             )
             base = resolve(candidate(cfg, plain), devices, hardware=hw)
         except HyperjaxError:
             continue
-        pending = list(groups[g])
+        pending = []
+        for combo in groups[g]:
+            e = _zero_refusal(base, combo.get("parallel.zero_stage", cfg.parallel.zero_stage))
+            refused = refused or e
+            pending += [combo] if e is None else []
         for recompute in (where["train.recompute"],) if "train.recompute" in (where or {}) else RECOMPUTE:
             left = []
             for combo in pending:
@@ -227,7 +243,7 @@ def plan(
                 run = dataclasses.replace(
                     base,
                     recompute=recompute,
-                    zero_stage=combo.get("parallel.zero_stage", base.zero_stage),
+                    zero_stage=combo.get("parallel.zero_stage", cfg.parallel.zero_stage),
                     schedule=stage_schedule(len(base.stages), overlap, combo["parallel.schedule"]),
                     overlap=overlap,
                 )
@@ -266,10 +282,12 @@ def plan(
         held = ", ".join(f"{k}={written(v)}" for k, v in where.items())
         micro = any(k.startswith("train.micro") for k in where)
         counts = " and its micro-batches: micro_batch_rows, microbatches" if micro else ""
+        found_none = f"no strategy the search tries on {devices} devices has {held}"
+        if refused is not None:
+            found_none = f"every strategy the search tries on {devices} devices with {held} is refused: {refused}"
         raise ConfigError(
-            f"no strategy the search tries on {devices} devices has {held}; drop {', '.join(where)} to search "
-            f"them all, or give a value among those it tries (hyperjax plan --json lists each candidate's "
-            f"settings{counts})"
+            f"{found_none}; drop {', '.join(where)} to search them all, or give a value among those it tries "
+            f"(hyperjax plan --json lists each candidate's settings{counts})"
         )
     if not priced and cfg.parallel.gradient_buckets and _prices_without_buckets(cfg, devices, hw, where, accumulate):
         raise ConfigError(

@@ -224,7 +224,7 @@ def plan_rl(
             fits = isinstance(e, NothingFits)
             refused = ConfigError(
                 f"the learner's {n_learner} devices: no layout of one program the training search tries "
-                + ("fits there" if fits else "is valid there (the batch, heads and layers must split over them)")
+                + ("fits there" if fits else f"is valid there (the batch, heads and layers must split over them): {e}")
             )
             continue
         for learner in learners:

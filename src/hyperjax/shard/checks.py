@@ -118,3 +118,30 @@ def context_mesh(x: Any) -> jax.sharding.Mesh | jax.sharding.AbstractMesh | None
         return jax.sharding.get_mesh()
     except ValueError:
         return abstract
+
+
+def unsplit(
+    what: str,
+    shape: tuple[int, ...],
+    logical_axes: LogicalAxes,
+    ruled: Sequence[int],
+    placed: Sequence[str],
+    axis: str,
+    mesh: jax.sharding.Mesh,
+    zero_stage: int,
+) -> str:
+    """The error for a tensor whose ZeRO-sharded state no dimension can split over mesh ``axis`` (``ruled``:
+    the ways the rules split each dimension; ``placed``: the ZeRO axes already placed on it)."""
+    n = mesh.shape[axis]
+    local = tuple(size // ways for size, ways in zip(shape, ruled, strict=True))
+    before = f"per device by the rules: {local}"
+    if placed:
+        others = " and ".join(f"{a!r} ({mesh.shape[a]})" for a in placed)
+        before += f", then split by ZeRO's {others}"
+    fewer = f", a {' or '.join(repr(a) for a in placed)} degree that leaves room" if placed else ""
+    return (
+        f"{what} of shape {tuple(shape)}, logical axes {tuple(logical_axes)}: zero_stage={zero_stage} shards its "
+        f"state over mesh axis {axis!r} ({n} devices), but no dimension of it divides by {n} ({before}); kept "
+        f"whole over {axis!r}, each device would hold {n}x the share of its state the cost model prices. Choose a "
+        f"{axis!r} degree that divides one of its dimensions{fewer}, or zero_stage=0"
+    )

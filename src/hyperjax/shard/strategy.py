@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jax.tree_util import keystr
 
 from hyperjax.errors import ShardingError
-from hyperjax.shard.checks import check_mesh, check_patterns, checked_fields, context_mesh, one_per_dimension
+from hyperjax.shard.checks import check_mesh, check_patterns, checked_fields, context_mesh, one_per_dimension, unsplit
 from hyperjax.shard.explanation import Explanation, TensorPlacement
 from hyperjax.shard.metadata import LogicalAxes, metadata_axes
 
@@ -274,11 +274,17 @@ class Strategy:
                     "to fewer mesh axes"
                 )
         extra = [a for a in zero if a not in seen and mesh.shape.get(a, 1) > 1]
+        ruled = [math.prod(mesh.shape[a] for a in axes) for axes in per_dim]  # each dimension's split by the rules
         for axis in extra:
             for axes, size in zip(per_dim, shape, strict=True):
                 if size % (math.prod(mesh.shape[a] for a in axes) * mesh.shape[axis]) == 0:
                     axes.append(axis)
                     break
+            else:  # a scalar (the optimizer's step count) has nothing to split and is kept whole
+                if shape:
+                    placed = [a for a in extra if a != axis and any(a in axes for axes in per_dim)]
+                    error = unsplit(what, shape, logical_axes, ruled, placed, axis, mesh, self.zero_stage)
+                    raise ShardingError(error)
         return P(*(spec_entry(tuple(axes)) for axes in per_dim))
 
     def with_param_axes(self, state: Any) -> Strategy:
