@@ -85,6 +85,16 @@ def test_pipeline_matches_spmd(spmd, sets):
     np.testing.assert_allclose(losses(sets), spmd, rtol=1e-4, atol=0)
 
 
+def test_a_pipeline_splits_its_optimizer_state_under_zero(spmd):
+    # 2 stages of 4 devices: data 4 on each; Adam's two moments per parameter, split 4 ways at zero_stage 1
+    sets = ["parallel.pipeline=2", "train.microbatches=4"]
+    run = lambda *more: train(resolve(load_config(QUICKSTART, [*BASE, *sets, *more])), log=io.StringIO())
+    whole, split = run(), run("parallel.zero_stage=1")
+    np.testing.assert_allclose(split.losses, spmd, rtol=1e-4, atol=0)
+    # per device: the weights and their gradients (2 P) and the moments (2 P, or P / 2 split 4 ways)
+    assert split.memory_per_device / whole.memory_per_device == pytest.approx((2 + 2 / 4) / (2 + 2), rel=1e-3)
+
+
 @pytest.mark.parametrize("recompute", [pytest.param("selective", marks=SLOW), pytest.param("full", marks=SLOW)])
 def test_zero_bubble_over_rematerialised_blocks_matches_spmd(spmd, recompute):
     # remat'd blocks keep the plain split (their residuals live inside the rematerialised region)

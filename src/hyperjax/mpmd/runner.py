@@ -114,7 +114,9 @@ class PipelineRunner:
                     host_params=jax.tree.map(np.asarray, params),
                     act_sh=NamedSharding(mesh, strat.spec(("batch", "res_seq", "act_embed"))),
                     scalar_sh=NamedSharding(mesh, PartitionSpec()),
-                    opt_sh=strat.shardings(jax.eval_shape(optimizer.init, self.trained(params, c)), mesh),
+                    opt_sh=strat.shardings(
+                        jax.eval_shape(optimizer.init, self.trained(params, c)), mesh, role="optimizer"
+                    ),
                     moe=getattr(getattr(part, "cfg", None), "moe", None),
                     moe_layers=sum(isinstance(node, MoE) for _, node in nnx.iter_graph(part)),
                 )
@@ -196,7 +198,8 @@ class PipelineRunner:
                 updates, opt_state = self.optimizer.update(grads, opt_state, params)
                 return optax.apply_updates(params, updates), opt_state
 
-            ch.update = jax.jit(update, donate_argnums=(0, 1))
+            # the parameters stay as placed; the optimizer state stays ZeRO-split over the replicas (zero_stage)
+            ch.update = jax.jit(update, donate_argnums=(0, 1), out_shardings=(self.trained(ch.param_sh, c), ch.opt_sh))
 
     # ---- one step ---------------------------------------------------------------------------------------
 
