@@ -57,7 +57,7 @@ def check_stage(m: ModelConfig, strategy: Strategy, stage: Stage, rows: int) -> 
       ShardingError: the first tensor it cannot place.
     """
     mesh = jax.sharding.AbstractMesh(tuple(stage.axes.values()), tuple(stage.axes))
-    zero = strategy.zero_axes if strategy.zero_stage >= 1 else ()  # the optimizer state's (and gradients') split
+    zero = strategy.zero_for("optimizer")  # the widest ZeRO split: the gradients' is the same axes or none
     for axes, shape, path in tensors_by_axes(stage_tensors(m, stage)):
         strategy.check(path, shape, axes, mesh, zero=zero)
     for name, (shape, logical) in activations(m, stage, rows).items():

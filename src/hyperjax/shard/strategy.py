@@ -187,11 +187,7 @@ class Strategy:
         if role not in ROLES:
             raise ShardingError(f"role={role!r} is not one of {', '.join(ROLES)}")
         check_mesh(mesh)
-        zero = (
-            self.zero_axes
-            if (role == "optimizer" and self.zero_stage >= 1) or (role == "gradients" and self.zero_stage >= 2)
-            else ()
-        )
+        zero = self.zero_for(role)
         if zero and not any(a in mesh.shape for a in zero):  # ZeRO over those of them the mesh has
             raise ShardingError(
                 f"zero_stage={self.zero_stage} shards the {role} over zero_axes={self.zero_axes}, none of which the "
@@ -212,6 +208,13 @@ class Strategy:
         out = jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_variable)
         check_patterns([p for p in self.params if p not in self._derived], paths, bare)
         return out
+
+    def zero_for(self, role: Role) -> tuple[str, ...]:
+        """The mesh axes ZeRO splits ``role``'s tensors over: ``zero_axes`` for the optimizer state from
+        ``zero_stage`` 1 and for the gradients from 2; none for the parameters."""
+        if role == "params":  # split by the rules alone (FSDP is a rule)
+            return ()
+        return self.zero_axes if self.zero_stage >= (1 if role == "optimizer" else 2) else ()
 
     def check(
         self,
