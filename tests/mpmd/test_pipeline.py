@@ -85,14 +85,61 @@ def test_pipeline_matches_spmd(spmd, sets):
     np.testing.assert_allclose(losses(sets), spmd, rtol=1e-4, atol=0)
 
 
-def test_a_pipeline_splits_its_optimizer_state_under_zero(spmd):
-    # 2 stages of 4 devices: data 4 on each; Adam's two moments per parameter, split 4 ways at zero_stage 1
+@pytest.mark.parametrize(
+    "zero, share",
+    # per device: the weights (P), their gradient accumulator (P, or P / 4 at stage 2) and Adam's two
+    # moments (2 P, or P / 2 split 4 ways), against 4 P without ZeRO
+    [(1, (1 + 1 + 2 / 4) / 4), pytest.param(2, (1 + 1 / 4 + 2 / 4) / 4, marks=SLOW)],
+)
+def test_a_pipeline_splits_its_optimizer_state_under_zero(spmd, zero, share):
+    # 2 stages of 4 devices: data 4 on each
     sets = ["parallel.pipeline=2", "train.microbatches=4"]
     run = lambda *more: train(resolve(load_config(QUICKSTART, [*BASE, *sets, *more])), log=io.StringIO())
-    whole, split = run(), run("parallel.zero_stage=1")
+    whole, split = run(), run(f"parallel.zero_stage={zero}")
     np.testing.assert_allclose(split.losses, spmd, rtol=1e-4, atol=0)
-    # per device: the weights and their gradients (2 P) and the moments (2 P, or P / 2 split 4 ways)
-    assert split.memory_per_device / whole.memory_per_device == pytest.approx((2 + 2 / 4) / (2 + 2), rel=1e-3)
+    assert split.memory_per_device / whole.memory_per_device == pytest.approx(share, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["parallel.schedule=1f1b"],  # the plain backward adds to the accumulator
+        pytest.param(["parallel.schedule=zero-bubble"], marks=SLOW),  # B (tapped) and W add to it
+        pytest.param(["parallel.schedule=zero-bubble", "train.recompute=full"], marks=SLOW),  # W re-runs B
+        pytest.param(["parallel.schedule=interleaved", "parallel.virtual_stages=2"], marks=SLOW),
+        pytest.param(["parallel.schedule=1f1b", BUCKETS], marks=SLOW),  # each replica's own, summed once a step
+    ],
+    ids=["1f1b", "zero-bubble", "zero-bubble-remat", "interleaved", "buckets"],
+)
+def test_zero_2_accumulates_a_pipelines_gradients_split(monkeypatch, spmd, sets):
+    """At ``zero_stage: 2`` a stage's gradient accumulator is split over its 4 data replicas, as the cost model
+    prices it, and the losses are one SPMD program's. With gradient buckets each replica accumulates its own
+    gradients whole and the once-a-step sum leaves them split."""
+    import jax
+
+    from hyperjax.mpmd import runner as runner_module
+
+    seen: list[tuple[float, float]] = []  # per gradient: (accumulator, summed) bytes on one device / its size
+    real = runner_module.replica_sum
+
+    def watched(param_sh, grad_sh, mesh, manual):
+        zeros, reduce = real(param_sh, grad_sh, mesh, manual)
+
+        def summed(acc):
+            out = reduce(acc)
+            for a, g in zip(jax.tree.leaves(acc), jax.tree.leaves(out), strict=True):
+                seen.append(
+                    (a.addressable_shards[0].data.nbytes / g.nbytes, g.addressable_shards[0].data.nbytes / g.nbytes)
+                )
+            return out
+
+        return zeros, summed
+
+    monkeypatch.setattr(runner_module, "replica_sum", watched)
+    sets = ["parallel.pipeline=2", "train.microbatches=4", "parallel.zero_stage=2", *sets]
+    np.testing.assert_allclose(losses(sets), spmd, rtol=1e-4, atol=0)
+    accumulated = 1.0 if BUCKETS in sets else 0.25
+    assert seen and set(seen) == {(accumulated, 0.25)}
 
 
 @pytest.mark.parametrize("recompute", [pytest.param("selective", marks=SLOW), pytest.param("full", marks=SLOW)])

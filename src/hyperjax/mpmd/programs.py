@@ -79,6 +79,7 @@ def chunk_programs(
     moe: MoEConfig | None = None,
     mesh: jax.sharding.Mesh | None = None,
     manual: tuple[str, ...] = (),
+    acc_sh: Any = None,
 ) -> Programs:
     """The jitted programs of one chunk.
 
@@ -103,8 +104,16 @@ def chunk_programs(
     last chunk's loss is then its replica's share of the micro-batch's mean (its rows' mean over the
     replicas), and each replica's balancing loss its share of the replicas' mean, so the replicas'
     gradients sum to the micro-batch's; the router stats come back stacked, one entry per replica.
+
+    ``acc_sh`` (no ``manual`` axes) is where the gradient accumulator lives (ZeRO-2 splits it over the
+    replicas): every program that adds to it keeps it there, so each micro-batch's gradients, reduced over
+    the replicas, are added to each device's share (XLA may reduce-scatter them) rather than held whole.
     """
     replicas = math.prod(mesh.shape[a] for a in manual) if manual else 1
+
+    def add(acc: Any, dparams: Any) -> Any:
+        total = jax.tree.map(jnp.add, acc, dparams)
+        return total if acc_sh is None or manual else jax.lax.with_sharding_constraint(total, acc_sh)
 
     def apply(params: Any, x: jax.Array, fed: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
         feeds = {k: v for k, v in fed.items() if k != "targets"}
@@ -138,10 +147,10 @@ def chunk_programs(
 
     def backward(pullback: Any, dy: Any, acc: Any) -> tuple[Any, Any]:
         dparams, dx = pull(pullback, dy)
-        return jax.tree.map(jnp.add, acc, dparams), dx
+        return add(acc, dparams), dx
 
     def weights(pullback: Any, dy: Any, acc: Any) -> Any:
-        return jax.tree.map(jnp.add, acc, pull(pullback, dy)[0])  # XLA drops the unused input half
+        return add(acc, pull(pullback, dy)[0])  # XLA drops the unused input half
 
     def inputs(pullback: Any, dy: Any) -> Any:
         return pull(pullback, dy)[1]  # and here the unused weight half
@@ -163,7 +172,7 @@ def chunk_programs(
     def inputs_split(pullback: Any, dy: Any, acc: Any) -> tuple[Any, Any, Any]:
         grads = pullback(seed(dy))
         dparams, dx, douts = (grads[0], None, grads[1]) if first else grads
-        return jax.tree.map(jnp.add, acc, dparams), dx, douts
+        return add(acc, dparams), dx, douts
 
     def weights_split(params: Any, kept: Any, x: jax.Array, douts: Any, fed: dict[str, jax.Array], acc: Any) -> Any:
         def products(p: Any) -> list[jax.Array]:
@@ -172,7 +181,7 @@ def chunk_programs(
             return state.outputs
 
         (dparams,) = jax.vjp(products, params)[1](douts)
-        return jax.tree.map(jnp.add, acc, dparams)
+        return add(acc, dparams)
 
     each = functools.partial(per_replica, mesh=mesh, manual=manual)
     out = "stacked" if last else "rows"  # the last chunk's output is its loss
@@ -252,7 +261,8 @@ class ChunkRuntime:
       constrain: the activation constraint the chunk is called with (outside its programs).
       manual: the mesh axes whose replicas compute their gradients apart, summed once per step (gradient
         buckets; empty: XLA reduces each micro-batch's gradients in its backward program).
-      param_sh, opt_sh: where its parameters and optimizer state live.
+      param_sh, grad_sh, opt_sh: where its parameters, its summed gradients (and, without ``manual`` axes,
+        its gradient accumulator) and its optimizer state live.
       host_params: its initial parameters on the host.
       act_sh: where its output (and its output's gradient) lives.
       scalar_sh: a replicated scalar on the submesh.
@@ -277,6 +287,7 @@ class ChunkRuntime:
     constrain: Any
     manual: tuple[str, ...]
     param_sh: Any
+    grad_sh: Any
     host_params: Any
     act_sh: NamedSharding
     scalar_sh: NamedSharding
@@ -293,14 +304,15 @@ class ChunkRuntime:
     rebias: Any = None
 
 
-def replica_sum(param_sh: Any, mesh: jax.sharding.Mesh, manual: tuple[str, ...]) -> tuple[Any, Any]:
-    """A chunk's zero gradient accumulator and what sums it once per step: with ``manual`` replica axes the
-    accumulator stacks each replica's gradients (``P(manual, *spec)``) and the sum runs in flat buffers
-    (:func:`hyperjax.shard.replicas.bucket_sum`, inside each process first); without, it is laid out as
-    the parameters, XLA reducing each micro-batch's gradients in its backward program, and the sum is
-    the identity."""
+def replica_sum(param_sh: Any, grad_sh: Any, mesh: jax.sharding.Mesh, manual: tuple[str, ...]) -> tuple[Any, Any]:
+    """A chunk's zero gradient accumulator and what sums it once per step into the gradients' layout
+    ``grad_sh`` (split over the replicas at ``zero_stage`` 2). With ``manual`` replica axes the accumulator
+    stacks each replica's gradients, each laid out as its parameter (``P(manual, *spec)``), and the sum runs
+    in flat buffers (:func:`hyperjax.shard.replicas.bucket_sum`, inside each process first); without, it is
+    laid out as ``grad_sh``, XLA reducing each micro-batch's gradients in its backward program, and the sum
+    is the identity."""
     if not manual:
-        return jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=param_sh), lambda g: g
+        return jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=grad_sh), lambda g: g
     n = math.prod(mesh.shape[a] for a in manual)
     stacked = jax.tree.map(lambda s: NamedSharding(mesh, P(manual, *s.spec)), param_sh)
     zeros = jax.jit(lambda p: jax.tree.map(lambda a: jnp.zeros((n, *a.shape), a.dtype), p), out_shardings=stacked)
@@ -312,7 +324,7 @@ def replica_sum(param_sh: Any, mesh: jax.sharding.Mesh, manual: tuple[str, ...])
         summed = bucket_sum(leaves, mesh=mesh, specs=specs, over=[manual] * len(leaves), hosts=hosts)
         return jax.tree.unflatten(tree, summed)
 
-    return zeros, jax.jit(total, out_shardings=param_sh)
+    return zeros, jax.jit(total, out_shardings=grad_sh)
 
 
 def router_metrics(chunks: Sequence[ChunkRuntime], routers: list[Any], microbatches: int) -> dict[str, Any]:

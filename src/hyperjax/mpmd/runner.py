@@ -111,6 +111,7 @@ class PipelineRunner:
                     constrain=Constrainer(strategy=strat, mesh=mesh),
                     manual=manual,
                     param_sh=strat.shardings(params, mesh),
+                    grad_sh=strat.shardings(params, mesh, role="gradients"),
                     host_params=jax.tree.map(np.asarray, params),
                     act_sh=NamedSharding(mesh, strat.spec(("batch", "res_seq", "act_embed"))),
                     scalar_sh=NamedSharding(mesh, PartitionSpec()),
@@ -143,16 +144,21 @@ class PipelineRunner:
         return params
 
     def memory_per_device(self, state: dict[str, Any]) -> int:
-        """Bytes per device of parameters, gradients and optimizer state on the fullest stage."""
+        """Bytes per device of parameters, gradient accumulators and optimizer state on the fullest stage."""
         per_stage = [0] * self.sched.stages
         for c, (p, o) in enumerate(zip(state["params"], state["opt_state"], strict=True)):
-            if not self.chunks[c].mine:
+            ch = self.chunks[c]
+            if not ch.mine:
                 continue
             shard = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(p))
             opt = sum(
                 x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(o) if hasattr(x, "addressable_shards")
             )
-            per_stage[self.sched.stage_of(c)] += 2 * shard + opt
+            acc = sum(
+                math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+                for a in jax.tree.leaves(jax.eval_shape(ch.zeros, p))
+            )
+            per_stage[self.sched.stage_of(c)] += shard + acc + opt
         return max(per_stage)
 
     def init_state(self) -> dict[str, Any]:
@@ -185,10 +191,11 @@ class PipelineRunner:
                 moe=ch.moe if ch.moe_layers else None,
                 mesh=ch.mesh,
                 manual=ch.manual,
+                acc_sh=ch.grad_sh,
             )
             if ch.moe_layers and ch.moe.balance == "bias":
                 ch.rebias = jax.jit(functools.partial(update_router_biases, rate=ch.moe.bias_update_rate))
-            ch.zeros, ch.reduce = replica_sum(ch.param_sh, ch.mesh, ch.manual)
+            ch.zeros, ch.reduce = replica_sum(ch.param_sh, ch.grad_sh, ch.mesh, ch.manual)
             ch.total = jax.jit(lambda xs: sum(jnp.sum(x) for x in xs), out_shardings=ch.scalar_sh)
             ch.unstack = jax.jit(lambda s: jax.tree.map(lambda a: a.mean(0), s), out_shardings=ch.scalar_sh)
             ch.sumsq = jax.jit(lambda g: optax.tree.norm(g, squared=True))
@@ -259,7 +266,7 @@ class PipelineRunner:
         if self.tied:  # the head's gradient joins the embedding's, on the first stage
             table = jax.ShapeDtypeStruct(chunks[0].host_params["embed"].shape, np.float32)
             g_head = grads[last]["head"] if chunks[last].mine else None
-            head = self._hand_over(g_head, last, 0, chunks[0].param_sh["embed"], table)
+            head = self._hand_over(g_head, last, 0, chunks[0].grad_sh["embed"], table)
             if chunks[0].mine:
                 grads[0] = {**grads[0], "embed": grads[0]["embed"] + head}
         trained = [self.trained(g, c) if g is not None else None for c, g in enumerate(grads)]
