@@ -103,6 +103,26 @@ def test_plan_cli_holds_a_searched_key_set_on_the_command_line(capsys):
         assert {c["train.recompute"] for c in json.loads(capsys.readouterr().out)["candidates"]} == {"full"}
 
 
+def test_plan_cli_holds_a_schedule_and_chooses_its_virtual_stages(capsys):
+    """A held ``parallel.schedule`` leaves the virtual stages to the search: interleaved over a config of one
+    virtual stage (it was refused as the config's invalid pair) and 1F1B over one of five; both held hold both."""
+    quick = str(ROOT / "configs/quickstart.yaml")
+    base = ["plan", quick, "--devices", "8", "--json", "--top", "50"]
+    held = lambda c: (c["parallel.schedule"], c["parallel.virtual_stages"])
+    for sets in (["parallel.schedule=interleaved"], ["parallel={schedule: interleaved}"]):
+        assert main([*base, *(a for s in sets for a in ("--set", s))]) == 0
+        found = json.loads(capsys.readouterr().out)["candidates"]
+        assert found and {held(c) for c in found} == {("interleaved", 2)}  # 4 layers: 2 stages of 2 chunks
+    deep = ["--set", "model.layers=12", "--set", "parallel.schedule=interleaved"]
+    assert main([*base, *deep]) == 0
+    assert {held(c)[1] for c in json.loads(capsys.readouterr().out)["candidates"]} > {2}  # 3 or 4 priced too
+    assert main([*base, *deep, "--set", "parallel.virtual_stages=3"]) == 0
+    assert {held(c) for c in json.loads(capsys.readouterr().out)["candidates"]} == {("interleaved", 3)}
+    five = ["plan", str(ROOT / "configs/llama3-70b.yaml"), "--devices", "64", "--json", "--top", "20"]
+    assert main([*five, "--set", "parallel.schedule=1f1b"]) == 0  # the config: interleaved, 5 virtual stages
+    assert {held(c) for c in json.loads(capsys.readouterr().out)["candidates"]} == {("1f1b", 1)}
+
+
 def test_plan_cli_holds_the_micro_batch_and_their_count_set_on_the_command_line(capsys):
     """``--set train.micro_batch=2`` keeps every candidate to micro-batches of 2 rows (one stage accumulating
     them, a pipeline running them; both were ignored, the search choosing its own), ``train.microbatches``

@@ -102,14 +102,24 @@ def _held_rl(sets: list[str], cfg: Config) -> dict[str, Any]:
     return {k: v for k, v in held.items() if v is not None}
 
 
-def _given(sets: list[str]) -> set[str]:
-    """The dotted keys ``--set`` items give, a mapping's entries one by one (``parallel={tensor: 2}`` gives
-    ``parallel.tensor``)."""
-    given: set[str] = set()
+def _given(sets: list[str]) -> dict[str, Any]:
+    """The dotted keys ``--set`` items give, with their values, a mapping's entries one by one
+    (``parallel={tensor: 2}`` gives ``parallel.tensor``); a later item wins."""
+    given: dict[str, Any] = {}
     for item in sets:
         key, _, text = item.partition("=")
-        given |= set(_flat(key.strip(), parse_yaml(text)))
+        given |= _flat(key.strip(), parse_yaml(text))
     return given
+
+
+def _virtual_stages(sets: list[str]) -> list[str]:
+    """A held ``parallel.schedule`` without ``parallel.virtual_stages``: the search chooses the virtual stages,
+    so the config is read with a count the schedule takes (2 interleaved, else 1) rather than refused for the
+    one it names (``schedule: interleaved`` over the default 1, or ``1f1b`` over a config's 5)."""
+    given = _given(sets)
+    if "parallel.schedule" not in given or "parallel.virtual_stages" in given:
+        return []
+    return [f"parallel.virtual_stages={2 if given['parallel.schedule'] == 'interleaved' else 1}"]
 
 
 def _flat(key: str, value: Any) -> dict[str, Any]:
@@ -122,7 +132,7 @@ def _flat(key: str, value: Any) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     if args.devices < 1 or args.top < 1:
         raise ConfigError(f"--devices {args.devices} and --top {args.top} must be positive integers")
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, _virtual_stages(args.sets))
     if cfg.rl is not None:
         if args.accumulate:
             raise ConfigError("--accumulate: an rl: config's plan accumulates its learner's micro-batches already")
