@@ -5,7 +5,7 @@ import math
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from hyperjax import ConfigError, estimate, load_config, load_hardware, resolve
@@ -102,6 +102,9 @@ def test_exact_is_optimal_against_brute_force_on_two_layers(fraction, prefetch):
     prefetch=st.integers(0, 3),
     fraction=st.floats(0.0, 1.2),
 )
+# in seconds HiGHS's absolute tolerances let the first come back slower than greedy's; in bytes it failed the second
+@example(layers=4, width=128, seq=512, batch=8, tensor=1, prefetch=1, fraction=0.91796875)
+@example(layers=6, width=256, seq=512, batch=8, tensor=2, prefetch=0, fraction=0.93147858420242)
 def test_exact_is_never_worse_than_greedy(layers, width, seq, batch, tensor, prefetch, fraction):
     cfg = config(
         **{

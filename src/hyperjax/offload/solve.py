@@ -22,11 +22,22 @@ from scipy import sparse
 from hyperjax.offload.placement import Placement, parse_group
 from hyperjax.offload.problem import GIB, Priced, Problem, Tally, evaluate
 
+TIME_UNITS = 1e3
+"""The integer program's times: this many units to the step's time with everything on the device."""
+BYTE_UNITS = 2.0**20
+"""The integer program's bytes: MiB (in bytes, HiGHS failed to solve some problems)."""
+
 
 def _program(problem: Problem) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     """The integer program: variables x (one per group option), y (buffers), e (windows); row blocks
     ``one`` (one option per group), ``buffer`` (y_b >= x), ``memory`` (per phase) and ``window``
-    (e_w >= load - capacity, per direction), each as ``(A, lower, upper)``."""
+    (e_w >= load - capacity, per direction), each as ``(A, lower, upper)``.
+
+    Times are in thousandths of the step's time on the device (:data:`TIME_UNITS`): in seconds, HiGHS's
+    absolute tolerances (1e-6 on the objective, 1e-7 on a row) exceed what separates two placements of a
+    millisecond step, and it returned one slower than the greedy baseline's while proving it optimal (in
+    millionths, its solves failed on some problems)."""
+    scale = TIME_UNITS / problem.base_step_s if problem.base_step_s > 0 else 1.0
     xs = [(g, o) for g, options in problem.groups.items() for o in options]
     bufs = list(problem.buffers)
     nx, ny, nw = len(xs), len(bufs), len(problem.windows)
@@ -43,31 +54,31 @@ def _program(problem: Problem) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     for j, (g, o) in enumerate(xs):
         c = problem.groups[g][o]
         one[index[g], j] = 1.0
-        memory[0, j], memory[1, j] = c.memory
-        cost[j] = c.seconds
+        memory[0, j], memory[1, j] = (b / BYTE_UNITS for b in c.memory)
+        cost[j] = c.seconds * scale
         for b in c.buffers:
             buffer_rows.append((nx + bufs.index(b), j))
         for w, direction, sec in c.loads:
-            window[2 * w + direction, j] -= sec
+            window[2 * w + direction, j] -= sec * scale
         for w, sec in c.capacity:
             for r in (2 * w, 2 * w + 1):
-                window[r, j] += sec
+                window[r, j] += sec * scale
     for b, (ph, nbytes) in problem.buffers.items():
-        memory[ph, nx + bufs.index(b)] = nbytes
+        memory[ph, nx + bufs.index(b)] = nbytes / BYTE_UNITS
     host = sparse.lil_matrix((1, n))
     for j, (g, o) in enumerate(xs):
-        host[0, j] = problem.groups[g][o].host_bytes
+        host[0, j] = problem.groups[g][o].host_bytes / BYTE_UNITS
     buffer = sparse.lil_matrix((len(buffer_rows), n))
     for r, (y, x) in enumerate(buffer_rows):
         buffer[r, y], buffer[r, x] = 1.0, -1.0
-    caps = np.repeat([c for _, c in problem.windows], 2)
-    budget = problem.budget_bytes / problem.allocator - np.array(problem.fixed)
+    caps = np.repeat([c * scale for _, c in problem.windows], 2)
+    budget = (problem.budget_bytes / problem.allocator - np.array(problem.fixed)) / BYTE_UNITS
     blocks = {
         "one": (one.tocsr(), np.ones(one.shape[0]), np.ones(one.shape[0])),
         "buffer": (buffer.tocsr(), np.zeros(len(buffer_rows)), np.full(len(buffer_rows), np.inf)),
         "memory": (memory.tocsr(), np.full(2, -np.inf), budget),
         "window": (window.tocsr(), -caps, np.full(2 * nw, np.inf)),
-        "host": (host.tocsr(), np.full(1, -np.inf), np.full(1, problem.host_bytes)),
+        "host": (host.tocsr(), np.full(1, -np.inf), np.full(1, problem.host_bytes / BYTE_UNITS)),
     }
     if problem.ordered:  # interchangeable groups leave the device in a fixed order (no symmetric solutions)
         where = {x: j for j, x in enumerate(xs)}
@@ -84,14 +95,18 @@ def _milp(cost, blocks, integrality, upper, time_limit_s: float = 60.0, gap: flo
     a = sparse.vstack([blk[0] for blk in blocks], format="csr")
     lo = np.concatenate([blk[1] for blk in blocks])
     hi = np.concatenate([blk[2] for blk in blocks])
+    solve = lambda **more: milp(
+        c=cost,
+        constraints=LinearConstraint(a, lo, hi),
+        integrality=integrality,
+        bounds=Bounds(np.zeros(len(cost)), upper),
+        options={"time_limit": time_limit_s, "mip_rel_gap": gap, **more},
+    )
     with _native_stdout_silenced():  # HiGHS can print solver notes to the process's stdout (--json)
-        return milp(
-            c=cost,
-            constraints=LinearConstraint(a, lo, hi),
-            integrality=integrality,
-            bounds=Bounds(np.zeros(len(cost)), upper),
-            options={"time_limit": time_limit_s, "mip_rel_gap": gap},
-        )
+        res = solve()
+        # HiGHS's presolve fails now and then on a problem it solves without it ("solve error", status 4),
+        # which would read as "nothing fits"
+        return solve(presolve=False) if res.status == 4 else res
 
 
 @contextlib.contextmanager
@@ -159,7 +174,7 @@ def minimum_memory(problem: Problem) -> Priced:
     rows = [
         (widen(blocks["one"][0], 0.0), *blocks["one"][1:]),
         (widen(blocks["buffer"][0], 0.0), *blocks["buffer"][1:]),
-        (widen(mem, -1.0), np.full(2, -np.inf), -np.array(problem.fixed)),
+        (widen(mem, -1.0), np.full(2, -np.inf), -np.array(problem.fixed) / BYTE_UNITS),
         (widen(blocks["host"][0], 0.0), *blocks["host"][1:]),
     ]
     res = _milp(np.r_[np.zeros(keep), 1.0], rows, np.r_[np.ones(keep), 0.0], np.r_[np.ones(keep), np.inf])
