@@ -34,6 +34,23 @@ def write_json(path: str | Path, data: Any, *, indent: int | None = 2) -> None:
         raise
 
 
+def cannot_make(folder: str | Path) -> str | None:
+    """Why files cannot be written in ``folder`` once it is made (``None`` when they can), found without
+    making it: ``folder``, or the nearest of its parents that exists, must be a folder in which a file can be
+    created (one is made and removed there)."""
+    base = Path(folder).absolute()
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        return f"{str(base)!r} is a file"
+    try:
+        with tempfile.TemporaryFile(dir=base):
+            pass
+    except OSError as e:
+        return f"no file can be created in folder {str(base)!r}: {e.strerror or e}"
+    return None
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing a key given twice in one mapping (where plain YAML keeps the last)."""
 

@@ -4,6 +4,7 @@ and decodes with it."""
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -188,6 +189,10 @@ def test_out_may_not_replace_the_model_folder(capsys, tmp_path):
         assert main(["import-hf", str(folder), "--out", str(out)]) == 2
         assert says in capsys.readouterr().err and "keep" in (other / "notes.txt").read_text()
     assert (tmp_path / "a-file").read_text() == "keep"
+    for out in (tmp_path / "a-file" / "sub", Path("/proc/no-folder-here")):  # checked before any work
+        assert main(["import-hf", str(folder), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {str(out)!r} cannot be written (" in err and "Traceback" not in err
     again = tmp_path / "again"  # an earlier import's folder is replaced whole
     for _ in range(2):
         assert main(["import-hf", str(folder), "--out", str(again)]) == 0

@@ -162,8 +162,12 @@ def test_checkpoint_mistakes_exit_2(tmp_path: Path, capsys):
     assert "--resume: no checkpoint in --checkpoint-dir" in _bad([*base, *none], capsys)
     assert not (tmp_path / "none").exists() and not (tmp_path / "out").exists()  # refused before any folder
     (tmp_path / "file").write_text("x")
-    assert "is a file" in _bad([*base, "--checkpoint-dir", str(tmp_path / "file")], capsys)
+    out = ["--out-dir", str(tmp_path / "out")]  # made when first written: a refused run leaves none
+    assert "is a file" in _bad([*base, *out, "--checkpoint-dir", str(tmp_path / "file")], capsys)
+    err = _bad([*base, *out, "--checkpoint-dir", str(tmp_path / "file" / "sub")], capsys)
+    assert f"cannot be written ({str(tmp_path / 'file')!r} is a file)" in err
     assert "cannot be written" in _bad([*base, "--out-dir", "/proc/no/such"], capsys)
+    assert not (tmp_path / "out").exists()
     assert "must be 0 or more" in _bad([*base, "--max-restarts", "-1", "--checkpoint-dir", str(tmp_path)], capsys)
     assert "needs --checkpoint-dir" in _bad([*base, "--max-restarts", "1"], capsys)
     assert "--devices 0 must be a positive integer" in _bad([*base, "--devices", "0"], capsys)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from rich.console import Console
 
 from hyperjax.errors import HyperjaxError
+from hyperjax.files import cannot_make
 
 
 def console() -> Console:
@@ -46,35 +46,23 @@ def check_writable(path: str, flag: str) -> None:
         raise HyperjaxError(f"{flag} {path!r} is not a regular file (a device, pipe or socket); give a file path")
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise HyperjaxError(f"{flag} {path!r}: folder {str(folder)!r} does not exist or is not writable")
-    why = _cannot_create(folder)  # the file is written beside its target, then renamed over it
+    why = cannot_make(folder)  # the file is written beside its target, then renamed over it
     if why:
-        raise HyperjaxError(f"{flag} {path!r}: no file can be created in folder {str(folder)!r} ({why})")
+        raise HyperjaxError(f"{flag} {path!r}: {why}")
 
 
 def check_folder(path: str, flag: str) -> None:
-    """Fail early, before any work, when files cannot be created in folder ``path`` (created here if missing).
+    """Fail early, before any work, when files cannot be written in folder ``path``; the run makes it when it
+    first writes there, so a run refused or failed before that leaves no empty folder behind.
 
     Raises:
-      HyperjaxError: ``path`` is a file, or it cannot be created or written.
+      HyperjaxError: ``path`` is a file, or it (or the nearest of its parents that exists) cannot be written.
     """
-    d = Path(path)
-    if d.exists() and not d.is_dir():
+    if Path(path).exists() and not Path(path).is_dir():
         raise HyperjaxError(f"{flag} {path!r} is a file; give a folder (it is created if missing)")
-    why = _cannot_create(d, make=True)
+    why = cannot_make(path)
     if why:
         raise HyperjaxError(f"{flag} {path!r} cannot be written ({why}); choose a folder you can write")
-
-
-def _cannot_create(folder: Path, *, make: bool = False) -> str | None:
-    """Why no file can be created in ``folder`` (made first with ``make``), or ``None`` when one can."""
-    try:
-        if make:
-            folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as e:
-        return e.strerror or str(e)
-    return None
 
 
 def fmt_count(n: float) -> str:

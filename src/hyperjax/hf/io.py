@@ -25,7 +25,7 @@ import numpy as np
 
 from hyperjax.config import ModelConfig
 from hyperjax.errors import ConfigError
-from hyperjax.files import write_json
+from hyperjax.files import cannot_make, write_json
 from hyperjax.hf.names import View, stored_shapes, views
 
 INDEX = "model.safetensors.index.json"
@@ -274,8 +274,11 @@ def replace_folder(build: Callable[[Path], None], target: Path) -> None:
     """Run ``build`` on a fresh temporary folder beside ``target`` and rename it to ``target`` once it
     returns (an existing ``target`` is replaced only then): readers see the old folder or the whole new one."""
     target = Path(target).absolute()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    except OSError as e:  # check_out found it writable: changed since, or a file system that refuses folders
+        raise ConfigError(f"--out {str(target)!r} cannot be written ({e}); choose a folder you can write") from None
     try:
         build(tmp)
         _as_created(tmp)
@@ -333,6 +336,9 @@ def check_out(out: str | Path, inputs: dict[str, str | Path], *, marker: str) ->
             )
     if target.exists() and not target.is_dir():
         raise ConfigError(f"--out {str(out)!r} is a file; give a folder to write (a new one, or one written before)")
+    why = cannot_make(target.parent)  # the folder is written beside it, then renamed
+    if why:
+        raise ConfigError(f"--out {str(out)!r} cannot be written ({why}); choose a folder you can write")
     if target.is_dir() and any(target.iterdir()) and not (target / marker).is_file():
         raise ConfigError(
             f"--out {str(out)!r} is a folder with other files in it and no {marker}, so not one this command wrote; "
