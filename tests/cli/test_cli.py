@@ -88,6 +88,8 @@ QUICK_SIX = ["train", str(CONFIGS / "quickstart.yaml"), "--devices", "6", "--set
         ),
         (["selftest", "--hardware", "cloudmatrix384", "--devices", "0"], r"--devices 0 must be a positive integer"),
         (["selftest", "--hardware", "cloudmatrix384", "--devices", "-8"], r"--devices -8 must be a positive integer"),
+        (["plan", str(CONFIGS / "quickstart.yaml"), "--devices", "0"], r"^hyperjax plan: error: --devices 0 must be"),
+        (["plan", str(CONFIGS / "quickstart.yaml"), "--devices", "8", "--top", "0"], r"error: --top 0 must be a"),
         (
             ["selftest", "--hardware", "cloudmatrix384", "--processes", "1"],
             r"384 devices per process .* 256-device limit",

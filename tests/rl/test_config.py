@@ -57,6 +57,9 @@ def test_missing_devices_are_what_the_other_phase_leaves():
         (["rl.rollout.devices=3"], r"rl.rollout.devices=3 \+ rl.learner.devices=4 = 7, but the job has 8 devices"),
         (["rl.group_size=1"], r"rl.group_size=1: .* set rl.group_size: 2 or more"),
         (["rl.rollout.parallel.pipeline=2", "rl.rollout.parallel.data=1"], r"rl.rollout.parallel.pipeline=2: rollouts"),
+        # named before the degrees are resolved, not as a product that misses the devices
+        (["rl.rollout.parallel.pipeline=2"], r"^rl.rollout.parallel.pipeline=2: rollouts"),
+        (["rl.rollout.parallel.context=2"], r"^rl.rollout.parallel.context=2: rollouts"),
         (
             ["rl.learner.parallel.sequence_parallel=true"],
             r"rl.learner.parallel.sequence_parallel=true needs rl.learner",

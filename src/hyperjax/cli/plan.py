@@ -130,8 +130,9 @@ def _flat(key: str, value: Any) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.devices < 1 or args.top < 1:
-        raise ConfigError(f"--devices {args.devices} and --top {args.top} must be positive integers")
+    for flag, value in (("--devices", args.devices), ("--top", args.top)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be a positive integer")
     cfg = config_from_args(args, _virtual_stages(args.sets))
     if cfg.rl is not None:
         if args.accumulate:
