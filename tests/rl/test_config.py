@@ -60,6 +60,7 @@ def test_missing_devices_are_what_the_other_phase_leaves():
         # named before the degrees are resolved, not as a product that misses the devices
         (["rl.rollout.parallel.pipeline=2"], r"^rl.rollout.parallel.pipeline=2: rollouts"),
         (["rl.rollout.parallel.context=2"], r"^rl.rollout.parallel.context=2: rollouts"),
+        (["rl.rollout.parallel.expert=2"], r"^rl.rollout: rl.rollout.parallel.expert=2 shards the experts"),
         (
             ["rl.learner.parallel.sequence_parallel=true"],
             r"rl.learner.parallel.sequence_parallel=true needs rl.learner",

@@ -115,6 +115,12 @@ def test_plan_holds_a_phases_devices_and_degrees_set_on_the_command_line(capsys,
     [
         (["rl.rollout.devices=2", "rl.learner.devices=5"], r"do not split --devices 8 into two phases"),
         (["rl.rollout.parallel.fsdp=2"], r"rl.rollout.parallel.fsdp: .* so fsdp cannot be held; drop it"),
+        # what a held degree asks of the model, named before any split is tried (not the last split's refusal)
+        (
+            ["rl.rollout.parallel.expert=2"],
+            r"^rl.rollout: rl.rollout.parallel.expert=2 shards the experts .* model.moe is null",
+        ),
+        (["rl.learner.parallel.expert=2"], r"^rl.learner: rl.learner.parallel.expert=2 shards the experts"),
         (
             ["rl.rollout.devices=2"],
             r"has rl.rollout.devices=2 \(the last one tried: the learner's 6 devices: no layout of one program",

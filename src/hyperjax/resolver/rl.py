@@ -73,7 +73,7 @@ def resolve_rl(config: Config, devices: int | None = None, *, hardware: Hardware
     serve = ServeConfig(batch=padded, prompt_len=prompt_len, new_tokens=r.max_new_tokens)
     generating = dataclasses.replace(base.train, global_batch=padded, micro_batch=None, microbatches=None)
     check_rollout_modifiers(r.rollout.parallel)
-    _check_rollout_split(r.rollout.parallel)  # before the degrees are resolved: this, not their product, is the fault
+    check_rollout_split(r.rollout.parallel)  # before the degrees are resolved: this, not their product, is the fault
     rollout = _phase(
         dataclasses.replace(base, serve=serve, train=generating), "rollout", r.rollout.parallel, sizes[0], hw
     )
@@ -146,14 +146,34 @@ def _phase(base: Config, name: str, parallel: ParallelConfig, devices: int, hw: 
     """The run of phase ``name`` laid out by ``parallel`` on ``devices`` devices, its errors naming its keys."""
     if parallel.gradient_buckets is None:  # the phases run in one process: XLA's reductions, not buckets
         parallel = dataclasses.replace(parallel, gradient_buckets=False)
-    cfg = dataclasses.replace(base, parallel=parallel, emulate=EmulateConfig(devices=devices))
+    cfg = phase_config(base, name, parallel, devices)
     try:
         return resolve(cfg, hardware=hw)
     except HyperjaxError as e:
-        message = re.sub(r"(?<![\w.])parallel\.", f"rl.{name}.parallel.", str(e))
-        message = message.replace("emulate.devices", f"rl.{name}.devices")
-        message = message.replace("train.global_batch", "rl.prompts_per_step x rl.group_size (train.global_batch)")
-        raise type(e)(f"rl.{name}: {message}") from None
+        raise _named(e, name) from None
+
+
+def phase_config(base: Config, name: str, parallel: ParallelConfig, devices: int | None = None) -> Config:
+    """``base`` laid out by phase ``name``'s ``parallel`` (on ``devices`` devices, else ``base``'s), checked
+    as a config: what the layout asks of the model (experts to spread, heads to split), its errors naming
+    ``rl.<name>.*`` keys.
+
+    Raises:
+      ConfigError: the layout refused for the model, naming the phase's key.
+    """
+    emulate = base.emulate if devices is None else EmulateConfig(devices=devices)
+    try:
+        return dataclasses.replace(base, parallel=parallel, emulate=emulate)
+    except HyperjaxError as e:
+        raise _named(e, name) from None
+
+
+def _named(e: HyperjaxError, name: str) -> HyperjaxError:
+    """``e`` with the phase's keys for the run's (``parallel.tensor`` as ``rl.<name>.parallel.tensor``)."""
+    message = re.sub(r"(?<![\w.])parallel\.", f"rl.{name}.parallel.", str(e))
+    message = message.replace("emulate.devices", f"rl.{name}.devices")
+    message = message.replace("train.global_batch", "rl.prompts_per_step x rl.group_size (train.global_batch)")
+    return type(e)(f"rl.{name}: {message}")
 
 
 def check_rollout_modifiers(p: ParallelConfig) -> None:
@@ -175,7 +195,7 @@ def _rollout_replicas(config: Config, p: ParallelConfig, devices: int) -> int:
     return data * p.fsdp * p.expert
 
 
-def _check_rollout_split(p: ParallelConfig) -> None:
+def check_rollout_split(p: ParallelConfig) -> None:
     """The rollout's ``parallel`` sets no pipeline, context split or sequence parallelism (as
     :attr:`~hyperjax.config.Run.decode_split` finds in a resolved run)."""
     for key, value, on in (
@@ -192,7 +212,7 @@ def _check_rollout_split(p: ParallelConfig) -> None:
 
 
 def _check_rollout(run: Run, wave: int | None) -> None:
-    """A rollout layout generation runs (one SPMD program, no context split: :func:`_check_rollout_split`,
+    """A rollout layout generation runs (one SPMD program, no context split: :func:`check_rollout_split`,
     before it is resolved), a wave its replicas divide (all of an iteration's completions, ``wave`` null, are
     padded to a multiple of them)."""
     if run.config.model.vision is not None:

@@ -26,7 +26,14 @@ from hyperjax.config import Config, ParallelConfig, PhaseConfig, check_key
 from hyperjax.config.parallel import MODIFIERS
 from hyperjax.cost.rl import RLEstimate, estimate_rl
 from hyperjax.errors import ConfigError, HyperjaxError, expect, positive_int
-from hyperjax.resolver import check_preset, check_rollout_modifiers, learner_config, resolve_rl
+from hyperjax.resolver import (
+    check_preset,
+    check_rollout_modifiers,
+    check_rollout_split,
+    learner_config,
+    phase_config,
+    resolve_rl,
+)
 from hyperjax.search.planner import NothingFits, plan
 from hyperjax.search.strategies import divisors
 from hyperjax.topology import Hardware, load_hardware
@@ -209,6 +216,9 @@ def plan_rl(
     base = dataclasses.replace(base, parallel=runtime_parallel(cfg.rl.learner.parallel))
     check_preset(base, hw)  # what the config asks of the device, named before any split is tried
     check_rollout_modifiers(cfg.rl.rollout.parallel)  # refused by every rollout: named, not a lost candidate
+    check_rollout_split(cfg.rl.rollout.parallel)
+    for name in ("rollout", "learner"):  # what a held degree asks of the model (experts to spread), named
+        phase_config(base, name, getattr(cfg.rl, name).parallel)
     found: list[RLEstimate] = []
     priced = 0
     refused: HyperjaxError | None = None  # the last reason a candidate did not resolve
