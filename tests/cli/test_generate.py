@@ -163,3 +163,20 @@ def test_a_cache_larger_than_memory_exits_2_naming_the_new_tokens_that_fit(capsy
     assert "the KV cache of 1 prompt(s), padded to 4 for the data-parallel replicas, 65 positions each" in err
     assert "at most 62 new tokens would fit; lower --max-new-tokens" in err and "Traceback" not in err
     assert main([*base, "--max-new-tokens", "62"]) == 0
+
+
+def test_an_unreadable_checkpoint_exits_2_with_a_fix_for_generate(capsys, checkpoint, tmp_path):
+    import shutil
+
+    broken = tmp_path / "ck"
+    shutil.copytree(checkpoint, broken)
+    for f in (broken / "3" / "state").rglob("*"):  # corrupt every array file of the last step
+        if f.is_file() and f.name != "_METADATA":
+            f.write_bytes(b"garbage")
+    args = ["generate", QUICK, *SMALL, "--checkpoint-dir", str(broken), "--prompt", "In", "--max-new-tokens", "2"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "cannot be read" in err and "Traceback" not in err
+    # the run kept its last step alone: nothing earlier to read (was advice for train: "train without --resume")
+    assert "write the checkpoint again (hyperjax train, or import-hf), then run generate" in err
+    assert "--resume" not in err

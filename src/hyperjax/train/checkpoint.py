@@ -275,7 +275,7 @@ def restore_params(
             saved = reader.item_metadata(step)["state"]
             saved_tree = saved.tree if hasattr(saved, "tree") else saved
         except Exception as e:
-            raise ConfigError(f"{where} cannot be read ({_first_line(e)}); {_fix(directory, step)}") from None
+            raise ConfigError(f"{where} cannot be read ({_first_line(e)}); {_fix(directory, step, command)}") from None
         held = saved_tree.get("params") if isinstance(saved_tree, dict) else None
         if isinstance(held, (list, tuple)) or (isinstance(held, dict) and all(str(k).isdigit() for k in held)):
             raise ConfigError(
@@ -294,7 +294,7 @@ def restore_params(
             )
             out = reader.restore(step, args=ocp.args.Composite(state=args, meta=ocp.args.JsonRestore()))
         except Exception as e:
-            raise ConfigError(f"{where} cannot be read ({_first_line(e)}); {_fix(directory, step)}") from None
+            raise ConfigError(f"{where} cannot be read ({_first_line(e)}); {_fix(directory, step, command)}") from None
     meta = dict(out["meta"] or {})
     return Restored(state=out["state"]["params"], step=step, records=meta.pop("records", []), meta=meta)
 
@@ -339,11 +339,16 @@ def _path(keys: tuple) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in keys)
 
 
-def _fix(directory: Path, step: int) -> str:
+def _fix(directory: Path, step: int, command: str = "train --resume") -> str:
+    """What to do about the unreadable checkpoint of ``step``, said for the ``command`` that read it."""
     earlier = [s for s in saved_steps(directory) if s < step]
+    resuming = command == "train --resume"
     if earlier:
-        return f"remove {str(directory / str(step))!r} to resume from step {earlier[-1]}"
-    return "remove it and train without --resume"
+        then = f"to resume from step {earlier[-1]}" if resuming else f"so that {command} reads step {earlier[-1]}"
+        return f"remove {str(directory / str(step))!r} {then}"
+    if resuming:
+        return "remove it and train without --resume"
+    return f"write the checkpoint again (hyperjax train, or import-hf), then run {command}"
 
 
 def _first_line(e: BaseException) -> str:
