@@ -39,10 +39,10 @@ def cannot_make(folder: str | Path) -> str | None:
     making it: ``folder``, or the nearest of its parents that exists, must be a folder in which a file can be
     created (one is made and removed there)."""
     base = Path(folder).absolute()
-    while not base.exists() and base != base.parent:
+    while not os.path.lexists(base) and base != base.parent:  # a dangling link exists: no folder is made there
         base = base.parent
     if not base.is_dir():
-        return f"{str(base)!r} is a file"
+        return f"{str(base)!r} is a file" if base.is_file() else f"{str(base)!r} is not a folder (a link to none?)"
     try:
         with tempfile.TemporaryFile(dir=base):
             pass

@@ -167,7 +167,10 @@ def test_checkpoint_mistakes_exit_2(tmp_path: Path, capsys):
     err = _bad([*base, *out, "--checkpoint-dir", str(tmp_path / "file" / "sub")], capsys)
     assert f"cannot be written ({str(tmp_path / 'file')!r} is a file)" in err
     assert "cannot be written" in _bad([*base, "--out-dir", "/proc/no/such"], capsys)
-    assert not (tmp_path / "out").exists()
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")  # a link to no folder: none can be made there
+    for flag in ("--out-dir", "--checkpoint-dir"):
+        assert "is not a folder (a link to none?)" in _bad([*base, flag, str(tmp_path / "dangling" / "x")], capsys)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "nowhere").exists()
     assert "must be 0 or more" in _bad([*base, "--max-restarts", "-1", "--checkpoint-dir", str(tmp_path)], capsys)
     assert "needs --checkpoint-dir" in _bad([*base, "--max-restarts", "1"], capsys)
     assert "--devices 0 must be a positive integer" in _bad([*base, "--devices", "0"], capsys)

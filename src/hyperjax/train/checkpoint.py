@@ -348,7 +348,8 @@ def _fix(directory: Path, step: int, command: str = "train --resume") -> str:
         return f"remove {str(directory / str(step))!r} {then}"
     if resuming:
         return "remove it and train without --resume"
-    return f"write the checkpoint again (hyperjax train, or import-hf), then run {command}"
+    then = "train the rl: config" if command.startswith("rl.") else f"run {command}"  # rl.init_checkpoint: a key
+    return f"write the checkpoint again (hyperjax train, or import-hf), then {then}"
 
 
 def _first_line(e: BaseException) -> str:
