@@ -65,6 +65,36 @@ def test_a_field_hyperjax_cannot_honour_exits_2_naming_it(capsys, tmp_path, chan
     assert main(["predict", str(folder / "config.json")]) == 2
 
 
+@pytest.mark.parametrize(
+    ("changes", "sets", "named"),
+    [
+        ({"num_attention_heads": 5}, [], "model.d_model is hidden_size=64, model.heads is num_attention_heads=5"),
+        ({"num_attention_heads": 5}, ["model.d_model=66"], "model.heads is num_attention_heads=5"),
+        ({"model_type": "gpt2", "n_embd": 64, "n_head": 5, "n_layer": 2, "n_positions": 128}, [],
+         "model.d_model is n_embd=64, model.heads is n_head=5"),
+        ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 6, "moe_intermediate_size": 32}, [],
+         "model.moe.top_k is num_experts_per_tok=6, model.moe.experts is num_experts=4"),
+    ],
+    ids=["llama", "one-set", "gpt2", "moe"],
+)  # fmt: skip
+def test_a_size_the_model_refuses_is_named_as_config_json_names_it(capsys, tmp_path, changes, sets, named):
+    hf = {**LLAMA, **changes}
+    if hf["model_type"] == "gpt2":
+        hf = {k: v for k, v in hf.items() if k not in LLAMA or k in ("vocab_size", "tie_word_embeddings")}
+        hf["model_type"] = "gpt2"
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(hf))
+    flags = [a for item in sets for a in ("--set", item)]
+    assert main(["predict", str(folder), *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"; in {folder / 'config.json'}, {named}\n" in err, err
+    if sets:  # a key the --set gave is not the file's
+        assert "model.d_model is" not in err
+    assert main(["import-hf", str(folder), "--out", str(tmp_path / "out"), *flags]) == 2
+    assert f"; in {folder / 'config.json'}, {named}\n" in capsys.readouterr().err
+
+
 def test_predict_and_plan_take_a_config_json(capsys, tmp_path):
     folder = write(tmp_path / "hf")
     assert main(["predict", str(folder / "config.json"), "--json"]) == 0

@@ -20,6 +20,7 @@ import yaml
 
 from hyperjax.config import hf
 from hyperjax.config.checks import field_hints, hint_options, literal_options, type_name
+from hyperjax.config.hf_fields import in_file
 from hyperjax.config.model_parts import MoEConfig
 from hyperjax.config.sections import Config
 from hyperjax.errors import ConfigError, article
@@ -48,8 +49,10 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             f"load_config(overrides={overrides!r}): give a list of 'key=value' strings, e.g. ['parallel.tensor=4']"
         )
     raw: dict[str, Any] = {}
+    given: dict[str, Any] | None = None  # a Hugging Face config.json's fields
     if path is not None and hf.is_hf_config(path):  # a Hugging Face config.json: its model, the rest defaults
-        raw = hf.run_section(hf.read_hf_config(path), str(path))
+        given = hf.read_hf_config(path)
+        raw = hf.run_section(given, str(path))
     elif path is not None:
         path = Path(path)
         if not path.is_file():
@@ -68,7 +71,13 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     for item in items:
         refuse_new_part(raw, item)
         apply_override(raw, item)
-    config = build(Config, raw, "")
+    try:
+        config = build(Config, raw, "")
+    except ConfigError as e:
+        if given is None:
+            raise
+        file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+        raise in_file(e, given, str(file), items) from None
     if "global_batch" in (raw.get("train") or {}):  # given, even as the default: an rl: config's must agree
         config.check_rl_batch()
     return config

@@ -19,6 +19,7 @@ import yaml
 from hyperjax.config import Config, ModelConfig, Run
 from hyperjax.config.hf import read_hf_config, run_section, training_only
 from hyperjax.config.hf_export import hf_from_model
+from hyperjax.config.hf_fields import in_file
 from hyperjax.config.load import apply_override, build
 from hyperjax.errors import ConfigError
 from hyperjax.files import write_json
@@ -54,10 +55,15 @@ class Imported:
 
 def imported_config(hf_dir: str | Path, sets: list[str]) -> tuple[dict[str, Any], Config]:
     """The raw run config of ``hf_dir`` with ``sets`` applied, and the config it makes."""
-    raw = run_section(read_hf_config(hf_dir), str(Path(hf_dir) / "config.json"))
+    where = str(Path(hf_dir) / "config.json")
+    given = read_hf_config(hf_dir)
+    raw = run_section(given, where)
     for item in sets:
         apply_override(raw, item)
-    return raw, build(Config, raw, "")
+    try:
+        return raw, build(Config, raw, "")
+    except ConfigError as e:
+        raise in_file(e, given, where, sets) from None
 
 
 AT_USE = (
