@@ -74,6 +74,7 @@ def test_missing_devices_are_what_the_other_phase_leaves():
             ["rl.learner.parallel.pipeline=2", "rl.learner.parallel.fsdp=2"],
             r"rl.learner.parallel.pipeline=2: the learner",
         ),
+        (["rl.learner.parallel.pipeline=3"], r"^rl.learner.parallel.pipeline=3: the learner runs one SPMD program"),
         (
             [
                 "model.moe={experts: 4, top_k: 2, d_ff: 64}",

@@ -86,10 +86,17 @@ def test_plan_cli_holds_a_searched_key_set_on_the_command_line(capsys):
     assert main([*base]) == 0
     assert len({c["parallel.tensor"] for c in json.loads(capsys.readouterr().out)["candidates"]}) > 1
     assert main(["plan", quick, "--devices", "8", "--set", "parallel.tensor=3"]) == 2
-    assert "no strategy the search tries on 8 devices has parallel.tensor=3; drop" in capsys.readouterr().err
+    err = capsys.readouterr().err  # with why: the sizes a tensor degree must divide
+    assert (
+        "has parallel.tensor=3 (parallel.tensor=3 must divide the 8 devices, model.heads=8, model.kv_heads=8, " in err
+    )
+    assert main(["plan", quick, "--devices", "8", "--set", "parallel.tensor=2", "--set", "parallel.context=8"]) == 2
+    assert "(parallel.context=8 must divide the 4 devices parallel.tensor=2 leaves); drop" in capsys.readouterr().err
+    assert main(["plan", quick, "--devices", "8", "--set", "parallel.context=3"]) == 2
+    assert "(parallel.context=3 must divide the 8 devices, model.seq_len=128); drop" in capsys.readouterr().err
     sets = ["--set", "parallel.tensor=3", "--set", "parallel.sequence_parallel=true"]
     assert main(["plan", quick, "--devices", "8", *sets]) == 2
-    assert "has parallel.sequence_parallel=true, parallel.tensor=3; drop" in capsys.readouterr().err  # as YAML
+    assert "has parallel.sequence_parallel=true, parallel.tensor=3 (" in capsys.readouterr().err  # as YAML
     assert main([*base, "--set", "parallel.tp_overlap=bulk"]) == 0
     capsys.readouterr()
     # as one mapping too; a key a dense model's strategies lack and a null (derived) degree hold nothing

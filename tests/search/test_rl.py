@@ -129,6 +129,14 @@ def test_plan_holds_a_phases_devices_and_degrees_set_on_the_command_line(capsys,
             ["rl.rollout.parallel.tensor=3"],
             r"has rl.rollout.parallel.tensor=3 \(the last one tried: rl.rollout: .* not divisible .*\); drop them",
         ),
+        # a held learner degree no split can lay out: named first, with the sizes it must divide
+        (
+            ["rl.learner.parallel.tensor=3"],
+            r"^rl.learner.parallel.tensor=3: no split of 8 devices leaves the learner a layout of one program with it "
+            r"\(the learner was searched on 1, 2, 3, 4, 5, 6, 7 devices; on 7: .* \(parallel.tensor=3 must divide "
+            r"the 7 devices, model.heads=4, model.kv_heads=4, model.d_ff=512\)",
+        ),
+        (["rl.learner.parallel.pipeline=2"], r"^rl.learner.parallel.pipeline=2: the learner runs one SPMD program"),
     ],
 )
 def test_held_settings_no_layout_has_are_named(sets, message):

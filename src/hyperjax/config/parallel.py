@@ -64,6 +64,20 @@ class ParallelConfig:
                 f"parallel.zero_stage={self.zero_stage} must be 0, 1 or 2; for stage 3 set parallel.fsdp instead"
             )
 
+    @property
+    def decode_split(self) -> tuple[str, str, str] | None:
+        """The key that token-by-token generation cannot lay out, its value and the value that turns it off (each
+        as ``--set`` writes it), or None: generation (``generate``, an ``rl:`` rollout) runs one SPMD program over
+        one token at a time, so no pipeline, context split or sequence parallelism."""
+        for key, value, off, on in (
+            ("pipeline", self.pipeline, 1, self.pipeline > 1),
+            ("context", self.context, 1, self.context > 1),
+            ("sequence_parallel", "true", "false", self.sequence_parallel),
+        ):
+            if on:
+                return key, str(value), str(off)
+        return None
+
 
 _OWN = "mpmd submeshes take their own degrees (data, fsdp, tensor), so the whole run's would be ignored"
 

@@ -136,21 +136,6 @@ class Run:
         return len(self.stages) > 1
 
     @property
-    def decode_split(self) -> tuple[str, str, str] | None:
-        """The ``parallel`` key that token-by-token generation cannot lay out, its value and the value that
-        turns it off (each as ``--set`` writes it), or None: generation runs one SPMD program over one token at
-        a time, so no pipeline, context split or sequence parallelism."""
-        p = self.config.parallel
-        for key, value, off, on in (
-            ("pipeline", p.pipeline, 1, self.pipelined),
-            ("context", p.context, 1, p.context > 1),
-            ("sequence_parallel", "true", "false", p.sequence_parallel),
-        ):
-            if on:
-                return key, str(value), str(off)
-        return None
-
-    @property
     def staged(self) -> bool:
         """Whether the step runs as a schedule of per-chunk programs: several stages, or one stage whose
         forwards and backwards pair (``parallel.overlap: fb-pair`` with ``parallel.pipeline: 1``, as

@@ -4,6 +4,7 @@ from hyperjax.resolver.checks import check_attention_impl, check_dispatcher_sms,
 from hyperjax.resolver.elastic import elastic_overrides
 from hyperjax.resolver.resolve import DEFAULT_DEVICES, check_zero, device_count, resolve
 from hyperjax.resolver.rl import (
+    check_learner_split,
     check_rollout_modifiers,
     check_rollout_split,
     learner_config,
@@ -18,6 +19,7 @@ __all__ = [
     "balance_layers",
     "check_attention_impl",
     "check_dispatcher_sms",
+    "check_learner_split",
     "check_preset",
     "check_rollout_modifiers",
     "check_rollout_split",

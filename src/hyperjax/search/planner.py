@@ -44,6 +44,7 @@ from hyperjax.search.strategies import (
     selected,
     strategies,
     submesh_strategies,
+    untried,
 )
 from hyperjax.topology import Hardware, load_hardware
 
@@ -282,7 +283,8 @@ def plan(
         held = ", ".join(f"{k}={written(v)}" for k, v in where.items())
         micro = any(k.startswith("train.micro") for k in where)
         counts = " and its micro-batches: micro_batch_rows, microbatches" if micro else ""
-        found_none = f"no strategy the search tries on {devices} devices has {held}"
+        why = untried(cfg, devices, where)
+        found_none = f"no strategy the search tries on {devices} devices has {held}" + (f" ({why})" if why else "")
         if refused is not None:
             found_none = f"every strategy the search tries on {devices} devices with {held} is refused: {refused}"
         raise ConfigError(

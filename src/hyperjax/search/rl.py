@@ -27,6 +27,7 @@ from hyperjax.config.parallel import MODIFIERS
 from hyperjax.cost.rl import RLEstimate, estimate_rl
 from hyperjax.errors import ConfigError, HyperjaxError, expect, positive_int
 from hyperjax.resolver import (
+    check_learner_split,
     check_preset,
     check_rollout_modifiers,
     check_rollout_split,
@@ -217,20 +218,22 @@ def plan_rl(
     check_preset(base, hw)  # what the config asks of the device, named before any split is tried
     check_rollout_modifiers(cfg.rl.rollout.parallel)  # refused by every rollout: named, not a lost candidate
     check_rollout_split(cfg.rl.rollout.parallel)
+    check_learner_split(cfg.rl.learner.parallel)
     for name in ("rollout", "learner"):  # what a held degree asks of the model (experts to spread), named
         phase_config(base, name, getattr(cfg.rl, name).parallel)
     found: list[RLEstimate] = []
     priced = 0
     refused: HyperjaxError | None = None  # the last reason a candidate did not resolve
+    learners_refused: dict[int, HyperjaxError] = {}  # by the learner's devices: no layout of one program there
     tried = held_split(cfg, devices, held)
     for n_rollout in tried:
         n_learner = devices if cfg.rl.placement == "colocated" else devices - n_rollout
-        try:
-            one = {"parallel.pipeline": 1, **learner_held}  # one program, accumulating micro-batches
+        try:  # one program, accumulating micro-batches
             learners = plan(
-                base, n_learner, keep=LEARNER_TRIES, hardware=hw, where=one, accumulate=True, one_program=True
+                base, n_learner, keep=LEARNER_TRIES, hardware=hw, where=learner_held, accumulate=True, one_program=True
             ).best
         except HyperjaxError as e:
+            learners_refused[n_learner] = e
             fits = isinstance(e, NothingFits)
             refused = ConfigError(
                 f"the learner's {n_learner} devices: no layout of one program the training search tries "
@@ -267,6 +270,14 @@ def plan_rl(
             if best is not None:
                 found.append(best)
                 break  # the learner's faster layouts came first
+    if not found and learner_held and len(learners_refused) == len(tried):
+        named = ", ".join(f"{k}={v}" for k, v in held.items() if k.startswith("rl.learner.parallel."))
+        counts = sorted(learners_refused)
+        most = counts[-1]
+        raise ConfigError(
+            f"{named}: no split of {devices} devices leaves the learner a layout of one program with it (the learner "
+            f"was searched on {', '.join(map(str, counts))} devices; on {most}: {learners_refused[most]})"
+        )
     if not found and held and not priced:
         named = ", ".join(f"{k}={v}" for k, v in held.items())
         why = f" (the last one tried: {refused})" if refused is not None else ""

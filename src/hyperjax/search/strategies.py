@@ -117,7 +117,7 @@ def strategies(
     both modules); :func:`submesh_strategies` gives its MPMD splits. One program runs every row of a replica at
     once, and with ``accumulate`` also in micro-batches of ``train.micro_batch`` (gradient accumulation),
     whose forwards may then pair with the previous micro-batch's backward (``fb-pair`` on one stage) unless
-    ``one_program`` asks for steps that run as one SPMD program (an RL learner's).
+    ``one_program`` asks for steps that run as one SPMD program on one stage (an RL learner's).
     """
     m, t = cfg.model, cfg.train
     heads = math.gcd(m.heads, m.kv_heads)
@@ -132,7 +132,7 @@ def strategies(
             uneven = m.moe is not None
             pipelines = (
                 [1]
-                if vision
+                if vision or one_program
                 else [
                     d
                     for d in divisors(devices // (tensor * context))
@@ -167,7 +167,7 @@ def strategies(
                         if exchanged and not vision and m.moe.capacity_factor is None and rows % 2 == 0:
                             overlaps.append("two-microbatch")
                         # F-B pairs: a pipeline's 1F1B, or one stage's accumulated micro-batches (a decoder's)
-                        one_stage = pipeline == 1 and (vision or one_program)
+                        one_stage = vision or one_program
                         if exchanged and not one_stage and schedule in PAIRED and per_replica // rows >= 2 * pipeline:
                             overlaps.append("fb-pair")
                         # sequence parallelism moves the same bytes as plain tensor parallelism and
@@ -195,6 +195,31 @@ def strategies(
                                 ),
                                 **({"mpmd.submeshes": ()} if vision else {}),
                             }
+
+
+def untried(cfg: Config, devices: int, where: dict[str, Any]) -> str | None:
+    """Why :func:`strategies` on ``devices`` devices never has ``where`` 's tensor or context degree (the sizes
+    it must divide, as they are), or None."""
+    m = cfg.model
+    tensor, context = where.get("parallel.tensor"), where.get("parallel.context")
+    if isinstance(tensor, int) and tensor > 0:
+        widths = {"model.d_ff": m.d_ff} if m.moe is None or m.moe_layers < m.layers else {}
+        widths |= {"model.moe.d_ff": m.moe.d_ff} if m.moe is not None else {}
+        sizes = {"devices": devices, "model.heads": m.heads, "model.kv_heads": m.kv_heads, **widths}
+        bad = [f"{k}={v}" if k != "devices" else f"the {v} devices" for k, v in sizes.items() if v % tensor]
+        if bad:
+            return f"parallel.tensor={tensor} must divide {', '.join(bad)}"
+    if isinstance(context, int) and context > 0:
+        if context > 16:
+            return f"parallel.context={context}: the search tries context splits of 16 or fewer"
+        left = devices // tensor if isinstance(tensor, int) and tensor > 0 and devices % tensor == 0 else devices
+        sizes = {"devices": left, "model.seq_len": m.seq_len}
+        bad = [f"{k}={v}" if k != "devices" else f"the {v} devices" for k, v in sizes.items() if v % context]
+        if bad and left != devices:
+            bad[0] = bad[0].replace(" devices", f" devices parallel.tensor={tensor} leaves")
+        if bad:
+            return f"parallel.context={context} must divide {', '.join(bad)}"
+    return None
 
 
 def micro_batches(cfg: Config, combo: dict[str, Any]) -> tuple[int, int]:

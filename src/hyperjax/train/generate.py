@@ -174,7 +174,7 @@ def check_generable(run: Run) -> None:
     """
     if run.config.model.vision is not None:
         raise ConfigError("generate covers language models; this config has a model.vision encoder")
-    split = run.decode_split
+    split = run.config.parallel.decode_split
     if split is not None and split[0] == "pipeline":
         raise ConfigError(
             f"generate runs the model as one SPMD program; this config has parallel.pipeline="
