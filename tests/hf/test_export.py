@@ -75,6 +75,9 @@ def test_out_may_not_replace_the_checkpoint_or_the_config(capsys, tmp_path):
     assert "--out" in capsys.readouterr().err and (tmp_path / "ck").is_dir()
     assert main([*args, "--out", str(Path(QUICK).parent)]) == 2
     assert "the config's folder" in capsys.readouterr().err and Path(QUICK).is_file()
+    for inside in ("hf", "100/hf"):  # read as a step, or deleted with one
+        assert main([*args, "--out", str(tmp_path / "ck" / inside)]) == 2
+        assert "lies inside --checkpoint-dir" in capsys.readouterr().err and not (tmp_path / "ck" / inside).exists()
     (tmp_path / "a-file").write_text("keep")
     assert main([*args, "--out", str(tmp_path / "a-file" / "hf")]) == 2  # before the checkpoint is read
     err = capsys.readouterr().err

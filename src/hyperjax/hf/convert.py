@@ -221,9 +221,8 @@ def export_hf(
     config = hf_from_model(m)  # refuses a model no type describes before anything is read
     check_shard_size(m, max_shard_bytes, dtype)
     src = Path(config_path).parent if config_path is not None else None
-    check_out(
-        out, {"--checkpoint-dir": checkpoint_dir, **({"the config's folder": src} if src else {})}, marker="config.json"
-    )
+    inputs = {"--checkpoint-dir": checkpoint_dir, **({"the config's folder": src} if src else {})}
+    check_out(out, inputs, marker="config.json", managed=("--checkpoint-dir", checkpoint_dir))
     like = params_like(run)[3]
     params = dict(_flatten(restore_params(checkpoint_dir, like, command="export-hf", model=m).state))
     copied = [n for n in TOKENIZER_FILES if src is not None and (src / n).is_file()]

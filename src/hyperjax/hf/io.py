@@ -319,10 +319,14 @@ def _umask() -> int:
         return mask
 
 
-def check_out(out: str | Path, inputs: dict[str, str | Path], *, marker: str) -> None:
+def check_out(
+    out: str | Path, inputs: dict[str, str | Path], *, marker: str, managed: tuple[str, str | Path] | None = None
+) -> None:
     """``--out`` must neither be nor hold any of ``inputs`` (named by their option): replacing it would
-    delete them. An existing ``--out`` must be a folder this command wrote before (holding ``marker``,
-    its ``config.yaml`` or ``config.json``) or an empty one: any other folder, or a file, is not replaced.
+    delete them; nor lie inside ``managed`` (an option and the checkpoint folder it names, whose step folders
+    training keeps and deletes). An existing ``--out`` must be a folder this command wrote before (holding
+    ``marker``, its ``config.yaml`` or ``config.json``) or an empty one: any other folder, or a file, is not
+    replaced.
 
     Raises:
       ConfigError: naming the option and both paths.
@@ -334,6 +338,13 @@ def check_out(out: str | Path, inputs: dict[str, str | Path], *, marker: str) ->
             raise ConfigError(
                 f"--out {str(out)!r} holds {option} {str(path)!r}, which writing it would replace; choose another --out"
             )
+    if managed is not None and Path(managed[1]).resolve() in target.parents:
+        option, path = managed
+        raise ConfigError(
+            f"--out {str(out)!r} lies inside {option} {str(path)!r}, whose step folders training writes and deletes "
+            "(train.keep_checkpoints keeps the newest): a folder there could be read as a step or deleted with "
+            "one; choose an --out outside it"
+        )
     if target.exists() and not target.is_dir():
         raise ConfigError(f"--out {str(out)!r} is a file; give a folder to write (a new one, or one written before)")
     why = cannot_make(Path(out).absolute().parent)  # written beside --out as named (a link too), then renamed
