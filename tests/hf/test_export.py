@@ -78,6 +78,11 @@ def test_out_may_not_replace_the_checkpoint_or_the_config(capsys, tmp_path):
     for inside in ("hf", "100/hf"):  # read as a step, or deleted with one
         assert main([*args, "--out", str(tmp_path / "ck" / inside)]) == 2
         assert "lies inside --checkpoint-dir" in capsys.readouterr().err and not (tmp_path / "ck" / inside).exists()
+    (tmp_path / "elsewhere").mkdir()  # a link is replaced by the folder written, not followed: refused
+    for link, to in (("linked", tmp_path / "elsewhere"), ("dangling", tmp_path / "none")):
+        (tmp_path / link).symlink_to(to)
+        assert main([*args, "--out", str(tmp_path / link)]) == 2
+        assert f"is a link (to {str(to)!r})" in capsys.readouterr().err and (tmp_path / link).is_symlink()
     (tmp_path / "a-file").write_text("keep")
     assert main([*args, "--out", str(tmp_path / "a-file" / "hf")]) == 2  # before the checkpoint is read
     err = capsys.readouterr().err

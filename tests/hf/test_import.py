@@ -74,8 +74,14 @@ def test_a_field_hyperjax_cannot_honour_exits_2_naming_it(capsys, tmp_path, chan
          "model.d_model is n_embd=64, model.heads is n_head=5"),
         ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 6, "moe_intermediate_size": 32}, [],
          "model.moe.top_k is num_experts_per_tok=6, model.moe.experts is num_experts=4"),
+        # the field the import read: num_local_experts before num_experts; a null field's value is derived
+        ({"model_type": "qwen3_moe", "num_local_experts": 4, "num_experts": 8, "num_experts_per_tok": 6,
+          "moe_intermediate_size": 32}, [], "model.moe.top_k is num_experts_per_tok=6, model.moe.experts is "
+         "num_local_experts=4"),
+        ({"num_attention_heads": 5, "head_dim": None}, [], "model.d_model is hidden_size=64, model.heads is "
+         "num_attention_heads=5"),
     ],
-    ids=["llama", "one-set", "gpt2", "moe"],
+    ids=["llama", "one-set", "gpt2", "moe", "both-counts", "null-field"],
 )  # fmt: skip
 def test_a_size_the_model_refuses_is_named_as_config_json_names_it(capsys, tmp_path, changes, sets, named):
     hf = {**LLAMA, **changes}

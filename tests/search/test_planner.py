@@ -87,9 +87,10 @@ def test_plan_cli_holds_a_searched_key_set_on_the_command_line(capsys):
     assert len({c["parallel.tensor"] for c in json.loads(capsys.readouterr().out)["candidates"]}) > 1
     assert main(["plan", quick, "--devices", "8", "--set", "parallel.tensor=3"]) == 2
     err = capsys.readouterr().err  # with why: the sizes a tensor degree must divide
-    assert (
-        "has parallel.tensor=3 (parallel.tensor=3 must divide the 8 devices, model.heads=8, model.kv_heads=8, " in err
-    )
+    assert "has parallel.tensor=3 (parallel.tensor=3 must divide the 8 devices, model.heads=8, model.d_ff=1024)" in err
+    gqa = ["--set", "model.family=llama", "--set", "model.kv_heads=2", "--set", "parallel.tensor=4"]
+    assert main(["plan", quick, "--devices", "8", *gqa]) == 2
+    assert "(parallel.tensor=4 must divide model.kv_heads=2); drop" in capsys.readouterr().err  # grouped queries
     assert main(["plan", quick, "--devices", "8", "--set", "parallel.tensor=2", "--set", "parallel.context=8"]) == 2
     assert "(parallel.context=8 must divide the 4 devices parallel.tensor=2 leaves); drop" in capsys.readouterr().err
     assert main(["plan", quick, "--devices", "8", "--set", "parallel.context=3"]) == 2

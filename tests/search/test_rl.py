@@ -132,9 +132,19 @@ def test_plan_holds_a_phases_devices_and_degrees_set_on_the_command_line(capsys,
         # a held learner degree no split can lay out: named first, with the sizes it must divide
         (
             ["rl.learner.parallel.tensor=3"],
-            r"^rl.learner.parallel.tensor=3: no split of 8 devices leaves the learner a layout of one program with it "
-            r"\(the learner was searched on 1, 2, 3, 4, 5, 6, 7 devices; on 7: .* \(parallel.tensor=3 must divide "
-            r"the 7 devices, model.heads=4, model.kv_heads=4, model.d_ff=512\)",
+            r"^no split of 8 devices leaves the learner a layout of one program with rl.learner.parallel.tensor=3: "
+            r"rl.learner.parallel.tensor=3 must divide model.heads=4, model.d_ff=512; drop them",
+        ),
+        (
+            ["rl.rollout.devices=5", "rl.learner.parallel.tensor=2"],
+            r"with rl.learner.parallel.tensor=2, rl.rollout.devices=5: the learner was searched on 3 devices, which "
+            r"rl.learner.parallel.tensor=2 does not divide; drop them",
+        ),
+        # a held degree the model takes, on a model too large for any split: memory, not the degree
+        (
+            ["rl.learner.parallel.tensor=2", "model.layers=64", "model.d_model=8192", "model.d_ff=32768"],
+            r"^no split of 8 devices fits the learner with rl.learner.parallel.tensor=2: its layouts of one "
+            r"program \(on [0-9, ]+ devices\) exceed the device memory",
         ),
         (["rl.learner.parallel.pipeline=2"], r"^rl.learner.parallel.pipeline=2: the learner runs one SPMD program"),
     ],
@@ -143,3 +153,10 @@ def test_held_settings_no_layout_has_are_named(sets, message):
     cfg = load_config(GRPO, sets)
     with pytest.raises(ConfigError, match=message):
         plan_rl(cfg, 8, held=_held_rl(sets, cfg))
+
+
+def test_a_learner_no_split_fits_is_named_as_memory():
+    """Every split's learner lays out but fits nowhere: said as memory, not as the last split's refusal."""
+    cfg = load_config(GRPO, ["model.layers=64", "model.d_model=8192", "model.d_ff=32768"])
+    with pytest.raises(ConfigError, match=r"^no split of 8 devices fits the learner: its layouts of one program \(on "):
+        plan_rl(cfg, 8)

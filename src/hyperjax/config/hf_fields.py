@@ -27,7 +27,8 @@ FIELDS: dict[str, dict[str, str]] = {
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
     "mixtral": {**_LLAMA, **_MOE, "moe.experts": "num_local_experts", "moe.d_ff": "intermediate_size"},
-    "qwen3_moe": {**_LLAMA, **_MOE, "moe.experts": "num_experts", "moe.d_ff": "moe_intermediate_size"},
+    "qwen3_moe": {**_LLAMA, **_MOE, "moe.experts": "num_experts", "moe.d_ff": "moe_intermediate_size"},  # or as
+    # mixtral names it, which the import reads first when the file gives it
     "deepseek_v3": {
         **{k: v for k, v in _LLAMA.items() if k not in ("kv_heads", "head_dim")},
         **_MOE,
@@ -64,9 +65,11 @@ def in_file(e: ConfigError, hf: dict[str, Any], where: str, sets: Sequence[str] 
     named = []
     for key in dict.fromkeys(re.findall(r"\bmodel\.([a-z_]+(?:\.[a-z_]+)?)\b", str(e))):
         field, dotted = table.get(key), f"model.{key}"
+        if key == "moe.experts" and hf.get("num_local_experts") is not None:
+            field = "num_local_experts"  # read first, under either model_type
         if any(dotted == o or dotted.startswith(f"{o}.") for o in overridden):
             continue  # the value is the --set's, not the file's
-        if field is not None and field in hf:
+        if field is not None and hf.get(field) is not None:  # a null field's value was derived, not read
             named.append(f"model.{key} is {field}={hf[field]!r}")
     if not named:
         return e

@@ -331,6 +331,11 @@ def check_out(
     Raises:
       ConfigError: naming the option and both paths.
     """
+    if Path(out).is_symlink():
+        raise ConfigError(
+            f"--out {str(out)!r} is a link (to {os.readlink(out)!r}); writing replaces the link with a folder, not "
+            "the folder it names: give that folder itself, or a new one"
+        )
     target = Path(out).resolve()
     for option, path in inputs.items():
         source = Path(path).resolve()

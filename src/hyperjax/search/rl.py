@@ -18,6 +18,7 @@ Every answer is an ``rl:`` config resolved by :func:`hyperjax.resolve_rl` and pr
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -36,7 +37,7 @@ from hyperjax.resolver import (
     resolve_rl,
 )
 from hyperjax.search.planner import NothingFits, plan
-from hyperjax.search.strategies import divisors
+from hyperjax.search.strategies import divisors, untried
 from hyperjax.topology import Hardware, load_hardware
 
 LEARNER_TRIES = 3
@@ -270,14 +271,18 @@ def plan_rl(
             if best is not None:
                 found.append(best)
                 break  # the learner's faster layouts came first
-    if not found and learner_held and len(learners_refused) == len(tried):
-        named = ", ".join(f"{k}={v}" for k, v in held.items() if k.startswith("rl.learner.parallel."))
-        counts = sorted(learners_refused)
-        most = counts[-1]
+    every = len(learners_refused) == len(tried)  # every split's learner search was refused
+    full = [n for n, e in learners_refused.items() if isinstance(e, NothingFits)]
+    if not found and every and full:  # the learner lays out, but fits nowhere
+        named = ", ".join(f"{k}={v}" for k, v in held.items())
         raise ConfigError(
-            f"{named}: no split of {devices} devices leaves the learner a layout of one program with it (the learner "
-            f"was searched on {', '.join(map(str, counts))} devices; on {most}: {learners_refused[most]})"
+            f"no split of {devices} devices fits the learner{f' with {named}' if held else ''}: its layouts of one "
+            f"program (on {', '.join(map(str, sorted(full)))} devices) exceed the device memory; "
+            f"{'drop them to search them all, or use' if held else 'use'} more devices or a smaller "
+            "rl.prompts_per_step x rl.group_size"
         )
+    if not found and learner_held and every and all(untried(base, n, learner_held) for n in learners_refused):
+        raise _learner_degree_refused(base, devices, held, learner_held, sorted(learners_refused))
     if not found and held and not priced:
         named = ", ".join(f"{k}={v}" for k, v in held.items())
         why = f" (the last one tried: {refused})" if refused is not None else ""
@@ -295,3 +300,31 @@ def plan_rl(
         )
     found.sort(key=lambda e: e.iteration_s)
     return RLSearch(best=found[:keep], splits=len(tried), priced=priced, seconds=time.perf_counter() - start)
+
+
+def _learner_degree_refused(
+    base: Config, devices: int, held: Mapping[str, Any], learner_held: dict[str, Any], counts: list[int]
+) -> ConfigError:
+    """The refusal of held learner degrees (``learner_held``) that no learner device count ``counts`` tried can
+    have: the model sizes they must divide, else the device counts (each held setting of ``held`` named)."""
+    named = ", ".join(f"{k}={v}" for k, v in held.items())
+    split = {
+        k: v for k, v in learner_held.items() if k in ("parallel.tensor", "parallel.context") and isinstance(v, int)
+    }
+    product = math.prod(split.values())
+    model = untried(base, product, learner_held)  # on a device count the degrees divide: what the model refuses
+    if model is not None:
+        why = model.replace("parallel.", "rl.learner.parallel.")
+    else:
+        keys = " x ".join(f"rl.learner.{k}" for k in split)
+        value = f"{keys}={product}" if len(split) == 1 else f"{keys} = {product}"
+        why = (
+            f"the learner was searched on {counts[0]} devices, which {value} does not divide"
+            if len(counts) == 1
+            else f"the learner was searched on {', '.join(map(str, counts))} devices, none of which {value} divides"
+        )
+    return ConfigError(
+        f"no split of {devices} devices leaves the learner a layout of one program with {named}: {why}; drop them "
+        "to search them all, or give values among those the search tries (hyperjax plan --json lists each "
+        "candidate's layouts)"
+    )

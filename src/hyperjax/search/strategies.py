@@ -205,7 +205,9 @@ def untried(cfg: Config, devices: int, where: dict[str, Any]) -> str | None:
     if isinstance(tensor, int) and tensor > 0:
         widths = {"model.d_ff": m.d_ff} if m.moe is None or m.moe_layers < m.layers else {}
         widths |= {"model.moe.d_ff": m.moe.d_ff} if m.moe is not None else {}
-        sizes = {"devices": devices, "model.heads": m.heads, "model.kv_heads": m.kv_heads, **widths}
+        sizes = {"devices": devices, "model.heads": m.heads}
+        sizes |= {"model.kv_heads": m.kv_heads} if m.kv_heads != m.heads else {}  # grouped queries' key heads
+        sizes |= widths
         bad = [f"{k}={v}" if k != "devices" else f"the {v} devices" for k, v in sizes.items() if v % tensor]
         if bad:
             return f"parallel.tensor={tensor} must divide {', '.join(bad)}"
