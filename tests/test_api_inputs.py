@@ -17,6 +17,13 @@ RL = hyperjax.load_config(CONFIGS / "grpo-tiny.yaml")
 HW = hyperjax.load_hardware("cloudmatrix384")
 
 
+class Writer:
+    """A stream that writes but cannot flush."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+
 @pytest.mark.parametrize(
     ("call", "error", "message"),
     [
@@ -82,6 +89,67 @@ HW = hyperjax.load_hardware("cloudmatrix384")
         # the standard strategy's overrides name its logical axes
         (lambda: hyperjax.strategy_for(overrides={"mlpp": "tensor"}), ShardingError, r"did you mean 'mlp'\?"),
         (lambda: hyperjax.strategy_for(overrides={"mlp": 3}), ShardingError, r"shard.mlp=3: give a mesh axis"),
+        # arguments of other kinds, and values the rest of the call would take otherwise
+        (lambda: hyperjax.parse_axes(None), MeshError, r"parse_axes\(text\): text is None, not a str"),
+        (lambda: hyperjax.parse_axes({"data": 2}), MeshError, r"not a str; .* \(a mapping is parsed already\)"),
+        (lambda: hyperjax.parse_axes("data=1_0"), MeshError, r"size '1_0' of axis 'data' is not an integer"),
+        (lambda: hyperjax.parse_axes("data=\u0663"), MeshError, r"of axis 'data' is not an integer"),
+        (
+            lambda: hyperjax.make_mesh(HW, {"data": 1}, devices=jax.devices()[0]),
+            MeshError,
+            r"devices=.* is not a sequence of devices; pass a list",
+        ),
+        (
+            lambda: hyperjax.make_mesh(HW, {"data": 1}, devices=jax.devices()[:1], axis_types=["auto"]),
+            MeshError,
+            r"axis_types=\['auto'\] must give one jax.sharding.AxisType per mesh axis \(1: data\)",
+        ),
+        (
+            lambda: hyperjax.make_mesh(
+                HW, {"data": 2, "tensor": 4}, devices=jax.devices()[:8], axis_types=[jax.sharding.AxisType.Explicit]
+            ),
+            MeshError,
+            r"one jax.sharding.AxisType per mesh axis \(2: data, tensor\)",
+        ),
+        (
+            lambda: hyperjax.axis_spans(HW, {"data": 2, "tensor": 4}, groups={"data": ("data", "tensor")}),
+            MeshError,
+            r"group 'data' has the name of a mesh axis, whose span it would replace",
+        ),
+        (lambda: hyperjax.axis_spans(HW, {"data": 8}, groups={"g": ()}), MeshError, r"group 'g' names no mesh axes"),
+        (lambda: hyperjax.estimate(hyperjax.resolve(QUICK), cores=[]), ConfigError, r"estimate\(cores=\): cores is"),
+        (lambda: hyperjax.plan(QUICK, 8, progress="yes"), ConfigError, r"plan\(progress=\): progress is 'yes'"),
+        (
+            lambda: hyperjax.plan(QUICK, 8, where=["parallel.tensor=2"]),
+            ConfigError,
+            r"plan\(where=\): where is \['parallel.tensor=2'\]; pass a mapping",
+        ),
+        (
+            lambda: hyperjax.plan_rl(RL, 8, held=["x"]),
+            ConfigError,
+            r"plan_rl\(held=\): held is \['x'\]; pass a mapping",
+        ),
+        (lambda: hyperjax.train(hyperjax.resolve(QUICK), metrics_out=5), ConfigError, r"metrics_out=5 is an int"),
+        (lambda: hyperjax.train(hyperjax.resolve(QUICK), log="stdout"), ConfigError, r"train\(log=\): log is"),
+        (
+            lambda: hyperjax.strategy_for(sequence_parallel="yes"),
+            ShardingError,
+            r"strategy_for\(sequence_parallel='yes'\): give True or False",
+        ),
+        (lambda: hyperjax.strategy_for(zero_stage=3), ShardingError, r"strategy_for\(zero_stage=3\): give 0, 1 or 2"),
+        (
+            lambda: hyperjax.strategy_for(sequence_parallel=1),
+            ShardingError,
+            r"sequence_parallel=1\): give True or False",
+        ),
+        (
+            lambda: hyperjax.strategy_for(zero_stage=1.0),
+            ShardingError,
+            r"strategy_for\(zero_stage=1.0\): give 0, 1 or 2",
+        ),
+        (lambda: hyperjax.train_rl(hyperjax.resolve_rl(RL), log="stdout"), ConfigError, r"train_rl\(log=\): log is"),
+        (lambda: hyperjax.train(hyperjax.resolve(QUICK), log=Writer()), ConfigError, r"with write and flush methods"),
+        (lambda: hyperjax.load_config(None, ["offload.budget=1"]), ConfigError, r"key offload.budget\. Known keys"),
     ],
 )
 def test_a_wrong_argument_is_named(call, error, message):
@@ -150,6 +218,15 @@ def test_counts_and_overrides_in_other_forms_are_read():
     np = pytest.importorskip("numpy")
     assert hyperjax.default_axes(HW, np.int64(8)) == hyperjax.default_axes(HW, 8)
     assert hyperjax.mesh_axes_for(devices=np.int64(8))["data"] == 8
+    assert hyperjax.mesh_axes_for(devices=8, tensor=np.int64(2)) == hyperjax.mesh_axes_for(devices=8, tensor=2)
+    assert hyperjax.make_schedule("1f1b", np.int64(4), np.int64(8)) == hyperjax.make_schedule("1f1b", 4, 8)
+    assert hyperjax.resolve(QUICK, np.int64(8)) == hyperjax.resolve(QUICK, 8)
+    assert hyperjax.strategy_for(sequence_parallel=np.bool_(True)) == hyperjax.strategy_for(sequence_parallel=True)
+    assert hyperjax.strategy_for(zero_stage=np.int64(1)) == hyperjax.strategy_for(zero_stage=1)
+    grid = hyperjax.make_schedule("interleaved", np.int64(2), np.int64(4), np.int64(2))
+    assert {type(v) for v in (grid.stages, grid.microbatches, grid.virtual_stages)} == {int}  # cached for later calls
+    model = hyperjax.build_model(QUICK.model, seed=np.int64(0))  # as flax's generator takes a Python int
+    assert type(model) is type(hyperjax.build_model(QUICK.model, seed=0))
     overrides = iter(["parallel.tensor=4"])  # an iterator is read whole, once
     assert hyperjax.load_config(CONFIGS / "quickstart.yaml", overrides).parallel.tensor == 4
     assert hyperjax.load_config(CONFIGS / "quickstart.yaml", None) == QUICK

@@ -65,8 +65,8 @@ def in_file(e: ConfigError, hf: dict[str, Any], where: str, sets: Sequence[str] 
     named = []
     for key in dict.fromkeys(re.findall(r"\bmodel\.([a-z_]+(?:\.[a-z_]+)?)\b", str(e))):
         field, dotted = table.get(key), f"model.{key}"
-        if key == "moe.experts" and hf.get("num_local_experts") is not None:
-            field = "num_local_experts"  # read first, under either model_type
+        if key == "moe.experts" and field in ("num_experts", "num_local_experts") and hf.get("num_local_experts"):
+            field = "num_local_experts"  # read first, under either of the types that name experts so
         if any(dotted == o or dotted.startswith(f"{o}.") for o in overridden):
             continue  # the value is the --set's, not the file's
         if field is not None and hf.get(field) is not None:  # a null field's value was derived, not read

@@ -172,7 +172,7 @@ def build(cls: type, raw: Any, prefix: str = "") -> Any:
     for key, value in raw.items():
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+            hint = f"; did you mean {prefix}{close[0]}?" if close else "."
             raise ConfigError(f"unknown config key {prefix}{key}{hint} Known keys here: {', '.join(fields)}")
         hint_type = hints[key]
         options = typing.get_args(hint_type) if isinstance(hint_type, types.UnionType) else ()

@@ -22,6 +22,7 @@ from hyperjax.cost.overlap import Pair, pair_exchange
 from hyperjax.cost.pipeline import in_flight, peak_with, with_in_flight
 from hyperjax.cost.spans import hand_over_span, run_stage_spans
 from hyperjax.cost.stage import ChunkCost, StageCore, StageCost, price_stage, stage_core
+from hyperjax.errors import ConfigError
 from hyperjax.mpmd.schedules import Schedule, Task, run_schedule
 from hyperjax.mpmd.timing import (
     cached_schedule,
@@ -213,6 +214,8 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
     spans = run_stage_spans(hw, run)
     p2p = hand_over_span(hw, run)
     last = run.chunks - 1
+    if cores is not None and not isinstance(cores, dict):
+        raise ConfigError(f"estimate(cores=): cores is {cores!r}; pass a dict shared between calls, or None")
     cores = {} if cores is None else cores
     kinds: list[StageCost] = []
     kind_of: list[int] = []

@@ -352,7 +352,7 @@ def check_out(
         )
     if target.exists() and not target.is_dir():
         raise ConfigError(f"--out {str(out)!r} is a file; give a folder to write (a new one, or one written before)")
-    why = cannot_make(Path(out).absolute().parent)  # written beside --out as named (a link too), then renamed
+    why = cannot_make(Path(out).absolute().parent)  # written beside --out as named (through a linked folder too)
     if why:
         raise ConfigError(f"--out {str(out)!r} cannot be written ({why}); choose a folder you can write")
     if target.is_dir() and any(target.iterdir()) and not (target / marker).is_file():

@@ -56,7 +56,7 @@ def build_model(
         raise ConfigError(f"seed={seed!r} must be an integer")
     if policies is not None and len(policies) != cfg.layers:
         raise ConfigError(f"policies has {len(policies)} entries; give one per layer (model.layers={cfg.layers})")
-    rngs = nnx.Rngs(params=seed)
+    rngs = nnx.Rngs(params=int(seed))  # a NumPy integer too
     if cfg.vision is not None:
         if overlap == "two-microbatch":
             raise ConfigError(

@@ -23,7 +23,7 @@ import functools
 from collections.abc import Callable
 
 from hyperjax.config import Run, ScheduleName, TaskKind, choices
-from hyperjax.errors import ConfigError
+from hyperjax.errors import ConfigError, positive_int
 
 SCHEDULES: tuple[ScheduleName, ...] = choices(ScheduleName)
 PAIRED: tuple[ScheduleName, ...] = ("1f1b", "interleaved")
@@ -160,8 +160,8 @@ def check_sizes(name: str, stages: int, microbatches: int, virtual_stages: int) 
         ("train.microbatches", microbatches),
         ("parallel.virtual_stages", virtual_stages),
     ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{key}={value!r} must be a positive integer")
+        positive_int(value, key)
+    stages, microbatches, virtual_stages = int(stages), int(microbatches), int(virtual_stages)
     if virtual_stages > 1 and name != "interleaved":
         raise ConfigError(
             f"parallel.virtual_stages={virtual_stages} needs parallel.schedule: interleaved (got {name!r}); "
@@ -270,6 +270,7 @@ def make_schedule(
       ConfigError: an unknown schedule or sizes it cannot take, naming the config key.
     """
     check_sizes(name, stages, microbatches, virtual_stages)
+    stages, microbatches, virtual_stages = int(stages), int(microbatches), int(virtual_stages)  # a NumPy one too
     if pair and name not in PAIRED:
         raise ConfigError(
             f"parallel.overlap='fb-pair' pairs tasks of the {' and '.join(PAIRED)} schedules, not of {name!r}"

@@ -16,7 +16,7 @@ from hyperjax.config import Config, ModelConfig, Run, Stage
 from hyperjax.config.parallel import ParallelConfig, check_modifiers
 from hyperjax.config.run import replica_axes, spans_processes, stage_replica_axes, stage_schedule, staged
 from hyperjax.emulate import plan_processes
-from hyperjax.errors import ConfigError, EmulationError, ShardingError, expect
+from hyperjax.errors import ConfigError, EmulationError, ShardingError, expect, integral
 from hyperjax.mpmd.schedules import PAIRED, check_sizes, warm_up
 from hyperjax.resolver.checks import check_preset, check_stage
 from hyperjax.resolver.stages import mpmd_stages, pipeline_axes, pipeline_sizes, pipeline_stages, spmd_stage
@@ -37,9 +37,9 @@ def device_count(cfg: Config, devices: int | None = None) -> int:
       ConfigError: ``devices`` is not a positive integer.
     """
     if devices is not None:
-        if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        if not integral(devices) or devices < 1:
             raise ConfigError(f"devices={devices!r} must be a positive integer (--devices / emulate.devices)")
-        return devices
+        return int(devices)  # a NumPy one too
     if cfg.emulate.devices is not None:
         return cfg.emulate.devices
     p, subs = cfg.parallel, cfg.mpmd.submeshes

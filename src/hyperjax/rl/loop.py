@@ -37,7 +37,7 @@ from hyperjax.rl.rewards import load_reward, score
 from hyperjax.train.data import Batches
 from hyperjax.train.generate import decode_text
 from hyperjax.train.loop import save_figure
-from hyperjax.train.prepare import check_outputs
+from hyperjax.train.prepare import check_log, check_outputs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -124,6 +124,7 @@ def train_rl(
     """
     expect(rl, RLRun, "train_rl(rl): rl", "pass hyperjax.resolve_rl(config) of a config with an rl: section")
     check_outputs(metrics_out, out_dir)
+    check_log(log, "train_rl")
     r = rl.rl
     log = sys.stdout if log is None else log
     reward = load_reward(r.reward)

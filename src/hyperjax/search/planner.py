@@ -194,6 +194,12 @@ def plan(
         raise ConfigError("this config has an rl: section; plan its phases with hyperjax.plan_rl (hyperjax plan does)")
     devices = positive_int(devices, "plan(cfg, devices): devices")
     keep = positive_int(keep, "plan(keep=)")
+    if progress is not None and not callable(progress):
+        raise ConfigError(f"plan(progress=): progress is {progress!r}; pass a function of (done, total), or None")
+    if where is not None and not isinstance(where, Mapping):
+        raise ConfigError(
+            f"plan(where=): where is {where!r}; pass a mapping of dotted keys to values, e.g. {{'parallel.tensor': 2}}"
+        )
     for key in where or {}:
         check_key(key, "plan(where=)")
     hw = load_hardware(cfg.hardware if hardware is None else hardware)

@@ -193,6 +193,11 @@ def plan_rl(
         raise ConfigError("this config has no rl: section; plan its training with hyperjax.plan")
     devices = positive_int(devices, "plan_rl(cfg, devices): devices")
     keep = positive_int(keep, "plan_rl(keep=)")
+    if held is not None and not isinstance(held, Mapping):
+        raise ConfigError(
+            f"plan_rl(held=): held is {held!r}; pass a mapping of dotted keys to values, e.g. "
+            "{'rl.learner.parallel.tensor': 2}"
+        )
     held = dict(held or {})
     for key in held:
         check_key(key, "plan_rl(held=)")

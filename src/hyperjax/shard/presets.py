@@ -27,7 +27,9 @@ import difflib
 import math
 from collections.abc import Mapping
 
-from hyperjax.errors import HyperjaxError, ShardingError, positive_int
+import numpy as np
+
+from hyperjax.errors import HyperjaxError, ShardingError, integral, positive_int
 from hyperjax.shard.strategy import MeshAxes, Strategy, entry_axes
 
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
@@ -57,9 +59,9 @@ def mesh_axes_for(
     degrees = {"fsdp": fsdp, "expert": expert, "context": context, "tensor": tensor, "pipeline": pipeline}
     if data is not None:
         degrees["data"] = data
-    for key, value in degrees.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ShardingError(f"parallel.{key}={value!r} must be a positive integer")
+    degrees = {key: positive_int(value, f"parallel.{key}", ShardingError) for key, value in degrees.items()}
+    fsdp, expert, context, tensor, pipeline = (degrees[k] for k in ("fsdp", "expert", "context", "tensor", "pipeline"))
+    data = degrees.get("data")
     rest = math.prod(degrees.values())
     if data is None:
         if devices % rest:
@@ -93,8 +95,17 @@ def strategy_for(
     over the ``expert`` and ``tensor`` axes instead (Megatron-Core's expert tensor parallelism of 1).
 
     Raises:
-      ShardingError: an override names a mesh axis that is not one of :data:`MESH_AXES`.
+      ShardingError: a flag that is not a bool, a ``zero_stage`` other than 0, 1 or 2, or an override that names
+        a mesh axis that is not one of :data:`MESH_AXES`.
     """
+    flags = {"sequence_parallel": sequence_parallel, "expert_tensor": expert_tensor, "fsdp_context": fsdp_context}
+    for key, value in flags.items():
+        if not isinstance(value, bool | np.bool_):
+            raise ShardingError(f"strategy_for({key}={value!r}): give True or False")
+    sequence_parallel, expert_tensor, fsdp_context = (bool(v) for v in flags.values())
+    if not integral(zero_stage) or zero_stage not in (0, 1, 2):
+        raise ShardingError(f"strategy_for(zero_stage={zero_stage!r}): give 0, 1 or 2 (for stage 3, shard over fsdp)")
+    zero_stage = int(zero_stage)  # a NumPy one too
     rules: dict[str, MeshAxes] = {
         "batch": ("data", "fsdp", "expert"),
         "seq": "context",

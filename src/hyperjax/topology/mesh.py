@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,6 +58,8 @@ def parse_axes(text: str) -> dict[str, int]:
     """
     axes: dict[str, int] = {}
     example = "expected NAME=SIZE pairs separated by commas, e.g. --axes data=12,tensor=32"
+    if not isinstance(text, str):
+        raise MeshError(f"parse_axes(text): text is {text!r}, not a str; {example} (a mapping is parsed already)")
     for item in text.split(","):
         name, sep, size = (part.strip() for part in item.partition("="))
         if not sep or not name or not size:
@@ -66,11 +68,9 @@ def parse_axes(text: str) -> dict[str, int]:
             raise MeshError(f"malformed mesh axes {text!r}: axis name {name!r} is not an identifier; {example}")
         if name in axes:
             raise MeshError(f"malformed mesh axes {text!r}: axis {name!r} appears twice; give each axis once")
-        try:
-            value = int(size)
-        except ValueError:
-            raise MeshError(f"malformed mesh axes {text!r}: size {size!r} of axis {name!r} is not an integer") from None
-        axes[name] = value
+        if not re.fullmatch(r"[+-]?[0-9]+", size):  # int() would take 1_0 and other scripts' digits
+            raise MeshError(f"malformed mesh axes {text!r}: size {size!r} of axis {name!r} is not an integer")
+        axes[name] = int(size)
     check_axes(axes)
     return axes
 
@@ -156,6 +156,12 @@ def axis_spans(
             raise MeshError(f"group {group!r} names mesh axes {unknown} that are not among {names}")
         if len(set(members)) != len(members):
             raise MeshError(f"group {group!r} names a mesh axis twice ({tuple(members)}); give each axis once")
+        if not members:
+            raise MeshError(f"group {group!r} names no mesh axes; give one or more of {names}")
+        if group in axes:
+            raise MeshError(
+                f"group {group!r} has the name of a mesh axis, whose span it would replace; name the group otherwise"
+            )
         spans[group] = _span(hardware, positions, [names.index(a) for a in members], group)
     return spans
 
@@ -263,6 +269,8 @@ def make_mesh(
 
     hardware = load_hardware(hardware)
     if devices is not None:
+        if isinstance(devices, jax.Device) or not isinstance(devices, Iterable):
+            raise MeshError(f"devices={devices!r} is not a sequence of devices; pass a list, e.g. jax.devices()[:8]")
         devices = list(devices)
         strays = [d for d in devices if not isinstance(d, jax.Device)]
         if strays:
@@ -277,5 +285,13 @@ def make_mesh(
     check_capacity(hardware, len(devs))
     if axis_types is None:
         axis_types = (jax.sharding.AxisType.Auto,) * len(axes)
+    if isinstance(axis_types, str) or not isinstance(axis_types, Iterable):
+        raise MeshError(f"axis_types={axis_types!r} must be a sequence of jax.sharding.AxisType, one per axis")
+    axis_types = tuple(axis_types)
+    if len(axis_types) != len(axes) or not all(isinstance(t, jax.sharding.AxisType) for t in axis_types):
+        raise MeshError(
+            f"axis_types={list(axis_types)} must give one jax.sharding.AxisType per mesh axis ({len(axes)}: "
+            f"{', '.join(axes)}), e.g. (jax.sharding.AxisType.Explicit,) * {len(axes)}"
+        )
     grid = np.array(devs, dtype=object).reshape(tuple(axes.values()))
-    return jax.sharding.Mesh(grid, tuple(axes), axis_types=tuple(axis_types))
+    return jax.sharding.Mesh(grid, tuple(axes), axis_types=axis_types)

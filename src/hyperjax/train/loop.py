@@ -24,7 +24,7 @@ from hyperjax.offload import block_policies
 from hyperjax.train.breakdown import CollectiveTime, check_profiled, collective_times, profile_ops
 from hyperjax.train.checkpoint import Checkpoints, imported, restore_params, saved_meta, saved_steps
 from hyperjax.train.interrupt import Interrupted, stop_on_interrupt
-from hyperjax.train.prepare import Prepared, check_outputs, prepare
+from hyperjax.train.prepare import Prepared, check_log, check_outputs, prepare
 from hyperjax.train.programs import build_program
 from hyperjax.train.saved_model import check_model, model_record
 
@@ -99,6 +99,7 @@ def train(
     if not isinstance(run, Prepared):
         check_run(run, "train", "train_rl")
     check_outputs(metrics_out, out_dir, checkpoint_dir, resume=resume)
+    check_log(log, "train")
     ready = run if isinstance(run, Prepared) else prepare(run)
     run = ready.run
     cfg, t = run.config, run.config.train

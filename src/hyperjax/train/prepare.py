@@ -9,10 +9,11 @@ Whether this machine can emulate the run's devices is the launcher's question (`
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from hyperjax.config import Run
-from hyperjax.errors import ConfigError
+from hyperjax.errors import ConfigError, article
 from hyperjax.offload import OffloadResult, offload_pass
 from hyperjax.shard import Strategy, strategy_for
 
@@ -68,6 +69,19 @@ def prepare(run: Run) -> Prepared:
     return Prepared(run=run, strategy=strategy, offload=offload)
 
 
+def check_log(log: object, call: str) -> None:
+    """``log`` (``call`` 's argument) is None or a text stream progress lines can go to.
+
+    Raises:
+      ConfigError: naming the argument and what to pass.
+    """
+    if log is not None and not all(callable(getattr(log, m, None)) for m in ("write", "flush")):
+        raise ConfigError(
+            f"{call}(log=): log is {log!r}; pass a text stream with write and flush methods (sys.stderr, an open "
+            "file, io.StringIO), or None for stdout"
+        )
+
+
 def check_outputs(
     metrics_out: str | None, out_dir: str | None, checkpoint_dir: str | None = None, *, resume: bool = False
 ) -> None:
@@ -80,6 +94,9 @@ def check_outputs(
     """
     if resume and checkpoint_dir is None:
         raise ConfigError("resume needs checkpoint_dir (--checkpoint-dir), the folder the run wrote its checkpoints to")
+    for key, given in (("metrics_out", metrics_out), ("out_dir", out_dir), ("checkpoint_dir", checkpoint_dir)):
+        if given is not None and not isinstance(given, str | os.PathLike):
+            raise ConfigError(f"{key}={given!r} is {article(type(given).__name__)}; give a path (a str or a Path)")
     if metrics_out is not None:
         path = Path(metrics_out)
         if path.is_dir():
