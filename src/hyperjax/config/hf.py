@@ -48,8 +48,7 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     Raises:
       ConfigError: no such file, or not a JSON object.
     """
-    path = Path(path)
-    file = path / "config.json" if path.is_dir() else path
+    file = config_file(path)
     if not file.is_file():
         raise ConfigError(f"{str(file)!r} does not exist; give a Hugging Face model folder or its config.json")
     try:
@@ -59,6 +58,12 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{str(file)!r} must hold a JSON object, got {type(raw).__name__}")
     return raw
+
+
+def config_file(path: str | Path) -> Path:
+    """The ``config.json`` that ``path`` names: the file, or the one in the folder."""
+    path = Path(path)
+    return path / "config.json" if path.is_dir() else path
 
 
 def is_hf_config(path: str | Path) -> bool:

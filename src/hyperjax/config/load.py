@@ -71,16 +71,19 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     for item in items:
         refuse_new_part(raw, item)
         apply_override(raw, item)
-    try:
-        config = build(Config, raw, "")
-    except ConfigError as e:
-        if given is None:
-            raise
-        file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
-        raise in_file(e, given, str(file), items) from None
+    config = build(Config, raw, "") if given is None else build_imported(raw, given, str(hf.config_file(path)), items)
     if "global_batch" in (raw.get("train") or {}):  # given, even as the default: an rl: config's must agree
         config.check_rl_batch()
     return config
+
+
+def build_imported(raw: dict[str, Any], given: dict[str, Any], where: str, sets: Sequence[str]) -> Config:
+    """The config of ``raw``, read from the Hugging Face ``config.json`` fields ``given`` (at ``where``) with
+    ``--set`` items ``sets``: a size refused is named by the file's field too (:func:`in_file`)."""
+    try:
+        return build(Config, raw, "")
+    except ConfigError as e:
+        raise in_file(e, given, where, sets) from None
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:

@@ -210,12 +210,12 @@ def estimate(run: Run, *, cores: dict[tuple, StageCore] | None = None) -> Estima
       ConfigError: ``run`` is not a resolved :class:`Run`, or it is an ``rl:`` config's.
     """
     check_run(run, "estimate", "estimate_rl")
+    if cores is not None and not isinstance(cores, dict):
+        raise ConfigError(f"estimate(cores=): cores is {cores!r}; pass a dict shared between calls, or None")
     hw = run.hardware
     spans = run_stage_spans(hw, run)
     p2p = hand_over_span(hw, run)
     last = run.chunks - 1
-    if cores is not None and not isinstance(cores, dict):
-        raise ConfigError(f"estimate(cores=): cores is {cores!r}; pass a dict shared between calls, or None")
     cores = {} if cores is None else cores
     kinds: list[StageCost] = []
     kind_of: list[int] = []

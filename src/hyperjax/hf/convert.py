@@ -19,8 +19,7 @@ import yaml
 from hyperjax.config import Config, ModelConfig, Run
 from hyperjax.config.hf import read_hf_config, run_section, training_only
 from hyperjax.config.hf_export import hf_from_model
-from hyperjax.config.hf_fields import in_file
-from hyperjax.config.load import apply_override, build
+from hyperjax.config.load import apply_override, build_imported
 from hyperjax.errors import ConfigError
 from hyperjax.files import write_json
 from hyperjax.hf.io import check_out, check_shard_size, export_weights, has_weights, import_weights, replace_folder
@@ -60,10 +59,7 @@ def imported_config(hf_dir: str | Path, sets: list[str]) -> tuple[dict[str, Any]
     raw = run_section(given, where)
     for item in sets:
         apply_override(raw, item)
-    try:
-        return raw, build(Config, raw, "")
-    except ConfigError as e:
-        raise in_file(e, given, where, sets) from None
+    return raw, build_imported(raw, given, where, sets)
 
 
 AT_USE = (

@@ -161,7 +161,6 @@ def check_sizes(name: str, stages: int, microbatches: int, virtual_stages: int) 
         ("parallel.virtual_stages", virtual_stages),
     ):
         positive_int(value, key)
-    stages, microbatches, virtual_stages = int(stages), int(microbatches), int(virtual_stages)
     if virtual_stages > 1 and name != "interleaved":
         raise ConfigError(
             f"parallel.virtual_stages={virtual_stages} needs parallel.schedule: interleaved (got {name!r}); "

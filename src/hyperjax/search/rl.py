@@ -276,10 +276,10 @@ def plan_rl(
             if best is not None:
                 found.append(best)
                 break  # the learner's faster layouts came first
+    named = ", ".join(f"{k}={v}" for k, v in held.items())
     every = len(learners_refused) == len(tried)  # every split's learner search was refused
     full = [n for n, e in learners_refused.items() if isinstance(e, NothingFits)]
     if not found and every and full:  # the learner lays out, but fits nowhere
-        named = ", ".join(f"{k}={v}" for k, v in held.items())
         raise ConfigError(
             f"no split of {devices} devices fits the learner{f' with {named}' if held else ''}: its layouts of one "
             f"program (on {', '.join(map(str, sorted(full)))} devices) exceed the device memory; "
@@ -287,9 +287,8 @@ def plan_rl(
             "rl.prompts_per_step x rl.group_size"
         )
     if not found and learner_held and every and all(untried(base, n, learner_held) for n in learners_refused):
-        raise _learner_degree_refused(base, devices, held, learner_held, sorted(learners_refused))
+        raise _learner_degree_refused(base, devices, named, learner_held, sorted(learners_refused))
     if not found and held and not priced:
-        named = ", ".join(f"{k}={v}" for k, v in held.items())
         why = f" (the last one tried: {refused})" if refused is not None else ""
         raise ConfigError(
             f"no split of {devices} devices and layouts the search tries has {named}{why}; drop them to search "
@@ -308,11 +307,10 @@ def plan_rl(
 
 
 def _learner_degree_refused(
-    base: Config, devices: int, held: Mapping[str, Any], learner_held: dict[str, Any], counts: list[int]
+    base: Config, devices: int, named: str, learner_held: dict[str, Any], counts: list[int]
 ) -> ConfigError:
     """The refusal of held learner degrees (``learner_held``) that no learner device count ``counts`` tried can
-    have: the model sizes they must divide, else the device counts (each held setting of ``held`` named)."""
-    named = ", ".join(f"{k}={v}" for k, v in held.items())
+    have: the model sizes they must divide, else the device counts (``named``: every held setting)."""
     split = {
         k: v for k, v in learner_held.items() if k in ("parallel.tensor", "parallel.context") and isinstance(v, int)
     }

@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from hyperjax.config import Config, SubmeshConfig
+from hyperjax.config import Config, ModelConfig, SubmeshConfig
 from hyperjax.config.parallel import MODIFIERS, MPMD_REPLACED, ParallelConfig, without_idle_modifiers
 from hyperjax.mpmd.schedules import PAIRED
 from hyperjax.topology import Hardware
@@ -120,13 +120,11 @@ def strategies(
     ``one_program`` asks for steps that run as one SPMD program on one stage (an RL learner's).
     """
     m, t = cfg.model, cfg.train
-    heads = math.gcd(m.heads, m.kv_heads)
     vision = m.vision is not None
     experts = m.moe.experts if m.moe is not None else 1
-    widths = [m.d_ff] if m.moe is None or m.moe_layers < m.layers else []  # the dense MLPs', and the experts'
-    widths += [m.moe.d_ff] if m.moe is not None else []
-    for tensor in (d for d in divisors(devices) if heads % d == 0 and all(w % d == 0 for w in widths)):
-        for context in (d for d in divisors(devices // tensor) if m.seq_len % d == 0 and d <= 16):
+    split = tensor_sizes(m).values()
+    for tensor in (d for d in divisors(devices) if all(size % d == 0 for size in split)):
+        for context in (d for d in divisors(devices // tensor) if m.seq_len % d == 0 and d <= MAX_CONTEXT):
             # a mixture of experts' blocks differ in cost (dense first, then MoE), so its stages are balanced
             # unequally anyway: any stage count up to the layers; a dense model's stages hold equal layers
             uneven = m.moe is not None
@@ -197,23 +195,33 @@ def strategies(
                             }
 
 
+MAX_CONTEXT = 16
+"""The widest context split the search tries."""
+
+
+def tensor_sizes(m: ModelConfig) -> dict[str, int]:
+    """The model sizes a tensor degree must divide, by key: the query heads, the key/value heads where they are
+    fewer (grouped queries), the dense MLPs' width where a layer has one, and the experts'."""
+    sizes = {"model.heads": m.heads}
+    sizes |= {"model.kv_heads": m.kv_heads} if m.kv_heads != m.heads else {}
+    sizes |= {"model.d_ff": m.d_ff} if m.moe is None or m.moe_layers < m.layers else {}
+    sizes |= {"model.moe.d_ff": m.moe.d_ff} if m.moe is not None else {}
+    return sizes
+
+
 def untried(cfg: Config, devices: int, where: dict[str, Any]) -> str | None:
     """Why :func:`strategies` on ``devices`` devices never has ``where`` 's tensor or context degree (the sizes
     it must divide, as they are), or None."""
     m = cfg.model
     tensor, context = where.get("parallel.tensor"), where.get("parallel.context")
     if isinstance(tensor, int) and tensor > 0:
-        widths = {"model.d_ff": m.d_ff} if m.moe is None or m.moe_layers < m.layers else {}
-        widths |= {"model.moe.d_ff": m.moe.d_ff} if m.moe is not None else {}
-        sizes = {"devices": devices, "model.heads": m.heads}
-        sizes |= {"model.kv_heads": m.kv_heads} if m.kv_heads != m.heads else {}  # grouped queries' key heads
-        sizes |= widths
+        sizes = {"devices": devices, **tensor_sizes(m)}
         bad = [f"{k}={v}" if k != "devices" else f"the {v} devices" for k, v in sizes.items() if v % tensor]
         if bad:
             return f"parallel.tensor={tensor} must divide {', '.join(bad)}"
     if isinstance(context, int) and context > 0:
-        if context > 16:
-            return f"parallel.context={context}: the search tries context splits of 16 or fewer"
+        if context > MAX_CONTEXT:
+            return f"parallel.context={context}: the search tries context splits of {MAX_CONTEXT} or fewer"
         left = devices // tensor if isinstance(tensor, int) and tensor > 0 and devices % tensor == 0 else devices
         sizes = {"devices": left, "model.seq_len": m.seq_len}
         bad = [f"{k}={v}" if k != "devices" else f"the {v} devices" for k, v in sizes.items() if v % context]
