@@ -5,8 +5,10 @@ TFLOP/s) and holds hyperjax's config for it: dense runs (Korthikanti et al.) and
 (Megatron-Core's Qwen3-235B runs, Megatron-Bridge's GPT-OSS-120B); ``fp8/`` holds NeMo's FP8 runs on DGX
 H100 (Transformer Engine's delayed scaling) and ``torchtitan/`` torchtitan's Llama 3.1 8B runs with and
 without Float8 on 500 W, 96 GB H100s, whose peak memory is printed beside the step time; ``tpu/`` MaxText's
-published runs of its 2023 decoders on 1 to 32 TPU v5e pods. This script resolves every run
-(``hyperjax.resolve``), predicts it (``hyperjax.estimate``) on the run's hardware preset, and prints
+published runs of its 2023 decoders on 1 to 32 TPU v5e pods, and ``tpu-v6e/`` its recipes' runs on TPU v6e
+(Trillium), added with their sources and not used to calibrate. This script resolves every run
+(``hyperjax.resolve``), predicts it (``hyperjax.estimate``; a run with an ``offload.policy`` under its placement,
+as ``predict`` prices it) on the run's hardware preset, and prints
 predicted vs measured step time and model TFLOP/s per device (with the source's own FLOP count: Korthikanti's
 eq. 7, or the figure the source prints), and the mean absolute percentage error of each kind.
 Serving is checked the same way against published measured inference runs (``benchmarks/validation/inference/``:
@@ -33,6 +35,7 @@ import hyperjax
 from hyperjax.config import Config, build
 from hyperjax.cost import count_params, estimate_inference
 from hyperjax.files import read_yaml
+from hyperjax.offload import offload_pass, with_offload
 
 HERE = Path(__file__).parent
 
@@ -60,7 +63,7 @@ def torchtitan_flops(cfg: Config) -> float:
 
 def kind_of(cfg: Config, path: Path) -> str:
     """Which table a run belongs to: the folder it lies in, else dense or MoE."""
-    if path.parent.name in ("fp8", "torchtitan", "tpu", "bridge"):
+    if path.parent.name in ("fp8", "torchtitan", "tpu", "tpu-v6e", "bridge"):
         return path.parent.name
     return "moe" if cfg.model.moe is not None else "dense"
 
@@ -69,7 +72,8 @@ def row(path: Path) -> dict:
     """One published run, predicted."""
     doc = read_yaml(path, what="validation row", error=ValueError)
     cfg = build(Config, doc["config"], "")
-    est = hyperjax.estimate(hyperjax.resolve(cfg))
+    run = hyperjax.resolve(cfg)
+    est = hyperjax.estimate(run) if run.offload == "none" else with_offload(offload_pass(run))  # as predict prices it
     measured = doc["measured"]["step_time_s"]
     if doc["flops_formula"] == "korthikanti_eq7":
         measured_tflops = korthikanti_eq7(cfg) / (measured * est.devices) / 1e12
@@ -150,6 +154,7 @@ TABLES = (
     ("fp8", "FP8 (delayed scaling): cost model vs NeMo 24.07's published runs (DGX H100)"),
     ("torchtitan", "torchtitan Llama 3.1 8B, BF16 and Float8 (tensorwise), 500 W 96 GB H100: time and memory"),
     ("tpu", "MaxText's 2023 decoders, 16B-128B on 1-32 TPU v5e pods (2-D torus ICI, DCN between pods)"),
+    ("tpu-v6e", "MaxText's recipes on TPU v6e (Trillium), 8-512 chips: Llama 2/3.1, Mistral, GPT-3 (added rows)"),
     ("bridge", "Megatron Bridge's Qwen3-30B-A3B, 16 H100, HybridEP: expert-parallel overlap off and on (added rows)"),
 )
 
@@ -203,6 +208,7 @@ def main() -> int:
         *sorted((HERE / "validation" / "fp8").glob("*.yaml")),
         *sorted((HERE / "validation" / "torchtitan").glob("*.yaml")),
         *sorted((HERE / "validation" / "tpu").glob("*.yaml")),
+        *sorted((HERE / "validation" / "tpu-v6e").glob("*.yaml")),
         *sorted((HERE / "validation" / "bridge").glob("*.yaml")),
     ]
     rows = [row(path) for path in found]

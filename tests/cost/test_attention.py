@@ -26,6 +26,31 @@ def test_a_fused_core_runs_at_the_kernels_measured_rate_over_its_keys():
     assert backward == pytest.approx(scores * 10 * m.head_dim / (peak * rate_b) + overhead)
 
 
+def test_a_head_narrower_than_the_systolic_array_pays_its_width():
+    """On a TPU's MXU each of a fused core's products holds a head-wide operand, padded to the array's side: a
+    128-wide head fills half of v6e's 256-wide array, so it costs what a 256-wide head does; on v5e's 128-wide
+    array it costs half. A GPU preset models no array."""
+    v6e, v5e = load_hardware("tpu-v6e"), load_hardware("tpu-v5e")
+    assert (v6e.device.systolic_array, v5e.device.systolic_array, H100.device.systolic_array) == (256, 128, 0)
+    cores = {
+        (hw.name, hd): core_time(
+            model("model.attention_kernel=flash", f"model.head_dim={hd}"),
+            micro=2,
+            tp=1,
+            cp=1,
+            dtype="bfloat16",
+            ring=False,
+            hardware=hw,
+        )
+        for hw in (v6e, v5e)
+        for hd in (128, 256)
+    }
+    assert cores["tpu-v6e", 128] == cores["tpu-v6e", 256]
+    overhead = v5e.device.kernel_overhead
+    for narrow, wide in zip(cores["tpu-v5e", 128], cores["tpu-v5e", 256], strict=True):
+        assert narrow - overhead == pytest.approx((wide - overhead) / 2)
+
+
 def test_a_materialized_cores_backward_is_twice_its_forward():
     m = model("model.attention_kernel=materialized")
     forward, backward = core_time(m, micro=2, tp=1, cp=1, dtype="bfloat16", ring=False, hardware=H100)

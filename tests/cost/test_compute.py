@@ -23,6 +23,20 @@ def test_float32_products_run_at_the_default_precision_rate():
     assert f32 == pytest.approx(tf32_roofline + H100.device.kernel_overhead)
 
 
+def test_a_systolic_array_pads_the_weights_dimensions_to_its_side():
+    """A TPU's MXU holds the ``(k, n)`` operand in tiles of its side (256 on v6e): a compute-bound product with
+    ``k`` or ``n`` between multiples of it does the padded work; the streamed ``m`` is not padded; a GPU pads
+    nothing."""
+    v6e, big = load_hardware("tpu-v6e"), 32768
+    t = lambda m, n, k, hw=v6e: gemm_time(m, n, k, bytes_per_element=2, dtype="bfloat16", hardware=hw)
+    assert t(big, big, 1100) == pytest.approx(t(big, big, 1280))
+    assert t(big, 1100, big) == pytest.approx(t(big, 1280, big))
+    overhead = v6e.device.kernel_overhead
+    assert t(1100, big, big) - overhead == pytest.approx((t(1280, big, big) - overhead) * 1100 / 1280)
+    gpu = H100.device.kernel_overhead
+    assert t(big, big, 1100, H100) - gpu == pytest.approx((t(big, big, 1280, H100) - gpu) * 1100 / 1280)
+
+
 def test_predicts_the_measured_h100_steps():
     """The cost model against steps timed on an H100 (benchmarks/gpu_step.py); a regression guard."""
     measured = json.loads((ROOT / "benchmarks" / "results" / "gpu-h100-measured.json").read_text())

@@ -34,6 +34,7 @@ def test_required_presets_load(name):
         ("dgx-a100-80g", None),
         ("tpu-v5p", None),
         ("tpu-v5e", None),
+        ("tpu-v6e", None),
         ("cloudmatrix384", None),
         ("ascend910c-cluster", None),
     ],
@@ -231,6 +232,7 @@ def test_tier_values(field, value, pattern):
         ("reserved_bytes", 1e12, r"device.reserved_bytes=1000000000000.0 must be in \[0, hbm_bytes="),
         ("allocator_overhead", 1.5, r"device.allocator_overhead=1.5 must be in \[0, 1\)"),
         ("compute_units", -1, r"device.compute_units=-1 must be a non-negative integer"),
+        ("systolic_array", 2.5, r"device.systolic_array=2.5 must be a non-negative integer"),
         ("grouped_gemm_cols", 256, r"device.grouped_gemm_cols=256 and device.compute_units=0: give both"),
         ("grouped_gemm_min_rows", 4096, r"device.grouped_gemm_min_rows=4096 exceeds device.grouped_gemm_rows=128"),
     ],
@@ -502,6 +504,20 @@ def test_waves_need_a_grouped_tile_height():
     raw["device"] |= {"grouped_gemm_rows": 1, "grouped_gemm_cols": 256, "compute_units": 132}
     with pytest.raises(PresetError, match=r"device.compute_units=132 .* device.grouped_gemm_rows=1 gives it no tile"):
         hardware_from_dict(raw)
+
+
+def test_a_systolic_array_is_only_for_a_device_priced_by_its_roofline():
+    """Measured kernel rates (a GPU's waves over its SMs, its fused attention kernels) already hold what the
+    units fill: padding to an array on top would count it twice."""
+    raw = _raw("dgx-h100")
+    raw["device"]["systolic_array"] = 128
+    with pytest.raises(PresetError, match=r"device.systolic_array=128 pads products .* compute_units or measured"):
+        hardware_from_dict(raw)
+    tpu = _raw("tpu-v6e")
+    assert hardware_from_dict(tpu) == load_hardware("tpu-v6e")
+    assert hash(hardware_from_dict(tpu)) != hash(
+        hardware_from_dict(tpu | {"device": tpu["device"] | {"systolic_array": 0}})
+    )
 
 
 def test_measured_widths_are_one_kernel_in_any_order_and_rates_beyond_them_follow_the_nearest():

@@ -37,9 +37,12 @@ def core_time(
     # chunks): each visits s / 2cp keys, as a causal kernel over s / cp does, so all cp run at its rate
     keys, kernels = (s / cp, cp) if ring else (s, 1)
     forward, backward = hardware.device.attention_rates(m.attention_impl, keys, hd + rope / 2)
-    # per score: forward QK (hd + rope wide) and PV (hd); backward recomputes QK, then dV, dP, dQ and dK
-    core = scores * (4 * hd + 2 * rope) / (peak * forward) + kernels * hardware.device.kernel_overhead
-    core_bwd = scores * (10 * hd + 6 * rope) / (peak * backward) + kernels * hardware.device.kernel_overhead
+    # per score: forward QK (hd + rope wide) and PV (hd); backward recomputes QK, then dV, dP, dQ and dK.
+    # On a systolic array each product's stationary operand (a block of keys, values, or the output's
+    # gradient) is a head wide: that width padded to the array's side (a 128-wide head fills half of v6e's)
+    qk, pv = hardware.device.padded(hd + rope), hardware.device.padded(hd)
+    core = scores * (2 * qk + 2 * pv) / (peak * forward) + kernels * hardware.device.kernel_overhead
+    core_bwd = scores * (6 * qk + 4 * pv) / (peak * backward) + kernels * hardware.device.kernel_overhead
     if ring:  # each block's output folded into the output (6 bytes an element, after a zeroing 2); backward,
         # each block's query and key-value gradients added into theirs (6 bytes an element), in 16 bits
         out, kv = micro * (s / cp) * a / tp * hd, 2 * micro * (s / cp) * m.kv_heads / tp * hd

@@ -1,7 +1,10 @@
 """Compute time on one device: a roofline per operator, with the preset's achievable efficiencies.
 
 A matrix multiply runs at ``peak x matmul_efficiency`` unless its operands make it memory-bound, so small
-and skinny products (decode-like shapes, tiny tensor-parallel shards) get the lower rate they really see;
+and skinny products (decode-like shapes, tiny tensor-parallel shards) get the lower rate they really see; on
+a systolic array (``device.systolic_array``: a TPU's MXU) the weight's dimensions are padded to its side
+("weight matrices need to be padded to at least size 128 (256 on TPU v6) in all dimensions to fill up the
+MXU", jax-ml/scaling-book tpus.md), so a product narrower than the array does the padded work;
 the peak is the one XLA's default precision runs the compute dtype's products at (fp32 as TF32 on NVIDIA
 tensor cores). Element-wise work streams through HBM at ``hbm_bandwidth x memory_efficiency``. Each
 launched operator also costs the preset's ``kernel_overhead``: a batch of equal products (attention's
@@ -46,12 +49,14 @@ their gradient are priced apart):
 def gemm_time(
     m: float, n: float, k: float, *, count: float = 1, bytes_per_element: int, dtype: str, hardware: Hardware
 ) -> float:
-    """Seconds for ``count`` products of an ``(m, k)`` by a ``(k, n)`` matrix, launched as one batched kernel."""
+    """Seconds for ``count`` products of an ``(m, k)`` by a ``(k, n)`` matrix, launched as one batched kernel;
+    on a systolic array (a TPU's MXU) the ``(k, n)`` operand's dimensions padded to its side."""
     if min(m, n, k, count) <= 0:
         return 0.0
     d = hardware.device
     moved = (m * k + k * n + m * n) * bytes_per_element
-    one = max(2.0 * m * n * k / _rate(dtype, hardware), stream_time(moved, ops=0, hardware=hardware))
+    flops = 2.0 * m * d.padded(n) * d.padded(k)
+    one = max(flops / _rate(dtype, hardware), stream_time(moved, ops=0, hardware=hardware))
     return count * one + d.kernel_overhead
 
 

@@ -161,6 +161,10 @@ class DeviceSpec:
       grouped_gemm_min_rows: with ``compute_units``, the smallest tile height a grouped kernel runs a group of
         few rows in (the power of two that holds them, down to this; 0: always ``grouped_gemm_rows``).
       compute_units: the units a kernel's tiles are spread over (an NVIDIA GPU's SMs; 0: not modelled).
+      systolic_array: the side of the matrix unit's systolic array (a TPU's MXU: 128, 256 on v6e), which
+        holds a product's right-hand operand (the weight, ``k x n``): both of its dimensions are padded to a
+        multiple of it, so a product narrower than the array runs at a fraction of the rate (0: not
+        modelled; see :meth:`padded`).
       comm_compute_share: the share of the device's compute units an all-to-all holds while it runs beside
         compute (DeepEP's dispatch and combine kernels run on SMs of their own); compute running beside
         one slows by it (:func:`hyperjax.mpmd.lanes.replay_lanes`). A run's ``parallel.dispatcher_sms``
@@ -195,6 +199,7 @@ class DeviceSpec:
     grouped_gemm_cols: int = 0
     grouped_gemm_min_rows: int = 0
     compute_units: int = 0
+    systolic_array: int = 0
     comm_compute_share: float = 0.0
     reserved_bytes: float = 0.0
     allocator_overhead: float = 0.05
@@ -227,7 +232,7 @@ class DeviceSpec:
         rows = self.grouped_gemm_rows
         if not is_count(rows):
             raise PresetError(f"device.grouped_gemm_rows={rows!r} must be a positive integer")
-        for key in ("grouped_gemm_cols", "grouped_gemm_min_rows", "compute_units"):
+        for key in ("grouped_gemm_cols", "grouped_gemm_min_rows", "compute_units", "systolic_array"):
             value = getattr(self, key)
             if not is_count(value, least=0):
                 raise PresetError(f"device.{key}={value!r} must be a non-negative integer (0: not modelled)")
@@ -235,6 +240,12 @@ class DeviceSpec:
             raise PresetError(
                 f"device.grouped_gemm_cols={self.grouped_gemm_cols} and device.compute_units={self.compute_units}: "
                 "give both (a grouped kernel's tiles run in waves over the units) or neither"
+            )
+        if self.systolic_array and (self.compute_units or self.attention_kernels):
+            raise PresetError(
+                f"device.systolic_array={self.systolic_array} pads products on a matrix unit (a TPU's MXU), but the "
+                "device also gives compute_units or measured attention_kernels, whose rates already hold what the "
+                "units fill; give systolic_array only to a device priced by its roofline"
             )
         if self.compute_units and rows == 1:
             raise PresetError(
@@ -317,6 +328,7 @@ class DeviceSpec:
                 self.grouped_gemm_cols,
                 self.grouped_gemm_min_rows,
                 self.compute_units,
+                self.systolic_array,
                 self.comm_compute_share,
                 self.reserved_bytes,
                 self.allocator_overhead,
@@ -359,6 +371,12 @@ class DeviceSpec:
             f"{limit:.3f} {'beside' if k.overlapped else 'after'} the products); correct the rate or the flag "
             "overlapped, or special_function_flops"
         )
+
+    def padded(self, dim: float) -> float:
+        """``dim`` as the matrix unit runs it: rounded up to a multiple of ``systolic_array`` (itself where
+        that is not modelled)."""
+        side = self.systolic_array
+        return dim if not side else math.ceil(dim / side) * side
 
     def attention_rates(self, kernel: str | None, seq: float, head_dim: float | None = None) -> tuple[float, float]:
         """The forward and backward fractions of the peak fused attention ``kernel`` (``None``: the device's
