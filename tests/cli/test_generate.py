@@ -52,6 +52,39 @@ def test_greedy_tokens_do_not_depend_on_the_layout(capsys, checkpoint, layout):
     assert generate(capsys, checkpoint, *prompts, *layout)["tokens"] == ref["tokens"]
 
 
+def test_a_continuation_stops_after_its_end_of_sequence_token(capsys, checkpoint, tmp_path):
+    """As transformers and vLLM do: a continuation ends with the first end-of-sequence token it generates
+    (``--eos-id``, else ``eos_token_id`` of generation_config.json beside the config, where import-hf copies
+    it), each sequence on its own; ``--ignore-eos`` generates them all. The greedy tokens before it are the same."""
+    prompts = ["--prompt", "In the beginning", "--prompt", "And God said"]
+    full = generate(capsys, checkpoint, *prompts)["tokens"]
+    eos = full[0][4]  # a token the first continuation reaches at its fifth
+    cut = [row[: row.index(eos) + 1] if eos in row else row for row in full]
+    assert cut[0] == full[0][: full[0].index(eos) + 1] and len(cut[0]) <= 5
+    assert generate(capsys, checkpoint, *prompts, "--eos-id", str(eos))["tokens"] == cut
+    config = tmp_path / "config.yaml"
+    config.write_text(Path(QUICK).read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [999, eos]}))
+    capsys.readouterr()
+    args = ["generate", str(config), *SMALL, "--checkpoint-dir", checkpoint, "--max-new-tokens", "12", "--json"]
+    assert main([*args, *prompts]) == 2  # 999 is past the 256-token vocabulary
+    assert (
+        "generation_config.json': end-of-sequence id 999 is not a token of model.vocab=256" in capsys.readouterr().err
+    )
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    assert main([*args, *prompts]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == cut
+    assert main([*args, *prompts, "--ignore-eos"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == full
+    assert main([*args, *prompts, "--ignore-eos", "--eos-id", "3"]) == 2
+    assert "--eos-id 3 names a token to stop at, but --ignore-eos" in capsys.readouterr().err
+    (tmp_path / "generation_config.json").write_text("[2]")
+    assert main([*args, *prompts]) == 2
+    assert "generation_config.json' is not a JSON object; fix it, or give --eos-id or --ignore-eos" in (
+        capsys.readouterr().err
+    )
+
+
 def test_a_batch_of_ragged_prompts_decodes_each_as_alone(capsys, checkpoint):
     both = generate(capsys, checkpoint, "--prompt", "In", "--prompt", "And the LORD spake unto Moses")
     alone = generate(capsys, checkpoint, "--prompt", "And the LORD spake unto Moses")
@@ -150,6 +183,17 @@ def test_a_tokenizer_that_drops_characters_exits_2_naming_one(capsys, checkpoint
     assert main([*base, "--prompt", "ahia"]) == 2
     err = capsys.readouterr().err
     assert "drops 'i' of 'ahia'" in err and "Traceback" not in err
+    # a word-level vocabulary without an unknown token raises inside tokenizers: named too (it was a traceback),
+    # for the whole prompt ('zz') or for one of its characters alone ('a' of 'ab')
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({"ab": 0, "b": 1}))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(tok))
+    for prompt, piece in (("ab zz", "ab zz"), ("ab", "a")):
+        assert main([*base, "--prompt", prompt]) == 2
+        err = capsys.readouterr().err
+        assert f"tokenizer {str(tok)!r} cannot encode {piece!r} of {prompt!r} (" in err and "--prompt-ids" in err, err
 
 
 def test_a_cache_larger_than_memory_exits_2_naming_the_new_tokens_that_fit(capsys, checkpoint, monkeypatch):

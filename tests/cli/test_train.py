@@ -61,6 +61,17 @@ def test_explain(capsys, tmp_path: Path, monkeypatch):
     assert main(["train", QUICK, "--explain", "--checkpoint-dir", str(tmp_path / "ck")]) == 2
     assert "--explain prints where every parameter lives" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+    # a pipeline's stages each lay out their own layers: named, not blamed on the mesh's sizes as before
+    for sets in (["parallel.pipeline=2"], ["model.moe={experts: 4, top_k: 2}", "parallel.pipeline=2"]):
+        assert main(["train", QUICK, "--explain", *(a for s in sets for a in ("--set", s))]) == 2
+        err = capsys.readouterr().err
+        assert "not in the 2 stages of this run (parallel.pipeline=2)" in err and "multiply to" not in err, err
+        assert "or set parallel.pipeline=1 to explain one program" in err
+    assert main(["train", str(Path(QUICK).parent / "vlm-tiny-mpmd.yaml"), "--explain"]) == 2
+    assert "(mpmd.submeshes); --plan-only lists each stage's devices and axes, or drop mpmd.submeshes" in (
+        capsys.readouterr().err
+    )
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize(

@@ -80,8 +80,12 @@ def test_a_field_hyperjax_cannot_honour_exits_2_naming_it(capsys, tmp_path, chan
          "num_local_experts=4"),
         ({"num_attention_heads": 5, "head_dim": None}, [], "model.d_model is hidden_size=64, model.heads is "
          "num_attention_heads=5"),
+        # a number given as an integer is the model's to check (0 read as "must be at least 1" before)
+        ({"rms_norm_eps": 0}, [], "model.norm_eps is rms_norm_eps=0"),
+        ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": -1},
+         [], "model.moe.aux_loss_weight is router_aux_loss_coef=-1"),
     ],
-    ids=["llama", "one-set", "gpt2", "moe", "both-counts", "null-field"],
+    ids=["llama", "one-set", "gpt2", "moe", "both-counts", "null-field", "eps", "aux-loss"],
 )  # fmt: skip
 def test_a_size_the_model_refuses_is_named_as_config_json_names_it(capsys, tmp_path, changes, sets, named):
     hf = {**LLAMA, **changes}
@@ -286,3 +290,62 @@ def test_an_import_of_weights_keeps_the_model_config_json_describes(capsys, tmp_
     key = item.split("=")[0]
     assert f"--set {key}: {value} changes the model" in err and "whose weights the folder holds; drop it" in err, err
     assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_a_number_field_given_as_an_integer_is_read(tmp_path):
+    """``router_aux_loss_coef: 0`` (no auxiliary loss) and ``rope_theta: 10000`` are numbers written as
+    integers; the first was refused as "must be at least 1", a count's bound."""
+    from hyperjax import load_config
+
+    moe = {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+    m = load_config(write(tmp_path / "hf", **moe, router_aux_loss_coef=0, rope_theta=10000)).model
+    assert (m.moe.aux_loss_weight, m.rope_theta) == (0.0, 10000.0)
+
+
+def test_a_config_json_given_is_its_folder_for_import_and_export(capsys, tmp_path):
+    """``import-hf FOLDER/config.json`` reads the weights and tokenizer beside it (it imported the config alone);
+    ``export-hf FOLDER`` (the Hugging Face folder as CONFIG) copies that folder's tokenizer files and will not
+    replace the folder (it took the folder's parent as the config's folder)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from hyperjax import load_config
+    from hyperjax.hf.names import stored_shapes
+
+    folder = write(tmp_path / "hf")
+    shapes = stored_shapes(load_config(folder).model)
+    rng = np.random.default_rng(0)
+    save_file(
+        {k: 0.02 * rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()},
+        str(folder / "model.safetensors"),
+    )
+    for name in ("tokenizer.json", "generation_config.json"):
+        (folder / name).write_text("{}")
+    sets = ["--set", "model.seq_len=64", "--set", "emulate.devices=1"]
+    assert main(["import-hf", str(folder / "config.json"), "--out", str(tmp_path / "hj"), *sets]) == 0
+    assert "copied tokenizer.json, generation_config.json" in capsys.readouterr().out
+    assert (tmp_path / "hj" / "checkpoint").is_dir() and (tmp_path / "hj" / "tokenizer.json").is_file()
+    export = ["export-hf", str(folder), *sets, "--checkpoint-dir", str(tmp_path / "hj" / "checkpoint"), "--out"]
+    assert main([*export, str(folder)]) == 2
+    assert f"--out {str(folder)!r} holds the config's folder" in capsys.readouterr().err
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+    assert main([*export, str(tmp_path / "back")]) == 0
+    assert (tmp_path / "back" / "tokenizer.json").is_file() and (tmp_path / "back" / "generation_config.json").is_file()
+    assert "max_position_embeddings 64 (model.seq_len), the longest context" in capsys.readouterr().out  # not 2048
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["max_position_embeddings"] == 64
+
+    # a tokenizer in another form travels too; generate will not read its prompt text as bytes beside it
+    (folder / "tokenizer.json").unlink()
+    (folder / "vocab.json").write_text("{}")
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    assert main(["import-hf", str(folder), "--out", str(tmp_path / "bpe"), *sets]) == 0
+    assert "copied generation_config.json, vocab.json, merges.txt" in capsys.readouterr().out
+    gen = ["generate", str(tmp_path / "bpe" / "config.yaml"), "--checkpoint-dir", str(tmp_path / "bpe" / "checkpoint")]
+    assert main([*gen, "--prompt", "Hello", "--max-new-tokens", "2"]) == 2
+    assert "beside CONFIG is vocab.json, merges.txt, which generate does not read" in capsys.readouterr().err
+    assert main([*gen, "--prompt-ids", "1,2", "--max-new-tokens", "2", "--json"]) == 0

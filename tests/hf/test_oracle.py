@@ -60,12 +60,22 @@ def test_logits_equal_transformers_on_one_device(imported, arch):
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_import_then_generate_gives_transformers_greedy_ids(imported, capsys, arch):
+    """All 16 tokens with ``--ignore-eos``; by default the continuation ends at the first end-of-sequence id of
+    the generation_config.json import-hf copied, where transformers' generate stops (keeping that token)."""
     model, _, folder = imported(arch)
     capsys.readouterr()
     args = ["generate", str(folder / "config.yaml"), "--checkpoint-dir", str(folder / "checkpoint")]
     args += ["--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "16", "--temperature", "0", "--json"]
+    assert main([*args, "--ignore-eos"]) == 0
+    want = greedy(model, PROMPT, 16)
+    assert json.loads(capsys.readouterr().out)["tokens"] == [want]
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    stop = next((i + 1 for i, t in enumerate(want) if t in eos), len(want))
     assert main(args) == 0
-    assert json.loads(capsys.readouterr().out)["tokens"] == [greedy(model, PROMPT, 16)]
+    assert json.loads(capsys.readouterr().out)["tokens"] == [want[:stop]]
+    assert main([*args, "--eos-id", str(want[5])]) == 0  # a token the continuation reaches: it ends there
+    assert json.loads(capsys.readouterr().out)["tokens"] == [want[: want.index(want[5]) + 1]]
 
 
 LAYOUTS = [

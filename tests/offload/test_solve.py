@@ -127,6 +127,21 @@ def test_exact_is_never_worse_than_greedy(layers, width, seq, batch, tensor, pre
         assert exact.step_time_s <= base.step_time_s * (1 + 1e-9)
 
 
+@pytest.mark.parametrize("budget", [0.02, 0.03, 0.04])
+def test_greedy_fits_where_the_leanest_placement_fits(budget):
+    """Evicting every group to its faster option (the host) left the host's staging buffers over these budgets,
+    and the pass said nothing fits, advising a budget below the one given; greedy now evicts to the leanest
+    option when the fastest never fits, and a pass that finds nothing takes the smallest-peak placement when
+    that fits."""
+    cfg = config(**{"offload.policy": "greedy", "offload.device_memory_gib": budget})
+    full = problem_of(cfg, budget * GIB)
+    assert minimum_memory(full).fits
+    found = greedy(full)
+    assert found is not None and found.fits and found.peak_bytes <= budget * GIB
+    plan = offload_pass(resolve(cfg))
+    assert plan.fits and plan.priced.peak_bytes <= budget * GIB
+
+
 def test_a_tighter_budget_never_speeds_the_step_up():
     cfg = config(**{"model.layers": 4, "parallel.tensor": 1})
     full = problem_of(cfg, math.inf)

@@ -68,6 +68,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="a Hugging Face tokenizer.json for --prompt and the output (default: tokenizer.json beside CONFIG, "
         "else UTF-8 bytes)",
     )
+    p.add_argument(
+        "--eos-id",
+        type=int,
+        action="append",
+        metavar="ID",
+        help="end-of-sequence id to stop after (repeat; default: generation_config.json's beside CONFIG)",
+    )
+    p.add_argument("--ignore-eos", action="store_true", help="decode past end-of-sequence ids")
     p.add_argument("--max-new-tokens", type=int, required=True, metavar="N", help="tokens to generate per prompt")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default): greedy; else sample at T")
     p.add_argument("--top-k", type=int, metavar="K", help="sample from the K likeliest tokens only")
@@ -99,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     from hyperjax.train.generate import check_generable, encode, prompt_rows
 
     check_generable(run)
+    eos = _eos(args, run.config.model.vocab)
     codec = _codec(args)
     ids = _ids(args.prompt_ids) if args.prompt_ids else None
     if (ids is None) == (args.prompt is None):
@@ -119,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         args.max_new_tokens,
         codec=codec if (ids is None or args.tokenizer or _beside(args.config)) else None,
         ids=ids,
+        eos=eos,
         temperature=args.temperature,
         top_k=args.top_k,
         seed=args.seed or 0,
@@ -147,6 +157,40 @@ def _beside(config: str) -> Path | None:
     return found if found.is_file() else None
 
 
+def _eos(args: argparse.Namespace, vocab: int) -> tuple[int, ...]:
+    """The end-of-sequence ids a continuation stops at: ``--eos-id``, else ``eos_token_id`` of a
+    ``generation_config.json`` beside the config (an id or a list of them); none with ``--ignore-eos``.
+
+    Raises:
+      ConfigError: both flags, an id outside the vocabulary, or a generation_config.json that cannot be read.
+    """
+    if args.ignore_eos and args.eos_id:
+        raise ConfigError(
+            f"--eos-id {args.eos_id[0]} names a token to stop at, but --ignore-eos generates past it; give one"
+        )
+    if args.ignore_eos:
+        return ()
+    if args.eos_id:
+        given, where = args.eos_id, "--eos-id"
+    else:
+        config = Path(args.config)
+        file = (config if config.is_dir() else config.parent) / "generation_config.json"
+        if not file.is_file():
+            return ()
+        try:
+            given = json.loads(file.read_text()).get("eos_token_id")
+        except (ValueError, AttributeError):
+            raise ConfigError(f"{str(file)!r} is not a JSON object; fix it, or give --eos-id or --ignore-eos") from None
+        given, where = ([] if given is None else given if isinstance(given, list) else [given]), f"{str(file)!r}"
+    for token in given:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+            raise ConfigError(
+                f"{where}: end-of-sequence id {token!r} is not a token of model.vocab={vocab}; give an id in "
+                f"[0, {vocab}) (--eos-id), or --ignore-eos"
+            )
+    return tuple(given)
+
+
 def _codec(args: argparse.Namespace) -> Any:
     """How text becomes tokens: ``--tokenizer``, else a ``tokenizer.json`` beside the config, else bytes."""
     from hyperjax.train.generate import Bytes, Tokenizer
@@ -155,6 +199,16 @@ def _codec(args: argparse.Namespace) -> Any:
     if args.tokenizer and not Path(args.tokenizer).is_file():
         what = "is a folder" if Path(args.tokenizer).is_dir() else "does not exist"
         raise ConfigError(f"--tokenizer {args.tokenizer!r} {what}; give the path of a tokenizer.json")
+    if path is None and args.prompt:  # a model's own tokenizer in a form not read: bytes would be another text
+        config = Path(args.config)
+        folder = config if config.is_dir() else config.parent
+        other = [n for n in ("vocab.json", "merges.txt", "tokenizer.model") if (folder / n).is_file()]
+        if other:
+            raise ConfigError(
+                f"--prompt: the model's tokenizer beside CONFIG is {', '.join(other)}, which generate does not read "
+                "(it reads a tokenizer.json), and UTF-8 bytes would be other tokens; give its tokenizer.json "
+                "(--tokenizer FILE), or the token ids (--prompt-ids 1,2,3)"
+            )
     return Tokenizer(path) if path else Bytes()
 
 

@@ -148,8 +148,17 @@ def run_export(args: argparse.Namespace) -> int:
         max_shard_bytes=int(args.max_shard_gib * 2**30),
         dtype=args.dtype,
     )
+    m = run.config.model
+    positions = m.seq_len  # what the file's max_position_embeddings (gpt2: n_positions) says
     if args.json:
-        print(json.dumps({"out": str(Path(args.out).absolute()), "files": files}, indent=2))
+        print(json.dumps({"out": str(Path(args.out).absolute()), "files": files, "positions": positions}, indent=2))
     else:
-        console().print(f"wrote {args.out}: {', '.join(files)}", highlight=False)
+        text = console()
+        text.print(f"wrote {args.out}: {', '.join(files)}", highlight=False)
+        field = "n_positions" if m.positions == "learned" else "max_position_embeddings"
+        other = "; --set model.seq_len=N writes another" if m.positions != "learned" else ""  # rotary: no table
+        text.print(
+            f"{field} {positions} (model.seq_len), the longest context a server such as vLLM will admit{other}",
+            style="dim",
+        )
     return 0

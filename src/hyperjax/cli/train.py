@@ -109,6 +109,13 @@ def run(args: argparse.Namespace) -> int:
         raise EmulationError(f"{run.emulation_limit}; hyperjax predict still prices this run")
     if args.profile:  # before any process starts
         check_profiled(run)
+    if args.explain and run.pipelined:  # each stage places its own layers on its own submesh
+        split = "mpmd.submeshes" if run.config.mpmd.submeshes else f"parallel.pipeline={run.config.parallel.pipeline}"
+        fix = "drop mpmd.submeshes" if run.config.mpmd.submeshes else "set parallel.pipeline=1"
+        raise ConfigError(
+            f"--explain prints where parameters live in one SPMD program, not in the {len(run.stages)} stages of "
+            f"this run ({split}); --plan-only lists each stage's devices and axes, or {fix} to explain one program"
+        )
     if args.resume:  # before any folder is made: a checkpoint to continue, of this run and model (its record)
         if not saved_steps(args.checkpoint_dir):
             raise ConfigError(

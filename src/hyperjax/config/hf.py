@@ -66,6 +66,13 @@ def config_file(path: str | Path) -> Path:
     return path / "config.json" if path.is_dir() else path
 
 
+def model_folder(path: str | Path) -> Path:
+    """The folder of a model that ``path`` names: the folder, or the one holding the ``config.json`` given (its
+    weights and tokenizer lie beside it); any other file as it is."""
+    path = Path(path)
+    return path.parent if path.name == "config.json" and path.is_file() else path
+
+
 def is_hf_config(path: str | Path) -> bool:
     """Whether ``path`` names a Hugging Face ``config.json``: a folder holding one, or a ``.json`` file whose
     object names a ``model_type`` (a run config written as JSON reads as YAML, as any run config)."""
@@ -144,7 +151,7 @@ class _Fields:
 
     def get(self, key: str, default: Any = ..., *, kind: type | tuple[type, ...] = int, least: int | None = 1) -> Any:
         """Field ``key``: absent, what ``transformers`` assumes for this type (else ``default``); ``null``,
-        ``default``. An integer must be at least ``least``.
+        ``default``. A count (``kind`` int) must be at least ``least``.
 
         Raises:
           ConfigError: a missing field without a default, a wrong type, or an integer out of range.
@@ -163,7 +170,7 @@ class _Fields:
             raise ConfigError(
                 f"{self.where}: {key}={value!r} has the wrong type: expected {expected}, got {type(value).__name__}"
             )
-        if isinstance(value, int) and not isinstance(value, bool) and least is not None and value < least:
+        if kind is int and least is not None and value < least:  # a count; a number's range is the model's to check
             raise ConfigError(f"{self.where}: {key}={value} must be at least {least}")
         return value
 

@@ -19,8 +19,10 @@ _LLAMA = {
     "d_ff": "intermediate_size",
     "vocab": "vocab_size",
     "seq_len": "max_position_embeddings",
+    "norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
 }
-_MOE = {"moe.top_k": "num_experts_per_tok"}
+_MOE = {"moe.top_k": "num_experts_per_tok", "moe.aux_loss_weight": "router_aux_loss_coef"}
 
 FIELDS: dict[str, dict[str, str]] = {
     "llama": _LLAMA,
@@ -31,7 +33,7 @@ FIELDS: dict[str, dict[str, str]] = {
     # mixtral names it, which the import reads first when the file gives it
     "deepseek_v3": {
         **{k: v for k, v in _LLAMA.items() if k not in ("kv_heads", "head_dim")},
-        **_MOE,
+        "moe.top_k": "num_experts_per_tok",  # its balancing is a bias, not router_aux_loss_coef
         "head_dim": "qk_nope_head_dim",
         "rope_head_dim": "qk_rope_head_dim",
         "kv_lora_rank": "kv_lora_rank",
@@ -50,6 +52,7 @@ FIELDS: dict[str, dict[str, str]] = {
         "d_ff": "n_inner",
         "vocab": "vocab_size",
         "seq_len": "n_positions",
+        "norm_eps": "layer_norm_epsilon",
     },
 }
 """``model.<key>`` -> the ``config.json`` field it is read from, by ``model_type`` (a key read from no one field,

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from hyperjax.config import Config, ModelConfig, Run
-from hyperjax.config.hf import read_hf_config, run_section, training_only
+from hyperjax.config.hf import config_file, model_folder, read_hf_config, run_section, training_only
 from hyperjax.config.hf_export import hf_from_model
 from hyperjax.config.load import apply_override, build_imported
 from hyperjax.errors import ConfigError
@@ -26,7 +26,10 @@ from hyperjax.hf.io import check_out, check_shard_size, export_weights, has_weig
 from hyperjax.hf.names import views
 from hyperjax.resolver import resolve
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = (
+    *("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"),
+    *("vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja"),
+)
 """The files of a model folder that travel with it unchanged."""
 
 
@@ -54,7 +57,7 @@ class Imported:
 
 def imported_config(hf_dir: str | Path, sets: list[str]) -> tuple[dict[str, Any], Config]:
     """The raw run config of ``hf_dir`` with ``sets`` applied, and the config it makes."""
-    where = str(Path(hf_dir) / "config.json")
+    where = str(config_file(hf_dir))
     given = read_hf_config(hf_dir)
     raw = run_section(given, where)
     for item in sets:
@@ -114,7 +117,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, sets: list[str]) -> Imported:
     Raises:
       ConfigError: an unsupported ``config.json`` (the field is named), or weights of another model.
     """
-    hf_dir, out = Path(hf_dir), Path(out)
+    hf_dir, out = model_folder(hf_dir), Path(out)
     check_out(out, {"HF_DIR": hf_dir}, marker="config.yaml")
     raw, cfg = imported_config(hf_dir, sets)
     run = resolve(cfg)
@@ -216,7 +219,7 @@ def export_hf(
     m = run.config.model
     config = hf_from_model(m)  # refuses a model no type describes before anything is read
     check_shard_size(m, max_shard_bytes, dtype)
-    src = Path(config_path).parent if config_path is not None else None
+    src = config_file(config_path).parent if config_path is not None else None  # a folder given is the folder
     inputs = {"--checkpoint-dir": checkpoint_dir, **({"the config's folder": src} if src else {})}
     check_out(out, inputs, marker="config.json", managed=("--checkpoint-dir", checkpoint_dir))
     like = params_like(run)[3]

@@ -107,13 +107,13 @@ def offload_pass(run: Run) -> OffloadResult:
     else:
         priced = solve_exact(problem)
     budget_gib = budget / GIB
-    if priced is not None and priced.fits:
+    if priced is None:  # greedy or auto found nothing that fits: the smallest-peak placement, which may fit
+        priced = minimum_memory(problem)
+    if priced.fits:
         return OffloadResult(
             policy=policy, priced=priced, fits=True, budget_gib=budget_gib, problem=problem, run=run, base=est
         )
     term, smallest = describe_infeasible(problem)
-    if priced is None:  # greedy or auto found nothing that fits: report the smallest-peak placement
-        priced = minimum_memory(problem)
     return OffloadResult(
         policy=policy,
         priced=priced,

@@ -188,8 +188,22 @@ def greedy(
 ) -> Priced | None:
     """The baseline: from ``start`` (everything on the device), evict groups in order of size times reuse
     distance (to the host, or an activation to recomputation when that prices lower) until the step fits,
-    then bring back, last evicted first, every group that still fits on the device. ``None`` when evicting
-    everything does not fit. ``distance``: a group's reuse distance (default: a training step's, in layers)."""
+    then bring back, last evicted first, every group that still fits on the device. Where evicting everything
+    so does not fit (the host's staging buffers hold more than recomputing would), each group goes instead
+    where it holds the least device memory. ``None`` when that does not fit either. ``distance``: a group's
+    reuse distance (default: a training step's, in layers)."""
+    choices = any(len(options) > 2 for options in problem.groups.values())  # device and two others somewhere
+    for lean in (False, True) if choices else (False,):
+        found = _greedy(problem, start, distance, lean=lean)
+        if found is not None:
+            return found
+    return None
+
+
+def _greedy(
+    problem: Problem, start: Placement | None, distance: Callable[[str], int] | None, *, lean: bool
+) -> Priced | None:
+    """One pass of :func:`greedy`: each evicted group to its fastest option, or (``lean``) its leanest."""
     n = problem.layers
     current = {g: (start[g] if start is not None else "device") for g in problem.groups}
     tally = Tally(problem)
@@ -226,7 +240,8 @@ def greedy(
             break
         if current[group] != "device":
             continue
-        option = min([o for o in problem.groups[group] if o != "device"], key=lambda o: trial(group, o)[:2])
+        priced = {o: trial(group, o)[:2] for o in problem.groups[group] if o != "device"}  # (step, peak)
+        option = min(priced, key=lambda o: priced[o][::-1] if lean else priced[o])
         move(group, option)
         evicted.append(group)
         fits = tally.terms()[2]

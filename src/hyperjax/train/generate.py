@@ -91,16 +91,26 @@ class Tokenizer:
           ConfigError: a character no token covers (a vocabulary without it or an unknown token drops it; one
             the tokenizer's normalizer removes on purpose is not counted).
         """
-        found = self._tok.encode(text, add_special_tokens=False)
+        found = self._ids(text, text)
         norm = self._tok.normalizer
         kept = (c for c in dict.fromkeys(text) if (norm.normalize_str(c) if norm else c).strip())  # not normalized away
-        lost = [c for c in kept if not self._tok.encode(c, add_special_tokens=False).ids]
+        lost = [c for c in kept if not self._ids(c, text)]
         if lost:
             raise ConfigError(
                 f"tokenizer {self.path!r} drops {''.join(lost)!r} of {text[:20]!r}: its vocabulary has no token for "
                 "them and no unknown token; give the model's own tokenizer.json (--tokenizer)"
             )
-        return list(found.ids)
+        return found
+
+    def _ids(self, text: str, prompt: str) -> list[int]:
+        """``text``'s token ids (a piece of ``prompt``), the errors ``tokenizers`` raises named."""
+        try:
+            return list(self._tok.encode(text, add_special_tokens=False).ids)
+        except Exception as e:  # tokenizers raises its own errors (a word-level model without an unknown token)
+            raise ConfigError(
+                f"tokenizer {self.path!r} cannot encode {text!r} of {prompt[:20]!r} ({e}); give the model's own "
+                "tokenizer.json (--tokenizer), or the token ids (--prompt-ids)"
+            ) from None
 
     def decode(self, tokens: Sequence[int]) -> str:
         return self._tok.decode(list(tokens), skip_special_tokens=False)
@@ -323,11 +333,13 @@ def generate_text(
     *,
     codec: Codec | None = None,
     ids: Sequence[Sequence[int]] | None = None,
+    eos: Sequence[int] = (),
     **sampling: Any,
 ) -> Texts:
     """Restore the newest checkpoint of ``checkpoint_dir`` onto ``run``'s mesh and continue each prompt:
     ``prompts`` as text (encoded by ``codec``, bytes by default), or ``ids`` as tokens. ``Texts.text`` is
-    each prompt and its continuation decoded by ``codec`` (``None`` for ``ids`` without one).
+    each prompt and its continuation decoded by ``codec`` (``None`` for ``ids`` without one). A continuation
+    ends at its first token of ``eos`` (the end-of-sequence ids), which it keeps, as transformers returns it.
 
     Raises:
       ConfigError: a run generation cannot lay out, bad prompts (see :func:`prompt_rows`), or a checkpoint
@@ -341,7 +353,8 @@ def generate_text(
     model, restored, laid_out = restored_model(run, checkpoint_dir)
     out = generate_on_mesh(run, model, tokens, max_new_tokens, lengths=lengths, laid_out=laid_out, **sampling)
     new = np.asarray(out.tokens).tolist()
-    rate = len(new) * out.steps / out.decode_s if out.steps else None
+    rate = len(new) * out.steps / out.decode_s if out.steps else None  # every step decodes every sequence
+    new = [_until(row, set(eos)) for row in new]
     if ids is not None:
         text = None if codec is None else [codec.decode([*p, *t]) for p, t in zip(ids, new, strict=True)]
     elif isinstance(codec, Tokenizer):  # a tokenizer decodes the whole sequence (spaces fall between tokens)
@@ -349,3 +362,8 @@ def generate_text(
     else:
         text = [p + decode_text(t) for p, t in zip(prompts, new, strict=True)]
     return Texts(text=text, tokens=new, prefill_s=out.prefill_s, decode_tokens_per_s=rate, step=restored.step)
+
+
+def _until(tokens: list[int], eos: set[int]) -> list[int]:
+    """``tokens`` up to and including the first of ``eos``."""
+    return next((tokens[: i + 1] for i, t in enumerate(tokens) if t in eos), tokens)
