@@ -65,6 +65,21 @@ class Writer:
             ConfigError,
             r"plan_rl\(held=\): unknown config key rl.rollout.devicez; did you mean rl.rollout.devices\?",
         ),
+        (
+            lambda: hyperjax.plan(QUICK, 8, where={"parallel.tensor": "2"}),
+            ConfigError,
+            r"plan\(where=\): parallel.tensor='2' has the wrong type: expected int, got str",
+        ),
+        (
+            lambda: hyperjax.plan(QUICK, 8, where={"train.recompute": "ful"}),
+            ConfigError,
+            r"plan\(where=\): train.recompute='ful' is not one of .*; did you mean 'full'\?",
+        ),
+        (
+            lambda: hyperjax.plan_rl(RL, 8, held={"rl.rollout.devices": 2.0}),
+            ConfigError,
+            r"plan_rl\(held=\): rl.rollout.devices=2.0 has the wrong type",
+        ),
         # meshes and devices
         (lambda: hyperjax.default_axes(HW, 0), MeshError, r"devices=0 must be a positive integer"),
         (lambda: hyperjax.mesh_axes_for(devices=-8), ShardingError, r"devices=-8 must be a positive integer"),
@@ -131,6 +146,11 @@ class Writer:
         ),
         (lambda: hyperjax.train(hyperjax.resolve(QUICK), metrics_out=5), ConfigError, r"metrics_out=5 is an int"),
         (lambda: hyperjax.train(hyperjax.resolve(QUICK), log="stdout"), ConfigError, r"train\(log=\): log is"),
+        (
+            lambda: hyperjax.train(hyperjax.resolve(QUICK), metrics_out=b"m.jsonl"),
+            ConfigError,
+            r"metrics_out=b'm.jsonl' is a bytes object; give a path",
+        ),
         (
             lambda: hyperjax.strategy_for(sequence_parallel="yes"),
             ShardingError,
@@ -227,6 +247,8 @@ def test_counts_and_overrides_in_other_forms_are_read():
     assert {type(v) for v in (grid.stages, grid.microbatches, grid.virtual_stages)} == {int}  # cached for later calls
     model = hyperjax.build_model(QUICK.model, seed=np.int64(0))  # as flax's generator takes a Python int
     assert type(model) is type(hyperjax.build_model(QUICK.model, seed=0))
+    held = hyperjax.plan(QUICK, 8, keep=50, where={"parallel.tensor": np.int64(4)}).best
+    assert held and {c.overrides["parallel.tensor"] for c in held} == {4}
     overrides = iter(["parallel.tensor=4"])  # an iterator is read whole, once
     assert hyperjax.load_config(CONFIGS / "quickstart.yaml", overrides).parallel.tensor == 4
     assert hyperjax.load_config(CONFIGS / "quickstart.yaml", None) == QUICK

@@ -50,7 +50,8 @@ def expect(
 
 
 def article(noun: str) -> str:
-    """``noun`` after "a" or "an" (an initialism as it is spoken: an RLRun)."""
+    """``noun`` after "a" or "an" (an initialism as it is spoken: an RLRun; a plural type: a bytes object)."""
+    noun = f"{noun} object" if noun == "bytes" else noun
     spelled = noun[:2].isupper() and noun[:1] in "AEFHILMNORSX"
     return f"{'an' if spelled or noun[:1] in 'aeiouAEIOU' else 'a'} {noun}"
 

@@ -95,6 +95,8 @@ def test_plan_cli_holds_a_searched_key_set_on_the_command_line(capsys):
     assert "(parallel.context=8 must divide the 4 devices parallel.tensor=2 leaves); drop" in capsys.readouterr().err
     assert main(["plan", quick, "--devices", "8", "--set", "parallel.context=3"]) == 2
     assert "(parallel.context=3 must divide the 8 devices, model.seq_len=128); drop" in capsys.readouterr().err
+    assert main(["plan", quick, "--devices", "64", "--set", "parallel.context=32"]) == 2  # divides both
+    assert "(parallel.context=32: the search tries context splits of 16 or fewer); drop" in capsys.readouterr().err
     sets = ["--set", "parallel.tensor=3", "--set", "parallel.sequence_parallel=true"]
     assert main(["plan", quick, "--devices", "8", *sets]) == 2
     assert "has parallel.sequence_parallel=true, parallel.tensor=3 (" in capsys.readouterr().err  # as YAML

@@ -134,11 +134,15 @@ def refuse_new_part(raw: dict[str, Any], item: str) -> None:
     )
 
 
-def check_key(key: str, what: str) -> None:
-    """``key`` is a dotted config key (``parallel.tensor``, ``rl.learner.parallel.tensor``).
+_UNSET = object()
+
+
+def check_key(key: str, what: str, value: Any = _UNSET) -> Any:
+    """``key`` is a dotted config key (``parallel.tensor``, ``rl.learner.parallel.tensor``); given a ``value``,
+    that value as the config would hold it (a NumPy scalar as Python's), its type checked as a config file's is.
 
     Raises:
-      ConfigError: naming ``what`` (the argument it came in), with a did-you-mean.
+      ConfigError: naming ``what`` (the argument it came in), with a did-you-mean; or the value's type.
     """
     if not isinstance(key, str):
         raise ConfigError(f"{what}: key {key!r} is not a dotted config key such as 'parallel.tensor'")
@@ -158,6 +162,16 @@ def check_key(key: str, what: str) -> None:
                 f"{what}: {key} is a section; give one of its keys, e.g. {key}.{dataclasses.fields(nested[0])[0].name}"
             )
         cls = nested[0] if nested else None
+    if value is _UNSET:
+        return None
+    held = value.item() if hasattr(value, "item") and getattr(value, "shape", None) == () else value  # a NumPy scalar
+    held = (
+        [x.item() if getattr(x, "shape", None) == () else x for x in held] if isinstance(held, list | tuple) else held
+    )
+    try:
+        return _coerce(held, hints[parts[-1]], key)
+    except ConfigError as e:
+        raise ConfigError(f"{what}: {e}") from None
 
 
 def build(cls: type, raw: Any, prefix: str = "") -> Any:

@@ -200,8 +200,7 @@ def plan(
         raise ConfigError(
             f"plan(where=): where is {where!r}; pass a mapping of dotted keys to values, e.g. {{'parallel.tensor': 2}}"
         )
-    for key in where or {}:
-        check_key(key, "plan(where=)")
+    where = {key: check_key(key, "plan(where=)", value) for key, value in (where or {}).items()}
     hw = load_hardware(cfg.hardware if hardware is None else hardware)
     check_preset(cfg, hw)
     budget_gib = budget_bytes(cfg, hw) / 2**30

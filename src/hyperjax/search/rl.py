@@ -198,9 +198,7 @@ def plan_rl(
             f"plan_rl(held=): held is {held!r}; pass a mapping of dotted keys to values, e.g. "
             "{'rl.learner.parallel.tensor': 2}"
         )
-    held = dict(held or {})
-    for key in held:
-        check_key(key, "plan_rl(held=)")
+    held = {key: check_key(key, "plan_rl(held=)", value) for key, value in (held or {}).items()}
     if cfg.rl.placement == "disaggregated" and devices < 2:
         raise ConfigError(
             f"--devices {devices}: rl.placement=disaggregated gives each phase devices of its own, so it needs 2 "
