@@ -26,7 +26,7 @@ from hyperjax.cli.options import (
     without_training,
 )
 from hyperjax.config.sections import MIN_TEMPERATURE
-from hyperjax.errors import ConfigError
+from hyperjax.errors import ConfigError, integral
 from hyperjax.resolver import resolve
 
 
@@ -150,10 +150,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _beside(config: str) -> Path | None:
-    """``tokenizer.json`` in the config's folder (where import-hf copies it), if there is one."""
+def _folder(config: str) -> Path:
+    """The config's folder (where import-hf copies the tokenizer files): a folder given, or the file's."""
     path = Path(config)
-    found = (path if path.is_dir() else path.parent) / "tokenizer.json"
+    return path if path.is_dir() else path.parent
+
+
+def _beside(config: str) -> Path | None:
+    """``tokenizer.json`` in the config's folder, if there is one."""
+    found = _folder(config) / "tokenizer.json"
     return found if found.is_file() else None
 
 
@@ -173,8 +178,7 @@ def _eos(args: argparse.Namespace, vocab: int) -> tuple[int, ...]:
     if args.eos_id:
         given, where = args.eos_id, "--eos-id"
     else:
-        config = Path(args.config)
-        file = (config if config.is_dir() else config.parent) / "generation_config.json"
+        file = _folder(args.config) / "generation_config.json"
         if not file.is_file():
             return ()
         try:
@@ -183,7 +187,7 @@ def _eos(args: argparse.Namespace, vocab: int) -> tuple[int, ...]:
             raise ConfigError(f"{str(file)!r} is not a JSON object; fix it, or give --eos-id or --ignore-eos") from None
         given, where = ([] if given is None else given if isinstance(given, list) else [given]), f"{str(file)!r}"
     for token in given:
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+        if not integral(token) or not 0 <= token < vocab:
             raise ConfigError(
                 f"{where}: end-of-sequence id {token!r} is not a token of model.vocab={vocab}; give an id in "
                 f"[0, {vocab}) (--eos-id), or --ignore-eos"
@@ -200,9 +204,7 @@ def _codec(args: argparse.Namespace) -> Any:
         what = "is a folder" if Path(args.tokenizer).is_dir() else "does not exist"
         raise ConfigError(f"--tokenizer {args.tokenizer!r} {what}; give the path of a tokenizer.json")
     if path is None and args.prompt:  # a model's own tokenizer in a form not read: bytes would be another text
-        config = Path(args.config)
-        folder = config if config.is_dir() else config.parent
-        other = [n for n in ("vocab.json", "merges.txt", "tokenizer.model") if (folder / n).is_file()]
+        other = [n for n in ("vocab.json", "merges.txt", "tokenizer.model") if (_folder(args.config) / n).is_file()]
         if other:
             raise ConfigError(
                 f"--prompt: the model's tokenizer beside CONFIG is {', '.join(other)}, which generate does not read "

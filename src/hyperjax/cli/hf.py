@@ -155,8 +155,9 @@ def run_export(args: argparse.Namespace) -> int:
     else:
         text = console()
         text.print(f"wrote {args.out}: {', '.join(files)}", highlight=False)
-        field = "n_positions" if m.positions == "learned" else "max_position_embeddings"
-        other = "; --set model.seq_len=N writes another" if m.positions != "learned" else ""  # rotary: no table
+        learned = m.positions == "learned"  # a table of seq_len rows, which another seq_len would not restore into
+        field = "n_positions" if learned else "max_position_embeddings"
+        other = "" if learned else "; --set model.seq_len=N writes another"
         text.print(
             f"{field} {positions} (model.seq_len), the longest context a server such as vLLM will admit{other}",
             style="dim",

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from hyperjax.config import hf
@@ -164,10 +165,8 @@ def check_key(key: str, what: str, value: Any = _UNSET) -> Any:
         cls = nested[0] if nested else None
     if value is _UNSET:
         return None
-    held = value.item() if hasattr(value, "item") and getattr(value, "shape", None) == () else value  # a NumPy scalar
-    held = (
-        [x.item() if getattr(x, "shape", None) == () else x for x in held] if isinstance(held, list | tuple) else held
-    )
+    python = lambda x: x.item() if isinstance(x, np.generic) else x  # a NumPy scalar as Python's
+    held = [python(x) for x in value] if isinstance(value, list | tuple) else python(value)
     try:
         return _coerce(held, hints[parts[-1]], key)
     except ConfigError as e:

@@ -354,7 +354,8 @@ def generate_text(
     out = generate_on_mesh(run, model, tokens, max_new_tokens, lengths=lengths, laid_out=laid_out, **sampling)
     new = np.asarray(out.tokens).tolist()
     rate = len(new) * out.steps / out.decode_s if out.steps else None  # every step decodes every sequence
-    new = [_until(row, set(eos)) for row in new]
+    stop = set(eos)
+    new = [_until(row, stop) for row in new]
     if ids is not None:
         text = None if codec is None else [codec.decode([*p, *t]) for p, t in zip(ids, new, strict=True)]
     elif isinstance(codec, Tokenizer):  # a tokenizer decodes the whole sequence (spaces fall between tokens)
