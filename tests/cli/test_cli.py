@@ -254,3 +254,15 @@ def test_predict_reports_the_moe_all_to_all(capsys):
     assert d["run"]["overlap"] == "fb-pair"
     assert main(["predict", str(CONFIGS / "deepseek-v3-671b.yaml")]) == 0
     assert "MoE all-to-all (none overlap)" in capsys.readouterr().out
+
+
+def test_predict_names_the_budget_it_judges_fit_against(capsys):
+    """The verdict names the budget and both sizes, as serving's does: the preset's usable memory, or
+    offload.device_memory_gib when set."""
+    assert main(["predict", str(CONFIGS / "quickstart.yaml"), "--set", "offload.device_memory_gib=0.01"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert re.search(
+        r"does not fit \(\w+ is the largest term\) in offload.device_memory_gib: peak [\d.]+ GiB of 0.01 GiB", out
+    )
+    assert main(["predict", str(CONFIGS / "quickstart.yaml")]) == 0
+    assert re.search(r"fits in device memory: peak [\d.]+ GiB of [\d.]+ GiB", capsys.readouterr().out)

@@ -407,3 +407,65 @@ def test_the_zero_check_reaches_the_mixture_of_experts_blocks_after_the_dense_on
     assert resolve(load_config(CONFIGS / "moe-tiny.yaml", sets), 6).parallel["data"] == 3
     with pytest.raises(ShardingError, match=r"tensor 'blocks/1/mlp/router_bias' of shape \(8,\).*'data' \(3 devices\)"):
         resolve(load_config(CONFIGS / "moe-tiny.yaml", [*sets, "parallel.zero_stage=1"]), 6)
+
+
+@pytest.mark.parametrize(
+    ("sets", "match"),
+    [
+        (["parallel.expert=1", "parallel.dispatcher=alltoall"], r"with parallel.expert=1 every device holds every"),
+        (
+            ["parallel.expert=1", "parallel.tensor=2", "parallel.dispatcher_sms=20"],
+            r"parallel.dispatcher_sms=20 says how a mixture of experts exchanges its tokens, but no stage exchanges "
+            r"any: .*\(parallel.tensor=2 splits their hidden width\); remove parallel.dispatcher_sms, or set "
+            r"parallel.expert > 1 \(or parallel.expert_tensor: 1",
+        ),
+    ],
+)
+def test_a_dispatcher_where_no_stage_exchanges_tokens_is_refused(sets, match):
+    """A mixture of experts whose every device holds every expert sends no tokens: its dispatcher's settings
+    would change nothing, so the run names them rather than ignoring them."""
+    with pytest.raises(ConfigError, match=match):
+        resolve(load_config(CONFIGS / "mixtral-8x7b.yaml", ["parallel.pipeline=1", *sets]))
+
+
+def test_a_dispatcher_acts_where_experts_spread_over_either_axis():
+    base = ["parallel.pipeline=1", "parallel.dispatcher=alltoall"]
+    over_expert = resolve(load_config(CONFIGS / "mixtral-8x7b.yaml", base))
+    assert over_expert.config.parallel.dispatcher == "alltoall"
+    tensor = ["parallel.expert=1", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert_tensor=1"]
+    over_tensor = resolve(load_config(CONFIGS / "mixtral-8x7b.yaml", [*base, *tensor]))
+    assert over_tensor.config.parallel.dispatcher == "alltoall"
+
+
+def test_fp8_weight_gathers_without_fsdp_are_refused():
+    """train.fp8.all_gather gathers FSDP's shards in FP8; without FSDP no weight is gathered, so it is named."""
+    sets = ["hardware=dgx-h100", "train.fp8.recipe=tensorwise", "train.fp8.all_gather=true"]
+    with pytest.raises(
+        ConfigError,
+        match=r"train.fp8.all_gather=true gathers FSDP's weight shards in FP8, but parallel.fsdp=1 shards no "
+        r"weights; remove train.fp8.all_gather, or set parallel.fsdp > 1",
+    ):
+        resolve(load_config(CONFIGS / "quickstart.yaml", [*ONE_DEVICE_WIDE, *sets]))
+    for fsdp in (["parallel.fsdp=2"], ["parallel.context=2", "parallel.fsdp_context=true"]):
+        run = resolve(load_config(CONFIGS / "quickstart.yaml", [*ONE_DEVICE_WIDE, *sets, *fsdp]))
+        assert run.config.train.fp8.all_gather is True
+
+
+def test_an_elastic_restart_that_drops_fsdp_or_the_exchange_resets_their_settings():
+    from hyperjax.resolver import elastic_overrides
+
+    sets = ["hardware=dgx-h100", "train.fp8.recipe=tensorwise", "train.fp8.all_gather=true", "parallel.fsdp=2"]
+    sets += ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.data=2"]
+    load = lambda more: load_config(CONFIGS / "quickstart.yaml", [*sets, *more])
+    _, run = elastic_overrides(load, 4)  # data, then tensor 2 x fsdp 2: FSDP stays, so do its FP8 gathers
+    assert run.axes["fsdp"] == 2 and run.config.train.fp8.all_gather is True
+    chosen, run = elastic_overrides(load, 1)  # one device: FSDP gone, its FP8 gathers reset
+    assert run.axes["fsdp"] == 1 and run.config.train.fp8.all_gather is False
+    assert "train.fp8.all_gather=false" in chosen
+    moe = ["parallel.expert=1", "parallel.pipeline=1", "parallel.dispatcher=alltoall", "parallel.tensor=2"]
+    moe += ["parallel.sequence_parallel=true", "parallel.expert_tensor=1"]  # experts spread over the tensor axis
+    load = lambda more: load_config(CONFIGS / "mixtral-8x7b.yaml", [*moe, *more])
+    _, run = elastic_overrides(load, 16)
+    assert run.config.parallel.dispatcher == "alltoall"
+    _, run = elastic_overrides(load, 1)  # tensor 1: no exchange left, the dispatcher back at its default
+    assert run.axes["tensor"] == 1 and run.config.parallel.dispatcher == "deepep"

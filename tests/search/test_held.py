@@ -39,3 +39,31 @@ def test_a_candidates_overrides_over_the_config_are_the_run_it_priced(sets, chan
 def test_gradient_buckets_no_strategy_can_honour_are_named():
     with pytest.raises(ConfigError, match=r"no strategy on 1 devices honours parallel.gradient_buckets=true"):
         plan(load_config(QUICK, ["parallel.gradient_buckets=true"]), 1)
+
+
+@pytest.mark.parametrize(
+    ("sets", "spread"),
+    [
+        (["parallel.expert_tensor=1"], True),  # held over a config of tensor 1: the experts spread over tensor
+        (["parallel.tensor=2", "parallel.expert_tensor=2"], False),  # each expert split two ways: null's meaning
+    ],
+)
+def test_plan_holds_a_given_expert_tensor_degree(capsys, sets, spread):
+    from hyperjax.cli.main import main
+
+    moe = str(QUICK.parent / "moe-tiny.yaml")  # tensor 1
+    args = ["plan", moe, "--devices", "8", "--json", "--top", "5", *(a for s in sets for a in ("--set", s))]
+    assert main(args) == 0
+    found = json.loads(capsys.readouterr().out)["candidates"]
+    assert found
+    for c in found:
+        assert c["parallel.tensor"] == 2 or spread
+        assert c["parallel.tensor"] > 1 and (c["parallel.expert_tensor"] == 1) is spread
+
+
+def test_plan_refuses_a_manual_placement_it_would_not_price():
+    """A manual placement names one layout's tensors; the search prices other layouts, so it is named, not
+    dropped from every candidate unsaid."""
+    cfg = load_config(QUICK, ["offload.policy=manual", "offload.manual={layers.*.optimizer: host}"])
+    with pytest.raises(ConfigError, match=r"offload.policy=manual places the tensors offload.manual names .* set "):
+        plan(cfg, 8)

@@ -466,3 +466,31 @@ def test_plan_prices_mpmd_splits_at_the_configs_zero_stage():
     cfg = load_config(ROOT / "configs/vlm-tiny-mpmd.yaml", ["parallel.zero_stage=1"])
     splits = [c for c in plan(cfg, 8, keep=1000).best if c.overrides.get("mpmd.submeshes")]
     assert splits and all(c.run.zero_stage == 1 for c in splits)
+
+
+def test_a_candidate_that_exchanges_no_tokens_or_gathers_no_weights_resets_their_settings():
+    """A mixture of experts' dispatcher holds where a candidate spreads its experts and resets where every
+    device holds them all; FP8 weight gathers hold where a candidate runs FSDP. Each reset is in the
+    candidate's overrides, which alone over the config resolve to the run it priced."""
+    moe = load_config(ROOT / "configs/moe-tiny.yaml", ["parallel.dispatcher=alltoall"])
+    found = plan(moe, 8, keep=1000).best
+    exchanges = lambda p: p.expert > 1 or (p.tensor > 1 and p.expert_tensor == 1)
+    assert {exchanges(c.run.config.parallel) for c in found} == {False, True}
+    for c in found:
+        p = c.run.config.parallel
+        assert p.dispatcher == ("alltoall" if exchanges(p) else "deepep")
+        assert c.overrides.get("parallel.dispatcher", "alltoall") == p.dispatcher
+        assert resolve(apply(moe, c.overrides), 8).config.parallel == p
+    with pytest.raises(ConfigError, match=r"parallel.dispatcher='alltoall' says how a mixture of experts' token "):
+        plan(moe, 8, where={"parallel.expert": 1, "parallel.tensor": 1})
+    sets = ["hardware=dgx-h100", "train.fp8.recipe=tensorwise", "train.fp8.all_gather=true"]
+    fp8 = load_config(ROOT / "configs/quickstart.yaml", sets)
+    found = plan(fp8, 8, keep=1000).best
+    assert {c.run.config.parallel.fsdp > 1 for c in found} == {False, True}
+    for c in found:
+        gathers = c.run.config.parallel.fsdp > 1 or (c.run.config.parallel.fsdp_context and c.run.axes["context"] > 1)
+        assert c.run.config.train.fp8.all_gather is gathers
+        assert c.overrides.get("train.fp8.all_gather", True) is gathers
+        assert resolve(apply(fp8, c.overrides), 8).config.train == c.run.config.train
+    with pytest.raises(ConfigError, match=r"train.fp8.all_gather=true says how FSDP runs, but no strategy"):
+        plan(fp8, 8, where={"parallel.fsdp": 1, "parallel.context": 1})

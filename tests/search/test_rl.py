@@ -10,7 +10,7 @@ from hyperjax.cli.plan import _held_rl
 from hyperjax.config import load_config
 from hyperjax.cost.rl import estimate_rl
 from hyperjax.resolver import resolve_rl
-from hyperjax.search.rl import plan_rl, residences, splits, waves
+from hyperjax.search.rl import plan_rl, residences, splits, waves, with_layouts
 
 GRPO = str(Path(__file__).parents[2] / "configs" / "grpo-tiny.yaml")
 
@@ -160,3 +160,18 @@ def test_a_learner_no_split_fits_is_named_as_memory():
     cfg = load_config(GRPO, ["model.layers=64", "model.d_model=8192", "model.d_ff=32768"])
     with pytest.raises(ConfigError, match=r"^no split of 8 devices fits the learner: its layouts of one program \(on "):
         plan_rl(cfg, 8)
+
+
+def test_a_phase_whose_layout_exchanges_no_tokens_resets_its_dispatcher():
+    """A mixture of experts' dispatcher holds in each phase whose layout spreads the experts and is reset in
+    one whose devices each hold every expert (a run refuses it there), so no layout is lost to it."""
+    moe = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.d_ff=128"]
+    sets = [*moe, "rl.rollout.parallel.dispatcher=alltoall", "rl.learner.parallel.dispatcher=alltoall"]
+    cfg = load_config(GRPO, sets)
+    for rollout, learner in (({"parallel.expert": 2}, {"parallel.fsdp": 4}), ({"parallel.tensor": 4}, {})):
+        laid = with_layouts(cfg, (4, rollout), (4, learner))
+        r, learned = laid.rl.rollout.parallel, laid.rl.learner.parallel
+        assert r.dispatcher == ("alltoall" if r.expert > 1 else "deepep") and learned.dispatcher == "deepep"
+        assert estimate_rl(resolve_rl(laid)).iteration_s > 0
+    with pytest.raises(ConfigError, match=r"rl.learner: rl.learner.parallel.dispatcher='alltoall' says how a mixture"):
+        resolve_rl(cfg)  # the config's own layouts (the learner's fsdp 4) hold every expert on each device

@@ -69,24 +69,26 @@ HELD_TRAIN = ("micro_batch", "microbatches", "recompute")
 def _held(sets: list[str], cfg: Config) -> dict[str, Any]:
     """The searched ``parallel.*`` keys and :data:`HELD_TRAIN` keys that ``--set`` gives (one by one or in a
     ``parallel=`` or ``train=`` mapping), at their values in ``cfg``, as the search writes them: what the plan
-    keeps fixed. A null (derived) value holds nothing, nor an expert tensor degree equal to the tensor degree
-    (null's meaning)."""
+    keeps fixed. A null (derived) value holds nothing; an expert tensor degree above 1 holds null's meaning,
+    each expert split over a tensor axis of that many devices (1 holds the experts spread over it)."""
     given = _given(sets)
     names = {k.removeprefix("parallel.") for k in given if k.startswith("parallel.")}
     train = {k.removeprefix("train.") for k in given if k.startswith("train.")}
     p = cfg.parallel
     held = {f"parallel.{n}": getattr(p, n) for n in sorted(names & SEARCHED)}
     held |= {f"train.{n}": getattr(cfg.train, n) for n in HELD_TRAIN if n in train}
-    if held.get("parallel.expert_tensor") == p.tensor:
-        held["parallel.expert_tensor"] = None
-    return {k: v for k, v in held.items() if v is not None}
+    split = held.get("parallel.expert_tensor")
+    held = {k: v for k, v in held.items() if v is not None}
+    if split is not None and split > 1:  # held as the search writes it: null, over a tensor degree of ``split``
+        held |= {"parallel.expert_tensor": None, "parallel.tensor": split}
+    return held
 
 
 def _held_rl(sets: list[str], cfg: Config) -> dict[str, Any]:
     """The layout keys of an ``rl:`` config that ``--set`` gives, at their values in ``cfg``: a phase's
     ``devices`` and its searched ``parallel.*`` degrees, one by one or inside a mapping (``rl.learner.parallel=
     {fsdp: 4}``, ``rl.rollout={devices: 6}``); what the plan keeps fixed. A null (derived) value holds nothing,
-    nor a learner's expert tensor degree equal to its tensor degree (null's meaning)."""
+    and a learner's expert tensor degree above 1 holds null's meaning over a tensor axis of that many devices."""
     held: dict[str, Any] = {}
     for key in sorted(_given(sets)):
         parts = key.split(".")
@@ -97,9 +99,11 @@ def _held_rl(sets: list[str], cfg: Config) -> dict[str, Any]:
             held[key] = phase.devices
         elif parts[2] == "parallel" and len(parts) == 4 and parts[3] in SEARCHED:
             held[key] = getattr(phase.parallel, parts[3])
-    if held.get("rl.learner.parallel.expert_tensor") == cfg.rl.learner.parallel.tensor:
-        held.pop("rl.learner.parallel.expert_tensor")
-    return {k: v for k, v in held.items() if v is not None}
+    split = held.get("rl.learner.parallel.expert_tensor")
+    held = {k: v for k, v in held.items() if v is not None}
+    if split is not None and split > 1:  # held as the search writes it: null, over a tensor degree of ``split``
+        held |= {"rl.learner.parallel.expert_tensor": None, "rl.learner.parallel.tensor": split}
+    return held
 
 
 def _given(sets: list[str]) -> dict[str, Any]:

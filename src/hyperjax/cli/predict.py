@@ -282,7 +282,9 @@ def print_estimate(est: Estimate) -> None:
     out.print(share_table("where the step goes", "seconds", est.breakdown_s, est.step_time_s))
     out.print(memory_table(est.memory_per_device_gib, "{:.2f}"))
     verdict = "fits" if est.fits else f"[red]does not fit[/red] ({est.overflow} is the largest term)"
-    out.print(f"  {verdict} in device memory")
+    budget = "offload.device_memory_gib" if run.config.offload.device_memory_gib is not None else "device memory"
+    peak = est.memory_per_device_gib["peak"]
+    out.print(f"  {verdict} in {budget}: peak {peak:.3g} GiB of {memory_budget(run) / 2**30:.3g} GiB")
     comm = ", ".join(f"{k} {v:.3g} s" for k, v in est.communication_s.items() if v > 0) or "none"
     out.print(f"  communication per step (before overlap): {comm}")
     if est.all_to_all is not None and est.all_to_all["total_s"] > 0:

@@ -179,8 +179,36 @@ def idle_modifiers(p: ParallelConfig, submeshes: Sequence[SubmeshConfig] = ()) -
     when given) spans the axis their feature needs over more than one device, each with its value."""
     stages = stage_degrees(p, submeshes)
     over = {axis: any(d.get(axis, 1) > 1 for d in stages) for axis in FEATURES}
-    over["fsdp"] = over["fsdp"] or (p.fsdp_context and over["context"])  # FSDP over fsdp x context
+    over["fsdp"] = shards_weights(p, submeshes)
     return {k: v for k, v in set_modifiers(p).items() if not over[MODIFIERS[k]]}
+
+
+def shards_weights(p: ParallelConfig, submeshes: Sequence[SubmeshConfig] = ()) -> bool:
+    """Whether some stage runs FSDP: over ``fsdp``, or ``fsdp x context`` under ``fsdp_context``."""
+    if submeshes:
+        return any(s.fsdp > 1 for s in submeshes)
+    return p.fsdp > 1 or (p.fsdp_context and p.context > 1)
+
+
+def exchanges_tokens(p: ParallelConfig, submeshes: Sequence[SubmeshConfig] = ()) -> bool:
+    """Whether a mixture of experts' layers send tokens between devices: its experts spread over the expert
+    axis, or over the tensor axis too (``expert_tensor: 1``). An MPMD submesh holds every expert (its
+    experts' hidden width splits over its tensor axis)."""
+    return not submeshes and (p.expert > 1 or (p.tensor > 1 and p.expert_tensor not in (None, p.tensor)))
+
+
+EXCHANGE_KEYS = ("dispatcher", "dispatcher_sms")
+"""The ``parallel.*`` keys that say how a mixture of experts exchanges its tokens: where no stage exchanges
+any (:func:`exchanges_tokens`), the resolver refuses them set and a planner's candidate resets them."""
+
+
+def idle_exchange(p: ParallelConfig, submeshes: Sequence[SubmeshConfig] = ()) -> dict[str, object]:
+    """The keys of :data:`EXCHANGE_KEYS` that ``p`` sets away from their defaults while no stage exchanges
+    tokens, each with its value."""
+    if exchanges_tokens(p, submeshes):
+        return {}
+    unset = ParallelConfig()
+    return {k: getattr(p, k) for k in EXCHANGE_KEYS if getattr(p, k) != getattr(unset, k)}
 
 
 def without_idle_modifiers(p: ParallelConfig, submeshes: Sequence[SubmeshConfig] = ()) -> ParallelConfig:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import jax
 
-from hyperjax.config import Config, ModelConfig, Stage
+from hyperjax.config import Config, ModelConfig, ParallelConfig, Stage
+from hyperjax.config.parallel import EXCHANGE_KEYS, idle_exchange, shards_weights
 from hyperjax.cost.counts import Tensor, decoder_tensors, encoder_tensors, tensors_by_axes
-from hyperjax.errors import ConfigError, ShardingError
+from hyperjax.errors import ConfigError, ShardingError, written
 from hyperjax.shard import Strategy
 from hyperjax.topology import Hardware
 
@@ -146,3 +147,73 @@ def check_dispatcher_sms(config: Config, hw: Hardware) -> None:
             f"parallel.dispatcher_sms={sms} leaves no compute: preset {hw.name}'s device has {units} SMs "
             f"(device.compute_units); set it below {units} (DeepEP runs on 20, HybridEP's benchmarks on 32)"
         )
+
+
+IDLE_DEFAULTS: dict[str, object] = {
+    **{f"parallel.{k}": getattr(ParallelConfig(), k) for k in EXCHANGE_KEYS},
+    "train.fp8.all_gather": False,
+}
+"""The settings that say how a feature runs outside ``parallel.*``'s modifiers, each at the value that turns it
+off: a run without the feature refuses them set (:func:`check_idle_settings`), and a planner's candidate or
+an elastic restart without it resets them (:func:`idle_settings`)."""
+
+
+def set_settings(config: Config) -> dict[str, object]:
+    """The keys of :data:`IDLE_DEFAULTS` that ``config`` sets away from the value that turns them off, each with
+    its value."""
+    out = {f"parallel.{k}": getattr(config.parallel, k) for k in EXCHANGE_KEYS}
+    if config.train.fp8 is not None:
+        out["train.fp8.all_gather"] = config.train.fp8.all_gather
+    return {k: v for k, v in out.items() if v != IDLE_DEFAULTS[k]}
+
+
+def idle_settings(config: Config) -> dict[str, object]:
+    """The keys of :data:`IDLE_DEFAULTS` that ``config`` sets while its layout lacks their feature, each with
+    its value: the dispatcher of a mixture of experts whose stages exchange no tokens, and FP8 gathers of
+    weights that no stage shards (``train.fp8.all_gather`` without FSDP)."""
+    p, subs, fp8 = config.parallel, config.mpmd.submeshes, config.train.fp8
+    out: dict[str, object] = {}
+    if config.model.moe is not None:
+        out |= {f"parallel.{k}": v for k, v in idle_exchange(p, subs).items()}
+    if fp8 is not None and fp8.all_gather and not shards_weights(p, subs):
+        out["train.fp8.all_gather"] = True
+    return out
+
+
+def check_idle_settings(config: Config) -> None:
+    """``config`` sets no key of :data:`IDLE_DEFAULTS` whose feature its layout lacks.
+
+    Raises:
+      ConfigError: naming the key, its value, the degrees that leave it nothing to act on and the fix.
+    """
+    idle = idle_settings(config)
+    if not idle:
+        return
+    key, value = next(iter(idle.items()))
+    p, subs = config.parallel, config.mpmd.submeshes
+    if key == "train.fp8.all_gather":
+        where = (
+            f"no mpmd.submeshes item has fsdp > 1 (their fsdp: {', '.join(str(s.fsdp) for s in subs)})"
+            if subs
+            else f"parallel.fsdp={p.fsdp} shards no weights"
+        )
+        fix = (
+            "give an mpmd.submeshes item fsdp > 1"
+            if subs
+            else "set parallel.fsdp > 1 (or parallel.context > 1 with parallel.fsdp_context: true)"
+        )
+        raise ConfigError(
+            f"train.fp8.all_gather=true gathers FSDP's weight shards in FP8, but {where}; remove "
+            f"train.fp8.all_gather, or {fix}"
+        )
+    if subs:
+        where, fix = "an mpmd submesh holds every expert (it splits their hidden width over its tensor axis)", ""
+    else:
+        where = f"with parallel.expert={p.expert} every device holds every expert"
+        where += f" (parallel.tensor={p.tensor} splits their hidden width)" if p.tensor > 1 else ""
+        fix = ", or set parallel.expert > 1"
+        fix += " (or parallel.expert_tensor: 1 to spread the experts over the tensor axis)" if p.tensor > 1 else ""
+    raise ConfigError(
+        f"{key}={written(value)} says how a mixture of experts exchanges its tokens, but no stage exchanges "
+        f"any: {where}; remove {key}{fix}"
+    )

@@ -6,7 +6,8 @@ from collections.abc import Callable, Sequence
 
 from hyperjax.config import Config, ParallelConfig, Run
 from hyperjax.config.parallel import MODIFIERS, modifier_value
-from hyperjax.errors import ConfigError, HyperjaxError
+from hyperjax.errors import ConfigError, HyperjaxError, written
+from hyperjax.resolver.checks import IDLE_DEFAULTS, idle_settings
 from hyperjax.resolver.resolve import resolve
 
 # what an elastic restart may change, tried in order until a run resolves on the new device count; the
@@ -42,6 +43,8 @@ def elastic_overrides(load: Callable[[Sequence[str]], Config], devices: int) -> 
     for step in _ELASTIC_STEPS:
         sets = [*sets, *step]
         try:
+            # a mixture of experts' dispatcher, FP8 weight gathers: reset where the step turned their feature off
+            sets += [f"{k}={written(IDLE_DEFAULTS[k])}" for k in idle_settings(load(sets))]
             return sets, resolve(load(sets))
         except HyperjaxError as e:
             reason = str(e)

@@ -18,7 +18,7 @@ from hyperjax.config.run import replica_axes, spans_processes, stage_replica_axe
 from hyperjax.emulate import plan_processes
 from hyperjax.errors import ConfigError, EmulationError, ShardingError, expect, integral
 from hyperjax.mpmd.schedules import PAIRED, check_sizes, warm_up
-from hyperjax.resolver.checks import check_preset, check_stage
+from hyperjax.resolver.checks import check_idle_settings, check_preset, check_stage
 from hyperjax.resolver.stages import mpmd_stages, pipeline_axes, pipeline_sizes, pipeline_stages, spmd_stage
 from hyperjax.shard import check_overrides, strategy_for
 from hyperjax.shard.strategy import entry_axes
@@ -113,6 +113,7 @@ def resolve(config: Config, devices: int | None = None, *, hardware: Hardware | 
         stages = (spmd_stage(config, n),)
         microbatches = _microbatches(config, stages[0].data_parallel, default=1)
     check_modifiers(p, config.mpmd.submeshes)  # after the stages: an MPMD run's refused whole-run keys first
+    check_idle_settings(config)
     rows = t.global_batch // microbatches
     dps = [s.data_parallel for s in stages]
     if rows % math.lcm(*dps):

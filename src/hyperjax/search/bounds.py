@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from hyperjax.config import Config
+from hyperjax.config import Config, ParallelConfig
 from hyperjax.cost import (
     grad_bytes,
     optimizer_bytes,
@@ -75,6 +75,8 @@ def lower_bound(cfg: Config, overrides: dict[str, Any], hardware: Hardware, budg
     e = 2 if cfg.train.dtype == "bfloat16" else 4
     g, (master, moments) = grad_bytes(cfg.train), optimizer_bytes(cfg.train)
     expert_tensor = overrides.get("parallel.expert_tensor") in (None, axes["tensor"]) or axes["tensor"] == 1
+    # the dispatcher the candidate runs: the config's where its experts spread over devices, else reset
+    dispatcher = cfg.parallel.dispatcher if expert > 1 or not expert_tensor else ParallelConfig().dispatcher
     for recompute in RECOMPUTE:
         layers = [
             price_layer(
@@ -94,7 +96,7 @@ def lower_bound(cfg: Config, overrides: dict[str, Any], hardware: Hardware, budg
                 fsdp_reshard=cfg.parallel.fsdp_reshard,
                 grad_dtype=cfg.train.grad_dtype,
                 elementwise=cfg.train.elementwise,
-                dispatcher=cfg.parallel.dispatcher,
+                dispatcher=dispatcher,
                 context_impl=cfg.parallel.context_impl,
             )
             for moe in kinds

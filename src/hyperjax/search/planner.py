@@ -36,10 +36,12 @@ from hyperjax.cost import Estimate, StageCore, estimate, unpriced_overrides
 from hyperjax.errors import ConfigError, HyperjaxError, expect, positive_int, written
 from hyperjax.offload import budget_bytes, offload_pass, with_offload
 from hyperjax.resolver import check_preset, check_zero, resolve
+from hyperjax.resolver.checks import idle_settings, set_settings
 from hyperjax.search.bounds import lower_bound
 from hyperjax.search.strategies import (
     RECOMPUTE,
     candidate,
+    laid_out,
     micro_batches,
     selected,
     strategies,
@@ -192,6 +194,13 @@ def plan(
     expect(cfg, Config, "plan(cfg): cfg", "pass hyperjax.load_config(path)")
     if cfg.rl is not None:
         raise ConfigError("this config has an rl: section; plan its phases with hyperjax.plan_rl (hyperjax plan does)")
+    if cfg.offload.policy == "manual":  # its patterns place one layout's tensors; the search prices without them
+        raise ConfigError(
+            "offload.policy=manual places the tensors offload.manual names in the layout the config gives, but "
+            "plan searches layouts and would price them without it; set offload.policy: auto (or greedy) to "
+            "place each fastest candidate that does not fit, or none, then price a manual placement of the "
+            "layout chosen with predict"
+        )
     devices = positive_int(devices, "plan(cfg, devices): devices")
     keep = positive_int(keep, "plan(keep=)")
     if progress is not None and not callable(progress):
@@ -341,25 +350,40 @@ def _holds(cfg: Config, combo: dict[str, Any], where: Mapping[str, Any]) -> bool
 
 
 def _check_held_modifiers(cfg: Config, combinations: list[dict[str, Any]], where: Mapping[str, Any]) -> None:
-    """The config's modifiers (``parallel.fsdp_reshard``, ``tp_overlap``, ...) act in some strategy ``where``
-    leaves: one that every such strategy turns off would be reset in each candidate unsaid, and is named instead.
+    """The config's modifiers (``parallel.fsdp_reshard``, ``tp_overlap``, ..., a mixture of experts'
+    ``dispatcher``, ``train.fp8.all_gather``) act in some strategy ``where`` leaves: one that every such
+    strategy turns off would be reset in each candidate unsaid, and is named instead.
 
     Raises:
       ConfigError: naming the modifier, the held keys and the fix.
     """
-    kept = list(set_modifiers(cfg.parallel))
+    kept = [f"parallel.{k}" for k in set_modifiers(cfg.parallel)] + list(set_settings(cfg))
     for c in combinations if kept else ():
-        degrees = {k: c[f"parallel.{k}"] for k in ("fsdp", "context", "tensor") if f"parallel.{k}" in c}
-        idle = idle_modifiers(dataclasses.replace(cfg.parallel, **degrees), c.get("mpmd.submeshes") or ())
+        try:
+            laid = laid_out(cfg, c)
+        except HyperjaxError:  # a strategy its config refuses runs nothing: not one that has the feature
+            continue
+        p, subs = laid.parallel, laid.mpmd.submeshes
+        idle = {f"parallel.{k}" for k in idle_modifiers(p, subs)} | set(idle_settings(laid))
         if not (kept := [k for k in kept if k in idle]):
             return
     if combinations and kept:
         key, held = kept[0], ", ".join(f"{k}={written(v)}" for k, v in where.items())
+        field = key.removeprefix("parallel.")
+        feature = FEATURES[MODIFIERS[field]] if field in MODIFIERS else IDLE_FEATURES[key]
+        value = modifier_value(getattr(cfg.parallel, field)) if field in MODIFIERS else written(set_settings(cfg)[key])
         raise ConfigError(
-            f"parallel.{key}={modifier_value(getattr(cfg.parallel, key))} says how {FEATURES[MODIFIERS[key]]} runs, "
-            f"but no strategy the search tries with {held} has it; remove parallel.{key}, or hold a layout that "
-            "has it"
+            f"{key}={value} says how {feature} runs, but no strategy the search tries with {held} has "
+            f"it; remove {key}, or hold a layout that has it"
         )
+
+
+IDLE_FEATURES = {
+    "parallel.dispatcher": "a mixture of experts' token exchange",
+    "parallel.dispatcher_sms": "a mixture of experts' token exchange",
+    "train.fp8.all_gather": "FSDP",
+}
+"""What each key of :data:`~hyperjax.resolver.checks.IDLE_DEFAULTS` modifies, as an error names it."""
 
 
 def _nothing_fits(

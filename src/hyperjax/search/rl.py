@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hyperjax.config import Config, ParallelConfig, PhaseConfig, check_key
-from hyperjax.config.parallel import MODIFIERS
+from hyperjax.config.parallel import MODIFIERS, idle_exchange
 from hyperjax.cost.rl import RLEstimate, estimate_rl
 from hyperjax.errors import ConfigError, HyperjaxError, expect, positive_int
 from hyperjax.resolver import (
@@ -37,7 +37,7 @@ from hyperjax.resolver import (
     resolve_rl,
 )
 from hyperjax.search.planner import NothingFits, plan
-from hyperjax.search.strategies import divisors, untried
+from hyperjax.search.strategies import apply, divisors, untried
 from hyperjax.topology import Hardware, load_hardware
 
 LEARNER_TRIES = 3
@@ -92,9 +92,12 @@ def with_layouts(
 
     def phase(n: int, overrides: dict[str, Any], own: ParallelConfig) -> PhaseConfig:
         degrees = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("parallel.")}
-        return PhaseConfig(devices=None if colocated else n, parallel=runtime_parallel(own, **degrees))
+        p = runtime_parallel(own, **degrees)
+        unset = ParallelConfig()  # a dispatcher where the degrees exchange no tokens resets, as a candidate's does
+        p = dataclasses.replace(p, **{k: getattr(unset, k) for k in idle_exchange(p) if k not in degrees})
+        return PhaseConfig(devices=None if colocated else n, parallel=p)
 
-    trains = {k.split(".", 1)[1]: v for k, v in learner[1].items() if k.startswith("train.")}
+    trains = {k.split(".", 1)[1]: v for k, v in learner[1].items() if k.startswith("train.")}  # fp8.all_gather too
     rl = dataclasses.replace(
         r, rollout=phase(*rollout, r.rollout.parallel), learner=phase(*learner, r.learner.parallel)
     )
@@ -103,7 +106,7 @@ def with_layouts(
     return dataclasses.replace(
         cfg,
         rl=rl,
-        train=dataclasses.replace(cfg.train, **trains),
+        train=apply(cfg.train, trains),
         emulate=dataclasses.replace(cfg.emulate, devices=devices, processes=None),
     )
 

@@ -8,6 +8,7 @@ model searched as one SPMD program, the MPMD submeshes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from typing import Any
 from hyperjax.config import Config, ModelConfig, SubmeshConfig
 from hyperjax.config.parallel import MODIFIERS, MPMD_REPLACED, ParallelConfig, without_idle_modifiers
 from hyperjax.mpmd.schedules import PAIRED
+from hyperjax.resolver.checks import IDLE_DEFAULTS, idle_settings, set_settings
 from hyperjax.topology import Hardware
 
 CLEARED: dict[str, Any] = {
@@ -56,13 +58,19 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def apply(cfg: Config, overrides: dict[str, Any]) -> Config:
-    """``cfg`` with dotted-key ``overrides`` applied (validated by the dataclasses)."""
-    sections: dict[str, dict[str, Any]] = {}
+def apply(cfg: Any, overrides: dict[str, Any]) -> Any:
+    """``cfg`` with dotted-key ``overrides`` applied (``train.fp8.all_gather`` too), each section replaced once
+    with all of its keys (validated by the dataclasses)."""
+    fields: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
     for key, value in overrides.items():
-        section, field = key.split(".")
-        sections.setdefault(section, {})[field] = value
-    return dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **f) for s, f in sections.items()})
+        head, _, rest = key.partition(".")
+        if rest:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            fields[head] = value
+    fields |= {head: apply(getattr(cfg, head), inner) for head, inner in nested.items()}
+    return dataclasses.replace(cfg, **fields)
 
 
 WHOLE_RUN: dict[str, Any] = {f"parallel.{key}": getattr(ParallelConfig(), key) for key in MPMD_REPLACED}
@@ -70,28 +78,36 @@ WHOLE_RUN: dict[str, Any] = {f"parallel.{key}": getattr(ParallelConfig(), key) f
 refuses them set); the split's own overrides then set the pipeline and schedule keys it needs."""
 
 
-def candidate(cfg: Config, overrides: dict[str, Any]) -> Config:
-    """The config a candidate's ``overrides`` select: :data:`CLEARED`, then the overrides, over ``cfg``; an
-    MPMD split also resets :data:`WHOLE_RUN`, keeping sequence parallelism where a submesh has a tensor axis;
-    then the config's modifiers whose feature the candidate turns off are reset (:func:`selected`)."""
+def laid_out(cfg: Config, overrides: dict[str, Any]) -> Config:
+    """``cfg`` with a candidate's layout: :data:`CLEARED`, then the ``overrides``; an MPMD split also resets
+    :data:`WHOLE_RUN`, keeping sequence parallelism where a submesh has a tensor axis."""
     subs = overrides.get("mpmd.submeshes")
     split = {}
     if subs:
         tensor = any(sub.tensor > 1 for sub in subs)
         split = {**WHOLE_RUN, "parallel.sequence_parallel": cfg.parallel.sequence_parallel and tensor}
-    chosen = apply(cfg, {**CLEARED, **split, **overrides})
-    return dataclasses.replace(chosen, parallel=without_idle_modifiers(chosen.parallel, chosen.mpmd.submeshes))
+    return apply(cfg, {**CLEARED, **split, **overrides})
+
+
+def candidate(cfg: Config, overrides: dict[str, Any]) -> Config:
+    """The config a candidate's ``overrides`` select (:func:`laid_out`), with the config's settings whose
+    feature the candidate turns off reset (:func:`selected`)."""
+    chosen = laid_out(cfg, overrides)
+    chosen = dataclasses.replace(chosen, parallel=without_idle_modifiers(chosen.parallel, chosen.mpmd.submeshes))
+    return apply(chosen, {k: IDLE_DEFAULTS[k] for k in idle_settings(chosen)})
 
 
 def selected(cfg: Config, overrides: dict[str, Any]) -> dict[str, Any]:
     """``overrides`` with what else the candidate changes in ``cfg``, so that ``cfg`` with them is the run
     priced: the keys of :data:`CLEARED` the search decides (a config's ``parallel.stage_layers``,
     ``train.microbatches``; not the device count, which ``--devices`` gives), and the ``parallel.*`` modifiers
-    (:data:`hyperjax.config.parallel.MODIFIERS`: ``fsdp_reshard``, ``tp_overlap``, ...) whose feature the
-    candidate turns off, at the defaults :func:`candidate` resets them to (a run without the feature refuses
-    them set)."""
+    (:data:`hyperjax.config.parallel.MODIFIERS`: ``fsdp_reshard``, ``tp_overlap``, ...) and the other settings
+    (:data:`hyperjax.resolver.checks.IDLE_DEFAULTS`: a mixture of experts' dispatcher, FP8 weight gathers) whose
+    feature the candidate turns off, at the defaults :func:`candidate` resets them to (a run without the
+    feature refuses them set)."""
     chosen = candidate(cfg, overrides)
     keys = [k for k in CLEARED if not k.startswith("emulate.")] + [f"parallel.{k}" for k in MODIFIERS]
+    keys += list(set_settings(cfg))
     return overrides | {
         k: _value(chosen, k) for k in keys if k not in overrides and _value(chosen, k) != _value(cfg, k)
     }
@@ -99,8 +115,7 @@ def selected(cfg: Config, overrides: dict[str, Any]) -> dict[str, Any]:
 
 def _value(cfg: Config, key: str) -> Any:
     """``cfg``'s value of the dotted ``key``."""
-    section, field = key.split(".")
-    return getattr(getattr(cfg, section), field)
+    return functools.reduce(getattr, key.split("."), cfg)
 
 
 def strategies(
