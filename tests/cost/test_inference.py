@@ -51,6 +51,24 @@ def test_decode_reads_every_weight_and_the_whole_cache():
     assert llama70b("serve.batch=8").decode_s_per_token < 1.5 * llama70b("serve.batch=1").decode_s_per_token
 
 
+def test_a_context_split_holds_its_share_of_the_cache_and_decodes_each_token_whole():
+    """Decoding with a context axis, each device of the group keeps its share of the cache by position and
+    reads it; the new token's products run whole on every device of the group (they are not split like a
+    sequence), and the partial attention outputs are combined over the group."""
+    long = ["serve.batch=1", "serve.prompt_len=65536", "serve.new_tokens=1", "model.seq_len=131072"]
+    one = estimate_inference(
+        hyperjax.resolve(hyperjax.load_config(ROOT / "configs/llama3-70b.yaml", [*SERVE_70B, *long]), 8)
+    )
+    cfg = hyperjax.load_config(ROOT / "configs/llama3-70b.yaml", [*SERVE_70B, *long, "parallel.context=2"])
+    two = estimate_inference(hyperjax.resolve(cfg, 16))
+    assert two.kv_cache_gib_per_device == pytest.approx(one.kv_cache_gib_per_device / 2)
+    assert (
+        two.decode_breakdown_s["kv_cache_read"] < 0.8 * one.decode_breakdown_s["kv_cache_read"]
+    )  # each kernel's fixed time stays
+    assert two.decode_breakdown_s["weights_and_compute"] == pytest.approx(one.decode_breakdown_s["weights_and_compute"])
+    assert two.decode_breakdown_s["communication"] > one.decode_breakdown_s["communication"]
+
+
 def test_moe_decode_reads_only_the_experts_its_tokens_touch():
     """One sequence's token routes to 2 of Mixtral's 8 experts: decode reads about a quarter of the expert
     weights, so it is far faster than reading every expert."""

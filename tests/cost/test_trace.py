@@ -113,3 +113,20 @@ def test_all_to_alls_run_in_the_chunks_that_hold_moe_blocks():
     est = estimate(resolve(load_config(ROOT / "configs" / "moe-tiny.yaml", sets)))
     chunks = {e["args"]["task"].split(".")[1] for e in simulate(est) if "lane task" in e.get("args", {})}
     assert chunks == {"1", "2"}  # the embedding's and the loss's chunks exchange nothing
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [["offload.device_memory_gib=0.05"], ["offload.device_memory_gib=0.03", "parallel.pipeline=2", "parallel.data=2"]],
+)
+def test_an_offloaded_step_is_traced_as_its_placement_prices_it(tmp_path: Path, capsys, sets):
+    """Under a placement the trace adds the recomputation it chose and the host transfers it leaves exposed,
+    so it ends at the step predict prints, not at the step without the placement."""
+    path = tmp_path / "step.json"
+    args = ["predict", str(ROOT / "configs/quickstart.yaml"), "--json", "--trace", str(path)]
+    args += [a for s in ["offload.policy=auto", *sets] for a in ("--set", s)]
+    assert main(args) == 0
+    step = json.loads(capsys.readouterr().out)["step_time_s"]
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert max(e["ts"] + e["dur"] for e in events) / 1e6 == pytest.approx(step, rel=1e-4)
+    assert {"recomputation (placement)", "exposed host transfers"} & {e["name"] for e in events}

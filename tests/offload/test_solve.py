@@ -269,3 +269,17 @@ def test_host_memory_bounds_what_goes_to_the_host():
     if none is not None:
         assert not none.placement.on("host") and none.host_bytes == 0.0
     assert not evaluate(dataclasses.replace(problem, host_bytes=0.0), free.placement).fits
+
+
+def test_a_deeper_prefetch_never_prices_a_placement_slower():
+    """Buffers for k layers ahead also run every shallower schedule, so the pass prices the fastest: a manual
+    placement's step never grows with offload.prefetch, while its staging buffers do, up to the stage's layers
+    (a depth past them stages nothing more)."""
+    sets = {"offload.policy": "manual", "offload.manual": "{layers.*.act.*: host}"}
+    steps, peaks = [], []
+    for k in (1, 2, 3, 4, 8):
+        result = offload_pass(resolve(config(**sets, **{"offload.prefetch": k})))
+        steps.append(result.priced.step_time_s)
+        peaks.append(result.priced.peak_bytes)
+    assert steps == sorted(steps, reverse=True)
+    assert peaks[:4] == sorted(peaks[:4]) and peaks[0] < peaks[3] and peaks[3] == peaks[4]  # 4 layers

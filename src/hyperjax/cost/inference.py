@@ -15,7 +15,9 @@ data-parallel replicas).
   decode (``prompt_len + new_tokens / 2``), every cached key and value of every sequence, once per step.
 - **KV cache per device**: per layer and token, a key and a value per KV head the device holds (heads split
   over the tensor axis, replicated where it is wider than the KV heads), or DeepSeek's latent attention's
-  compressed latent and rotary key (``kv_lora_rank + rope_head_dim``, on every tensor-parallel device).
+  compressed latent and rotary key (``kv_lora_rank + rope_head_dim``, on every tensor-parallel device);
+  over a context axis, each device's share of the positions. A new token is whole on every device of a
+  context group, each attending to its share, and the partial outputs are combined over the group.
 
 Stages run one after another for a token (a pipeline serves one batch at a time here), so the prefill and
 each decode step are the sums over the stages.
@@ -169,7 +171,7 @@ def estimate_inference(run: Run) -> InferenceEstimate:
         local = batch // dp
         spans = sharding_spans(run.config.parallel, axes, stage_spans(hw, n, axes))  # weights over fsdp x context
         axes = sharding_axes(run.config.parallel, axes)
-        tp = axes["tensor"]
+        tp, cp = axes["tensor"], axes["context"]
         weights = kv = acts = 0.0
         layers: list[ServeLayer] = []
         stage_s = 0.0  # this stage's part of a decode step
@@ -191,21 +193,29 @@ def estimate_inference(run: Run) -> InferenceEstimate:
             prefill += count * (
                 full.forward_s + full.tensor_comm_s / 2 + full.context_forward_s + 2 * full.exchange_s
             ) + count * (full.fsdp_gather_s if axes["fsdp"] > 1 else 0.0)
-            one = price_layer(dataclasses.replace(block, seq_len=1), micro=local, **kw)
+            # a new token is whole on every device of a context group (its products too); the cache is split
+            # over the group by position, each device attending to its share, the partial outputs combined
+            one = price_layer(
+                dataclasses.replace(block, seq_len=1), micro=local, **{**kw, "axes": {**axes, "context": 1}}
+            )
             heads = m.heads / tp
             width = m.head_dim + (m.rope_head_dim if m.attention == "mla" else 0)
-            per_token_kv = kv_bytes_per_token(m, tp, e)
+            per_token_kv = kv_bytes_per_token(m, tp, e) / cp
             # the core reads every cached key and value once: each KV head's group of query heads (all heads
             # over the shared latent for latent attention) is one batched product over the context
             kv_local = 1 if m.attention == "mla" else max(m.kv_heads / tp, 1)
-            group = heads / kv_local
+            group, held = heads / kv_local, ctx / cp
             core = gemm_time(
-                group, ctx, width, count=local * kv_local, bytes_per_element=e, dtype=run.dtype, hardware=hw
+                group, held, width, count=local * kv_local, bytes_per_element=e, dtype=run.dtype, hardware=hw
             )
             core += gemm_time(
-                group, m.head_dim, ctx, count=local * kv_local, bytes_per_element=e, dtype=run.dtype, hardware=hw
+                group, m.head_dim, held, count=local * kv_local, bytes_per_element=e, dtype=run.dtype, hardware=hw
             )
             collectives = one.tensor_comm_s / 2 + 2 * one.exchange_s
+            if cp > 1:  # the running maxima, then the rescaled float32 partial outputs and sums, summed over it
+                partial = local * heads * (m.head_dim + 1) * 4
+                collectives += collective_time("all_reduce", local * heads * 4, spans["context"], hw)
+                collectives += collective_time("all_reduce", partial, spans["context"], hw)
             collectives += one.fsdp_gather_s if axes["fsdp"] > 1 else 0.0
             rest = one.forward_s - one.core_s + collectives
             stage_s += count * (rest + core)

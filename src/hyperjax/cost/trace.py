@@ -118,6 +118,15 @@ def simulate(est: Estimate, *, pid: int = 0) -> list[dict[str, Any]]:
             )
             t += stage.data_parallel_exposed_s
         events.append(_event("optimizer step", t, stage.optimizer_s, pid + i, COMPUTE, {}))
+        # an offload placement's step (``with_offload``): the recomputation it chose and the host transfers it
+        # leaves exposed, after the step it was priced over, so the trace ends at the step it prices
+        t += stage.optimizer_s
+        for name in ("recompute", "exposed_host_transfer") if "exposed_host_transfer" in est.breakdown_s else ():
+            label = {"recompute": "recomputation (placement)", "exposed_host_transfer": "exposed host transfers"}
+            seconds = est.breakdown_s[name]
+            if seconds > 0:
+                events.append(_event(label[name], t, seconds, pid + i, COMPUTE, {"offload": est.run.offload}))
+                t += seconds
     return events
 
 

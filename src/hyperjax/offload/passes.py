@@ -95,20 +95,29 @@ def offload_pass(run: Run) -> OffloadResult:
     hardware = run.hardware
     est = estimate(dataclasses.replace(run, recompute="none"))
     budget = budget_bytes(run.config, hardware)
-    problem = build_problem(est, hardware=hardware, budget_bytes=budget, prefetch=o.prefetch)
-    layers = problem.layers
+    deepest = build_problem(est, hardware=hardware, budget_bytes=budget, prefetch=o.prefetch)
+    layers = deepest.layers
     start = from_recompute(run.recompute, layers, run.config.train.recompute_modules)
-    if policy == "none":
-        priced = evaluate(problem, start)
-    elif policy == "manual":
-        priced = evaluate(problem, from_patterns(o.manual, layers, base=start))
-    elif policy == "greedy":
-        priced = greedy(problem)
-    else:
-        priced = solve_exact(problem)
+    # buffers for offload.prefetch layers also run every shallower schedule: the fastest is priced
+    reaches = range(1, min(o.prefetch, layers)) if o.prefetch > 1 else ()
+    problems = [
+        build_problem(est, hardware=hardware, budget_bytes=budget, prefetch=o.prefetch, reach=r) for r in reaches
+    ]
+    answers = []
+    for problem in [*problems, deepest]:
+        if policy == "none":
+            priced = evaluate(problem, start)
+        elif policy == "manual":
+            priced = evaluate(problem, from_patterns(o.manual, layers, base=start))
+        elif policy == "greedy":
+            priced = greedy(problem)
+        else:
+            priced = solve_exact(problem)
+        if priced is None:  # greedy or auto found nothing that fits: the smallest-peak placement, which may fit
+            priced = minimum_memory(problem)
+        answers.append((not priced.fits, priced.step_time_s, len(answers), priced, problem))
+    _, _, _, priced, problem = min(answers, key=lambda a: a[:3])
     budget_gib = budget / GIB
-    if priced is None:  # greedy or auto found nothing that fits: the smallest-peak placement, which may fit
-        priced = minimum_memory(problem)
     if priced.fits:
         return OffloadResult(
             policy=policy, priced=priced, fits=True, budget_gib=budget_gib, problem=problem, run=run, base=est

@@ -113,11 +113,15 @@ class Priced:
     time_limited: bool = False
 
 
-def build_problem(est: Estimate, *, hardware: Hardware, budget_bytes: float, prefetch: int) -> Problem:
+def build_problem(
+    est: Estimate, *, hardware: Hardware, budget_bytes: float, prefetch: int, reach: int | None = None
+) -> Problem:
     """The placement problem of the stage of ``est`` that holds the most memory (the whole model for one
     stage).
 
-    ``est`` is the estimate of the run with ``recompute: none``; ``hardware`` gives the host link.
+    ``est`` is the estimate of the run with ``recompute: none``; ``hardware`` gives the host link. Staging
+    buffers hold ``prefetch`` layers ahead; the transfers are issued ``reach`` layers ahead (default
+    ``prefetch``; a shallower reach is a schedule the same buffers also run).
 
     Raises:
       ConfigError: the stage holds no decoder blocks (the pass places a decoder's tensor groups).
@@ -130,7 +134,7 @@ def build_problem(est: Estimate, *, hardware: Hardware, budget_bytes: float, pre
             "a vision-language model has none it can place. Set offload.policy: none"
         )
     run = est.run
-    n, m, k = len(blocks), est.run.microbatches, prefetch
+    n, m, k = len(blocks), est.run.microbatches, prefetch if reach is None else min(reach, prefetch)
     axes = stage.stage.axes
     link = hardware.host.bandwidth
     lat = hardware.host.latency
@@ -148,8 +152,10 @@ def build_problem(est: Estimate, *, hardware: Hardware, budget_bytes: float, pre
     bwd = lambda i: turn if i >= n else (opt if i < 0 else n + 2 + i)
 
     def spread(seconds: float, direction: int, where: Sequence[int]) -> tuple[tuple[int, int, float], ...]:
-        if not where:  # no prefetch: fetched when needed, all of it exposed
-            where = [start]
+        # the windows a depth reaches, each once: a depth past the first or last layer adds no window (the
+        # step's start has no compute to hide a transfer, so it takes one only where no layer's window is near)
+        where = list(dict.fromkeys(where))
+        where = [w for w in where if w != start] or [start]  # no prefetch: fetched when needed, all exposed
         return tuple((w, direction, seconds / len(where)) for w in where)
 
     acts_in_flight = stage.in_flight
@@ -206,6 +212,7 @@ def build_problem(est: Estimate, *, hardware: Hardware, budget_bytes: float, pre
                 "recompute": Choice(memory=(0.0, 0.0), seconds=m * rec, capacity=((bwd(i), m * rec),)),
             }
     largest = lambda f: max(f(layer) for layer in blocks)  # staging buffers hold the largest layer's
+    k = min(prefetch, n)  # a depth past the stage's layers stages no more of them
     buffers = {
         "params": (0, (k + 1) * largest(lambda x: x.param_transfer_bytes)),
         "gradients": (0, 2 * max(g for _, g, _ in state)),
