@@ -120,6 +120,7 @@ def test_sampling_is_seeded(capsys, checkpoint):
         (["--prompt-ids", "1,2,"], "--prompt-ids '1,2,' must be comma-separated integers"),
         (["--set", "train.lr=5"], "--set train.lr: generate does not read this setting"),
         (["--set", "offload.policy=auto"], "--set offload.policy: generate does not read this setting"),
+        (["--set", "rl.group_size=4"], "--set rl.group_size: generate decodes the model with its own flags"),
         (["--tokenizer", "/"], "--tokenizer '/' is a folder; give the path of a tokenizer.json"),
     ],
     ids=[
@@ -140,6 +141,7 @@ def test_sampling_is_seeded(capsys, checkpoint):
         "trailing-comma",
         "training-setting",
         "offload",
+        "rl-setting",
         "tokenizer-folder",
     ],
 )

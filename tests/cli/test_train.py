@@ -1,4 +1,5 @@
 import json
+import math
 import os
 import re
 import subprocess
@@ -307,3 +308,23 @@ def test_vlm_cm384_trains_mpmd_across_processes(tmp_path: Path):
     # for the language model's 4-11
     sharing = set(re.findall(r"\[p(\d+)\].*compiling and sharing module", out))
     assert sharing == {"0", "4"}, sharing
+
+
+def test_a_diverged_run_stops_at_the_step_and_keeps_only_finite_records(capsys, tmp_path: Path):
+    """A loss that is not finite poisons every later step: the run stops there (exit 2) naming the step and the
+    fix, the metrics hold the steps before it as valid JSON, and no checkpoint of the diverged state is made."""
+    metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    sets = ["--set", "train.lr=1.0e+9", "--set", "train.warmup_steps=0", "--set", "train.checkpoint_every=1"]
+    args = ["train", QUICK, "--steps", "4", *sets, "--metrics-out", str(metrics), "--checkpoint-dir", str(ck)]
+    assert main([*args, "--out-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    step = int(re.search(r"step (\d+): the loss is nan", err).group(1))
+    assert "lower train.lr or raise train.warmup_steps" in err and "Traceback" not in err
+    lines = metrics.read_text().splitlines()
+    records = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in the metrics")) for line in lines]
+    assert [r["step"] for r in records] == list(range(1, step))
+    assert all(math.isfinite(r["loss"]) for r in records)
+    from hyperjax.train.checkpoint import saved_steps
+
+    assert saved_steps(ck) == list(range(1, step))[-3:]  # the newest kept, none of the diverged step
+    assert f"the last checkpoint, {ck / str(step - 1)}, is kept" in err

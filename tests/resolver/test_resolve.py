@@ -469,3 +469,16 @@ def test_an_elastic_restart_that_drops_fsdp_or_the_exchange_resets_their_setting
     assert run.config.parallel.dispatcher == "alltoall"
     _, run = elastic_overrides(load, 1)  # tensor 1: no exchange left, the dispatcher back at its default
     assert run.axes["tensor"] == 1 and run.config.parallel.dispatcher == "deepep"
+
+
+def test_an_elastic_restart_falls_back_to_the_experts_on_every_device():
+    """A mixture of experts shrinks below its expert degree: the last step holds every expert on each device
+    (and hides no all-to-all), as the optimizer's state of each expert reshards onto any expert degree."""
+    from hyperjax.resolver import elastic_overrides
+
+    load = lambda more: load_config(CONFIGS / "moe-tiny.yaml", ["parallel.overlap=two-microbatch", *more])
+    _, run = elastic_overrides(load, 4)  # expert 4 still fits 4 devices
+    assert run.axes["expert"] == 4 and run.config.parallel.overlap == "two-microbatch"
+    sets, run = elastic_overrides(load, 2)
+    assert run.axes["expert"] == 1 and run.axes["data"] == 2 and run.config.parallel.overlap == "none"
+    assert sets[-2:] == ["parallel.expert=1", "parallel.overlap=none"]

@@ -51,6 +51,13 @@ def test_grpo_tiny_reward_rises(capsys, tmp_path: Path):
         (["--set", "rl.reward=nope"], r"rl.reward='nope' is not a built-in reward"),
         (["--set", "rl.rollout.devices=2"], r"rl.rollout.devices=2 \+ rl.learner.devices=4 = 6"),
         (["--resume", "--checkpoint-dir", "x"], r"--resume is not available for an rl: config"),
+        (["--set", "train.checkpoint_every=1"], r"train.checkpoint_every=1: an rl: config keeps one checkpoint"),
+        (["--set", "train.keep_checkpoints=5"], r"train.keep_checkpoints=5: an rl: config keeps one checkpoint"),
+        (["--set", "emulate.processes=2"], r"emulate.processes=2: an rl: config runs its phases in one process"),
+        (
+            ["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"],
+            r"--coordinator joins a job of several processes, but an rl: config runs its iterations in one",
+        ),
         (["--set", "rl.init_checkpoint=/no/such/folder"], r"rl.init_checkpoint='/no/such/folder' holds no checkpoint"),
         (["--set", "model.vocab=512", "--set", "train.data=synthetic"], r"model.vocab=512: train of an rl: config"),
         (

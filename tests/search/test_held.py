@@ -67,3 +67,19 @@ def test_plan_refuses_a_manual_placement_it_would_not_price():
     cfg = load_config(QUICK, ["offload.policy=manual", "offload.manual={layers.*.optimizer: host}"])
     with pytest.raises(ConfigError, match=r"offload.policy=manual places the tensors offload.manual names .* set "):
         plan(cfg, 8)
+
+
+@pytest.mark.parametrize("policy", ["auto", "greedy"])
+def test_under_a_placement_pass_each_candidate_fed_back_prices_as_planned(policy):
+    """Under auto or greedy, a strategy that fits as it is says offload.policy: none (the pass would choose its
+    recomputation again), and one the pass made fit keeps the policy: each, fed back over the config, is
+    priced as plan priced it."""
+    from hyperjax.offload import offload_pass, with_offload
+
+    sets = [f"offload.policy={policy}", "offload.device_memory_gib=0.04", "offload.prefetch=2"]
+    found = plan(load_config(QUICK, sets), 8, keep=40).best
+    assert {c.overrides.get("offload.policy") for c in found} == {"none", policy}
+    for c in found:
+        run = resolve(load_config(QUICK, fed_back(sets, c.overrides)), 8)
+        est = estimate(run) if run.offload == "none" else with_offload(offload_pass(run))
+        assert est.step_time_s == pytest.approx(c.estimate.step_time_s, rel=1e-9), c.overrides

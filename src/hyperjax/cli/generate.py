@@ -22,6 +22,7 @@ from hyperjax.cli.options import (
     add_config_arguments,
     config_from_args,
     path,
+    refuse_sets,
     refuse_training_sets,
     without_training,
 )
@@ -100,6 +101,12 @@ def run(args: argparse.Namespace) -> int:
             f"{given} shapes sampling, but --temperature 0 decodes greedily; set --temperature >= {MIN_TEMPERATURE:g}"
         )
     refuse_training_sets(args.sets, "generate")
+    refuse_sets(
+        args.sets,
+        ("rl",),
+        "generate decodes the model with its own flags (--temperature, --top-k, --max-new-tokens) and reads no "
+        "rl: setting, so it would have no effect: drop it",
+    )
     cfg = config_from_args(args, [] if args.devices is None else [f"emulate.devices={args.devices}"])
     run = resolve(without_training(cfg, offload=True))
     if args.top_k is not None and args.top_k > run.config.model.vocab:

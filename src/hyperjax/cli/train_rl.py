@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hyperjax.cli.display import check_folder, check_writable, console
 from hyperjax.cli.launching import run_on_devices
-from hyperjax.config import Config, RLRun
+from hyperjax.config import Config, RLRun, TrainConfig
 from hyperjax.errors import ConfigError, EmulationError
 from hyperjax.resolver import resolve_rl
 from hyperjax.rl.rewards import load_reward
@@ -33,6 +33,18 @@ def run(args: argparse.Namespace, cfg: Config) -> int:
             raise ConfigError(
                 f"{name} is not available for an rl: config, which runs its iterations in one process from the "
                 "start; drop it (--checkpoint-dir keeps the learner's parameters after the last iteration)"
+            )
+    for flag in ("coordinator", "num_processes", "process_id"):
+        if getattr(args, flag) is not None:
+            raise ConfigError(
+                f"--{flag.replace('_', '-')} joins a job of several processes, but an rl: config runs its "
+                "iterations in one process; drop --coordinator, --num-processes and --process-id"
+            )
+    for key in ("checkpoint_every", "keep_checkpoints"):
+        if getattr(cfg.train, key) != getattr(TrainConfig(), key):
+            raise ConfigError(
+                f"train.{key}={getattr(cfg.train, key)}: an rl: config keeps one checkpoint, the learner's "
+                f"parameters after the last iteration (--checkpoint-dir); drop train.{key}"
             )
     rl = resolve_rl(cfg, args.devices)
     if cfg.model.vocab != 256:  # predict and plan price any vocabulary; the emulated run reads bytes

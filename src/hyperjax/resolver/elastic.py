@@ -25,6 +25,9 @@ _ELASTIC_STEPS: tuple[tuple[str, ...], ...] = (
         # the modifiers of the features those turn off, at their defaults (a run without them refuses them set)
         *(f"parallel.{k}={modifier_value(getattr(ParallelConfig(), k))}" for k in MODIFIERS),
     ),
+    # then the experts on every device, and no all-to-all to hide (a pipeline's stages stay: its state is
+    # saved stage by stage, so a checkpoint resumes only on the same stages)
+    ("parallel.expert=1", "parallel.overlap=none"),
 )
 
 

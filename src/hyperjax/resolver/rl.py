@@ -58,6 +58,11 @@ def resolve_rl(config: Config, devices: int | None = None, *, hardware: Hardware
             f"offload.policy={config.offload.policy!r}: an rl: config's phases keep their weights, optimizer "
             "state, reference and cache on the device; set offload.policy: none"
         )
+    if config.emulate.processes not in (None, 1):
+        raise ConfigError(
+            f"emulate.processes={config.emulate.processes}: an rl: config runs its phases in one process, which "
+            "hands the learner's weights to the rollout's layout; drop emulate.processes"
+        )
     total, sizes = _devices(config, devices)
     batch = r.prompts_per_step * r.group_size
     base = learner_config(config)

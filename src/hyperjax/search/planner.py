@@ -285,9 +285,13 @@ def plan(
             cores.clear()
     if progress is not None:
         progress(len(order), len(order))
+    # under a placement pass, a strategy that fits as it is runs with nothing placed: its overrides say so, or
+    # the pass would choose the recomputation again (it weighs its own) and price another step
+    unplaced = {"offload.policy": "none"} if cfg.offload.policy in ("auto", "greedy") else {}
+    unplaced |= {"offload.prefetch": 1} if unplaced and cfg.offload.prefetch != 1 else {}  # none refuses another
     best = [
         Candidate(overrides=selected(cfg, o), estimate=dataclasses.replace(price(cfg, o, devices, hw), fits=True))
-        for _, _, o in sorted(found)[:keep]
+        for o in (o | unplaced for _, _, o in sorted(found)[:keep])
     ]
     fitting = len(found)
     if cfg.offload.policy in ("auto", "greedy"):

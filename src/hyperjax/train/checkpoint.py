@@ -234,6 +234,11 @@ class Checkpoints:
         """Record that ``step`` is done (process 0 calls this; the supervising launcher reads it)."""
         write_json(self.directory / PROGRESS, {"step": step}, indent=None)
 
+    def wait(self) -> None:
+        """Wait for the last write to finish."""
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+
     def close(self) -> None:
         """Wait for the last write to finish, then release the folder."""
         if self._manager is not None:

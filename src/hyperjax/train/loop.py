@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -173,6 +174,8 @@ def train(
                     "grad_norm": float(metrics["grad_norm"]),
                     "rss_bytes": resident_bytes(),
                 }
+                if not (math.isfinite(loss) and math.isfinite(record["grad_norm"])):
+                    _diverged(i + 1, loss, record["grad_norm"], run, ckpt)
                 for key in ROUTER_METRICS:
                     if key in metrics:
                         record[key] = float(metrics[key])
@@ -227,6 +230,25 @@ def train(
         written = f"; its checkpoint is {ckpt.directory / str(stopped_at)}" if ckpt is not None else ""
         raise Interrupted(f"after step {stopped_at} of {t.steps}{written}")
     return result
+
+
+def _diverged(step: int, loss: float, grad_norm: float, run: Run, ckpt: Checkpoints | None) -> None:
+    """Stop a run whose step ``step`` gave a loss or gradient norm that is not finite: every later step would
+    be too, so nothing of it is kept (no checkpoint, no metrics line), and the error names the step and the fix.
+
+    Raises:
+      ConfigError: always.
+    """
+    t = run.config.train
+    if ckpt is not None:
+        ckpt.wait()  # the previous step's write, so that the newest kept is named
+    steps = saved_steps(ckpt.directory) if ckpt is not None else []
+    kept = f"; the last checkpoint, {ckpt.directory / str(max(steps))}, is kept" if steps else ""
+    raise ConfigError(
+        f"step {step}: the loss is {loss} and the gradient norm {grad_norm}: training diverged (train.lr={t.lr}, "
+        f"train.warmup_steps={t.warmup_steps}, train.grad_clip={t.grad_clip}); lower train.lr or raise "
+        f"train.warmup_steps{kept}"
+    )
 
 
 def _wait(step_fn: Any, state: Any, i: int) -> Any:
