@@ -356,3 +356,35 @@ def test_a_killed_pipeline_process_is_restarted_and_its_checkpoint_moves_between
     moved = _losses(tmp_path / "one.jsonl")
     assert moved[:4] == uninterrupted[:4]  # read back from the checkpoint's records
     np.testing.assert_allclose(moved[4:], uninterrupted[4:], rtol=1e-6)
+
+
+def test_a_checkpoint_of_parameters_alone_or_another_model_names_the_fix():
+    """A checkpoint an rl: run wrote holds parameters alone: resuming from it names that and the fix, not
+    another pipeline layout; a shape mismatch read through rl.init_checkpoint names that key, not a flag."""
+    import numpy as np
+
+    from hyperjax.train.checkpoint import _check_shapes
+
+    w = np.zeros((4, 4), np.float32)
+    like = {"params": {"w": w}, "opt_state": {"mu": {"w": w}}}
+    with pytest.raises(
+        ConfigError, match=r"holds parameters only, no opt_state \(what an rl: run writes\), so it cannot"
+    ):
+        _check_shapes(like, {"params": {"w": w}}, "checkpoint 'ck/2'", verb="train --resume")
+    with pytest.raises(ConfigError, match=r"rl.init_checkpoint with the model config it was written with, or point "):
+        _check_shapes(
+            {"params": {"w": w}}, {"params": {"w": np.zeros((2, 4))}}, "checkpoint 'ck/2'", "rl.init_checkpoint"
+        )
+
+
+def test_a_resumed_runs_step_time_leaves_out_both_compiling_steps_and_the_summary_names_each_stage():
+    from hyperjax import load_config, resolve
+    from hyperjax.train.loop import RunResult, summary
+
+    times = [9.0, 1.0, 1.0, 7.0, 1.2, 1.2]  # compiled at the first step and at the resumed run's first, the 4th
+    result = RunResult(losses=[1.0] * 6, step_times_s=times, memory_per_device=1, params=1, compiled=(0, 3))
+    assert result.step_time_s == pytest.approx(1.1)
+    run = resolve(load_config(Path(__file__).parents[2] / "configs/vlm-tiny-mpmd.yaml"))
+    stages = summary(run, result)["stages"]
+    assert [s["name"] for s in stages] == [s.name for s in run.stages] and len(stages) == 2
+    assert [s["mesh"] for s in stages] == [dict(s.axes) for s in run.stages] and stages[0]["mesh"] != stages[1]["mesh"]

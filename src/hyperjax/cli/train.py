@@ -320,10 +320,14 @@ def _train(ready: Prepared, args: argparse.Namespace, out_dir: str) -> int:
     )
     if lead:
         s = summary(run, result)
-        out.print(
-            f"[bold]summary[/bold]: {s['params']:,} parameters; strategy {s['strategy']}; mesh "
-            + ",".join(f"{k}={v}" for k, v in s["mesh"].items())
+        meshes = [",".join(f"{k}={v}" for k, v in stage["mesh"].items()) for stage in s["stages"]]
+        where = (
+            f"mesh {meshes[0]}"
+            if len(meshes) == 1
+            else "meshes "
+            + " | ".join(f"{stage['name']} {mesh}" for stage, mesh in zip(s["stages"], meshes, strict=True))
         )
+        out.print(f"[bold]summary[/bold]: {s['params']:,} parameters; strategy {s['strategy']}; {where}")
         out.print(f"  loss {s['first_loss']:.4f} -> {s['final_loss']:.4f} over {len(result.losses)} steps")
         out.print(f"  per-device memory of the compiled step: {s['memory_per_device_bytes'] / 2**20:.1f} MiB")
         out.print(f"  emulated step time: {s['emulated_step_time_s'] * 1e3:.1f} ms (median after compilation)")

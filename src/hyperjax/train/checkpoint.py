@@ -317,25 +317,34 @@ def _abstract(x: Any) -> Any:
 def _check_shapes(abstract: Any, saved: Any, where: str, verb: str = "resume") -> None:
     expected = {_path(k): v for k, v in jax.tree_util.tree_leaves_with_path(abstract)}
     found = {_path(k): v for k, v in jax.tree_util.tree_leaves_with_path(saved, is_leaf=lambda x: hasattr(x, "shape"))}
+    # rl.init_checkpoint names the checkpoint read; the other commands read --checkpoint-dir
+    other = f"point {verb} at a checkpoint of this model" if verb.startswith("rl.") else "use a new --checkpoint-dir"
+    params_only = found and all(p.startswith("params/") for p in found)
     for path, want in sorted(expected.items(), key=lambda kv: not kv[0].startswith("params/")):
+        if path not in found and params_only and not path.startswith("params/"):
+            raise ConfigError(
+                f"{where} holds parameters only, no {path.split('/')[0]} (what an rl: run writes), so it cannot "
+                f"{verb}; start another rl: run from its weights with rl.init_checkpoint, or give --checkpoint-dir "
+                "a folder a train run or import-hf wrote"
+            )
         if path not in found:
             raise ConfigError(
                 f"{where} has no tensor {path} (shape {tuple(want.shape)}): it was written for another model "
                 "or another pipeline layout (a pipeline's state is saved stage by stage: parallel.pipeline, "
                 "parallel.virtual_stages and parallel.stage_layers must match, an SPMD checkpoint does not "
                 "resume as a pipeline, and parallel.overlap=fb-pair runs and saves as a pipeline of one stage); "
-                f"{verb} with the config it was written with, or use a new --checkpoint-dir"
+                f"{verb} with the config it was written with, or {other}"
             )
         if tuple(found[path].shape) != tuple(want.shape):
             raise ConfigError(
                 f"{where}: tensor {path} was saved with shape {tuple(found[path].shape)} but this model has "
-                f"{tuple(want.shape)}; {verb} with the model config it was written with, or use a new --checkpoint-dir"
+                f"{tuple(want.shape)}; {verb} with the model config it was written with, or {other}"
             )
     extra = sorted(set(found) - set(expected))
     if extra:
         raise ConfigError(
             f"{where} holds tensors this model lacks ({', '.join(extra[:3])}); {verb} with the model config it "
-            "was written with, or use a new --checkpoint-dir"
+            f"was written with, or {other}"
         )
 
 

@@ -44,6 +44,7 @@ class RunResult:
       records: every step's metrics, as written to ``metrics_out``.
       collectives: with ``profile``, where the last step's collectives spent their time on process 0's
         devices (:mod:`hyperjax.train.breakdown`); empty otherwise.
+      compiled: the indices of the steps that compiled the program (the first; a resumed run's first too).
     """
 
     losses: list[float]
@@ -53,11 +54,12 @@ class RunResult:
     expert_load: list[list[float]] | None = None
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     collectives: tuple[CollectiveTime, ...] = ()
+    compiled: tuple[int, ...] = (0,)
 
     @property
     def step_time_s(self) -> float:
-        """Median step time after the first (compiling) step."""
-        times = self.step_times_s[1:] or self.step_times_s
+        """Median step time but the steps that compiled (``compiled``: the first, and a resumed run's first)."""
+        times = [t for i, t in enumerate(self.step_times_s) if i not in self.compiled] or self.step_times_s
         return statistics.median(times)
 
 
@@ -150,6 +152,7 @@ def train(
                 f"resumed from {ckpt.directory / str(restored.step)} (step {restored.step}, written on "
                 f"{restored.meta['devices']} devices under {restored.meta['strategy']})\n"
             )
+    resumed_at = len(records)  # this run's first step compiles its program
     sink = open(metrics_out, "w") if (metrics_out and lead) else None  # noqa: SIM115 (closed below)
     for record in records if sink is not None else ():
         sink.write(json.dumps(record) + "\n")
@@ -223,6 +226,7 @@ def train(
         expert_load=expert_load,
         records=records,
         collectives=tuple(collective_times(program.collectives(), timed, program.processes)) if timed else (),
+        compiled=(0, resumed_at),
     )
     if lead and out_dir is not None:
         plot_losses(result.losses, Path(out_dir) / "loss.png", title=f"{cfg.model.family}, {run.describe()}")
@@ -381,6 +385,7 @@ def summary(run: Run, result: RunResult) -> dict[str, Any]:
         "hardware": run.hardware.name,
         "strategy": run.describe(),
         "mesh": run.axes,
+        "stages": [{"name": s.name, "devices": s.devices, "mesh": dict(s.axes)} for s in run.stages],
         "devices": run.devices,
         "processes": jax.process_count(),
         "params": result.params,
