@@ -187,6 +187,11 @@ def test_checkpoint_mistakes_exit_2(tmp_path: Path, capsys):
     assert "was written for a model with model.d_ff=256, but this config has model.d_ff=128" in err
     err = _bad([*base, "--resume", "--checkpoint-dir", str(run), "--set", "train.seed=1"], capsys)
     assert "train.seed=0 but this run has train.seed=1" in err
+    # the optimizer's settings and schedule too: AdamW's state would go on under another learning rate
+    err = _bad([*base, "--resume", "--checkpoint-dir", str(run), "--set", "train.lr=0.5"], capsys)
+    assert re.search(r"train.lr=[\d.e-]+ but this run has train.lr=0.5: the optimizer would go on", err)
+    err = _bad([*base, "--resume", "--checkpoint-dir", str(run), "--set", "train.warmup_steps=7"], capsys)
+    assert "but this run has train.warmup_steps=7" in err
     # another model of the same tensor shapes, refused from the checkpoint's record before any folder is made
     relu = ["--resume", "--checkpoint-dir", str(run), "--set", "model.mlp=relu", "--out-dir", str(tmp_path / "o")]
     err = _bad([*base, *relu], capsys)

@@ -285,6 +285,11 @@ def resident_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+OPTIMIZER_KEYS = ("lr", "warmup_steps", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip")
+"""The ``train.*`` keys of the optimizer and its learning-rate schedule a checkpoint records: a run resumes only
+with the same (another would change the steps it goes on with; ``train.steps``, the schedule's length, may grow)."""
+
+
 def _meta(run: Run, records: list[dict[str, Any]]) -> dict[str, Any]:
     """What a checkpoint records beside the arrays: where the data stands, the seeds, the run so far."""
     t = run.config.train
@@ -295,6 +300,7 @@ def _meta(run: Run, records: list[dict[str, Any]]) -> dict[str, Any]:
         "devices": run.devices,
         "strategy": run.describe(),
         "model": model_record(run.config.model),
+        "optimizer": {k: getattr(t, k) for k in OPTIMIZER_KEYS},
         "records": list(records),  # a copy: orbax writes it on another thread while training goes on
     }
 
@@ -319,7 +325,8 @@ def check_resume(directory: str | Path, run: Run) -> None:
 
 
 def _check_same_run(meta: dict[str, Any], run: Run, where: Path) -> None:
-    """A checkpoint continues only the run it came from: same data, seed, global batch and model."""
+    """A checkpoint continues only the run it came from: same data, seed, global batch, model and optimizer
+    settings (:data:`OPTIMIZER_KEYS`)."""
     t = run.config.train
     want = {"source": t.data, "seed": t.seed, "global_batch": t.global_batch}
     keys = {"source": "train.data", "seed": "train.seed", "global_batch": "train.global_batch"}
@@ -330,6 +337,13 @@ def _check_same_run(meta: dict[str, Any], run: Run, where: Path) -> None:
                 f"has {keys[key]}={value!r}; resume with the same {keys[key]}, or use a new --checkpoint-dir"
             )
     check_model(meta, run.config.model, f"checkpoint {str(where)!r}")
+    for key, was in (meta.get("optimizer") or {}).items():  # recorded since the optimizer's keys were
+        if key in OPTIMIZER_KEYS and getattr(t, key) != was:
+            raise ConfigError(
+                f"checkpoint {str(where)!r} was written with train.{key}={was!r} but this run has "
+                f"train.{key}={getattr(t, key)!r}: the optimizer would go on from its state under another "
+                f"setting; resume with train.{key}={was!r}, or start a new run in a new --checkpoint-dir"
+            )
     if meta["step"] > t.steps:
         raise ConfigError(
             f"checkpoint {str(where)!r} is at step {meta['step']}, past train.steps={t.steps}; "
