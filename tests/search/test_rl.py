@@ -175,3 +175,16 @@ def test_a_phase_whose_layout_exchanges_no_tokens_resets_its_dispatcher():
         assert estimate_rl(resolve_rl(laid)).iteration_s > 0
     with pytest.raises(ConfigError, match=r"rl.learner: rl.learner.parallel.dispatcher='alltoall' says how a mixture"):
         resolve_rl(cfg)  # the config's own layouts (the learner's fsdp 4) hold every expert on each device
+
+
+def test_fp8_weight_gathers_are_the_learners_and_leave_the_rollout_as_it_is():
+    """train.fp8.all_gather gathers the learner's FSDP shards in FP8; the rollout generates and holds none, so
+    an rl: config with it resolves, plans, and keeps it where the learner runs FSDP."""
+    sets = ["hardware=dgx-h100", "train.fp8.recipe=tensorwise", "train.fp8.all_gather=true"]
+    cfg = load_config(GRPO, sets)  # the learner fsdp 4; the rollout tensor 2 x data 2
+    rl = resolve_rl(cfg)
+    assert rl.learner.config.train.fp8.all_gather is True and rl.rollout.config.train.fp8.all_gather is False
+    found = plan_rl(load_config(GRPO, [*sets, "rl.rollout.devices=null", "rl.learner.devices=null"]), 8, keep=50)
+    assert any(e.rl.config.rl.learner.parallel.fsdp > 1 for e in found.best)
+    for e in found.best:
+        assert e.rl.config.train.fp8.all_gather is (e.rl.config.rl.learner.parallel.fsdp > 1)

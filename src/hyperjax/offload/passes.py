@@ -4,6 +4,7 @@ changes."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 from hyperjax.config import Config, Run, check_run
@@ -99,12 +100,14 @@ def offload_pass(run: Run) -> OffloadResult:
     layers = deepest.layers
     start = from_recompute(run.recompute, layers, run.config.train.recompute_modules)
     # buffers for offload.prefetch layers also run every shallower schedule: the fastest is priced
-    reaches = range(1, min(o.prefetch, layers)) if o.prefetch > 1 else ()
-    problems = [
+    reaches = range(min(o.prefetch, layers) - 1, 0, -1) if o.prefetch > 1 else ()
+    problems = (
         build_problem(est, hardware=hardware, budget_bytes=budget, prefetch=o.prefetch, reach=r) for r in reaches
-    ]
+    )
     answers = []
-    for problem in [*problems, deepest]:
+    for problem in itertools.chain([deepest], problems):  # each shallower one built only when needed
+        if answers and answers[0][3].fits and answers[0][3].exposed_transfer_s == 0:
+            break  # the deepest schedule hides every transfer: no shallower one is faster
         if policy == "none":
             priced = evaluate(problem, start)
         elif policy == "manual":

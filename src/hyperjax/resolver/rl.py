@@ -77,7 +77,9 @@ def resolve_rl(config: Config, devices: int | None = None, *, hardware: Hardware
     dp = _rollout_replicas(config, r.rollout.parallel, sizes[0])
     padded = -(-wave // dp) * dp  # all of an iteration's completions (null) are padded to the replicas
     serve = ServeConfig(batch=padded, prompt_len=prompt_len, new_tokens=r.max_new_tokens)
-    generating = dataclasses.replace(base.train, global_batch=padded, micro_batch=None, microbatches=None)
+    # the rollout generates: FSDP's FP8 gathers, the learner's, are not its (it holds no FSDP shards)
+    fp8 = base.train.fp8 and dataclasses.replace(base.train.fp8, all_gather=False)
+    generating = dataclasses.replace(base.train, global_batch=padded, micro_batch=None, microbatches=None, fp8=fp8)
     check_rollout_modifiers(r.rollout.parallel)
     check_rollout_split(r.rollout.parallel)  # before the degrees are resolved: this, not their product, is the fault
     rollout = _phase(

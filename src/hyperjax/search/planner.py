@@ -362,16 +362,18 @@ def _check_held_modifiers(cfg: Config, combinations: list[dict[str, Any]], where
       ConfigError: naming the modifier, the held keys and the fix.
     """
     kept = [f"parallel.{k}" for k in set_modifiers(cfg.parallel)] + list(set_settings(cfg))
+    laid_any = False  # a held layout the config refuses altogether is named by the search, not here
     for c in combinations if kept else ():
         try:
             laid = laid_out(cfg, c)
         except HyperjaxError:  # a strategy its config refuses runs nothing: not one that has the feature
             continue
+        laid_any = True
         p, subs = laid.parallel, laid.mpmd.submeshes
         idle = {f"parallel.{k}" for k in idle_modifiers(p, subs)} | set(idle_settings(laid))
         if not (kept := [k for k in kept if k in idle]):
             return
-    if combinations and kept:
+    if laid_any and kept:
         key, held = kept[0], ", ".join(f"{k}={written(v)}" for k, v in where.items())
         field = key.removeprefix("parallel.")
         feature = FEATURES[MODIFIERS[field]] if field in MODIFIERS else IDLE_FEATURES[key]

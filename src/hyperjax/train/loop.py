@@ -290,6 +290,12 @@ OPTIMIZER_KEYS = ("lr", "warmup_steps", "min_lr_ratio", "weight_decay", "beta1",
 with the same (another would change the steps it goes on with; ``train.steps``, the schedule's length, may grow)."""
 
 
+def _optimizer(t: Any) -> dict[str, Any]:
+    """The values of :data:`OPTIMIZER_KEYS` as the config gives them (a null ``warmup_steps``, a tenth of
+    ``train.steps``, grows with the schedule's length as its cosine decay does)."""
+    return {k: getattr(t, k) for k in OPTIMIZER_KEYS}
+
+
 def _meta(run: Run, records: list[dict[str, Any]]) -> dict[str, Any]:
     """What a checkpoint records beside the arrays: where the data stands, the seeds, the run so far."""
     t = run.config.train
@@ -300,7 +306,7 @@ def _meta(run: Run, records: list[dict[str, Any]]) -> dict[str, Any]:
         "devices": run.devices,
         "strategy": run.describe(),
         "model": model_record(run.config.model),
-        "optimizer": {k: getattr(t, k) for k in OPTIMIZER_KEYS},
+        "optimizer": _optimizer(t),
         "records": list(records),  # a copy: orbax writes it on another thread while training goes on
     }
 
@@ -337,11 +343,12 @@ def _check_same_run(meta: dict[str, Any], run: Run, where: Path) -> None:
                 f"has {keys[key]}={value!r}; resume with the same {keys[key]}, or use a new --checkpoint-dir"
             )
     check_model(meta, run.config.model, f"checkpoint {str(where)!r}")
+    now = _optimizer(t)
     for key, was in (meta.get("optimizer") or {}).items():  # recorded since the optimizer's keys were
-        if key in OPTIMIZER_KEYS and getattr(t, key) != was:
+        if key in now and now[key] != was:
             raise ConfigError(
                 f"checkpoint {str(where)!r} was written with train.{key}={was!r} but this run has "
-                f"train.{key}={getattr(t, key)!r}: the optimizer would go on from its state under another "
+                f"train.{key}={now[key]!r}: the optimizer would go on from its state under another "
                 f"setting; resume with train.{key}={was!r}, or start a new run in a new --checkpoint-dir"
             )
     if meta["step"] > t.steps:
