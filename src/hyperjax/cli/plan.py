@@ -77,11 +77,7 @@ def _held(sets: list[str], cfg: Config) -> dict[str, Any]:
     p = cfg.parallel
     held = {f"parallel.{n}": getattr(p, n) for n in sorted(names & SEARCHED)}
     held |= {f"train.{n}": getattr(cfg.train, n) for n in HELD_TRAIN if n in train}
-    split = held.get("parallel.expert_tensor")
-    held = {k: v for k, v in held.items() if v is not None}
-    if split is not None and split > 1:  # held as the search writes it: null, over a tensor degree of ``split``
-        held |= {"parallel.expert_tensor": None, "parallel.tensor": split}
-    return held
+    return _as_searched(held, "parallel.")
 
 
 def _held_rl(sets: list[str], cfg: Config) -> dict[str, Any]:
@@ -99,10 +95,16 @@ def _held_rl(sets: list[str], cfg: Config) -> dict[str, Any]:
             held[key] = phase.devices
         elif parts[2] == "parallel" and len(parts) == 4 and parts[3] in SEARCHED:
             held[key] = getattr(phase.parallel, parts[3])
-    split = held.get("rl.learner.parallel.expert_tensor")
+    return _as_searched(held, "rl.learner.parallel.")
+
+
+def _as_searched(held: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """``held`` without its null (derived) values, and an expert tensor degree above 1 under ``prefix`` as the
+    search writes it: null, over a tensor degree of that many devices."""
+    split = held.get(f"{prefix}expert_tensor")
     held = {k: v for k, v in held.items() if v is not None}
-    if split is not None and split > 1:  # held as the search writes it: null, over a tensor degree of ``split``
-        held |= {"rl.learner.parallel.expert_tensor": None, "rl.learner.parallel.tensor": split}
+    if split is not None and split > 1:
+        held |= {f"{prefix}expert_tensor": None, f"{prefix}tensor": split}
     return held
 
 

@@ -211,6 +211,15 @@ def idle_exchange(p: ParallelConfig, submeshes: Sequence[SubmeshConfig] = ()) ->
     return {k: getattr(p, k) for k in EXCHANGE_KEYS if getattr(p, k) != getattr(unset, k)}
 
 
+def without_idle_exchange(
+    p: ParallelConfig, submeshes: Sequence[SubmeshConfig] = (), keep: Sequence[str] = ()
+) -> ParallelConfig:
+    """``p`` with its :func:`idle_exchange` keys back at their defaults, but those in ``keep``."""
+    unset = ParallelConfig()
+    idle = [k for k in idle_exchange(p, submeshes) if k not in keep]
+    return dataclasses.replace(p, **{k: getattr(unset, k) for k in idle}) if idle else p
+
+
 def without_idle_modifiers(p: ParallelConfig, submeshes: Sequence[SubmeshConfig] = ()) -> ParallelConfig:
     """``p`` with its :func:`idle_modifiers` back at their defaults (what a planner's candidate runs)."""
     unset = ParallelConfig()

@@ -21,6 +21,7 @@ import math
 from typing import Any
 
 from hyperjax.config import Config, ParallelConfig
+from hyperjax.config.parallel import exchanges_tokens
 from hyperjax.cost import (
     grad_bytes,
     optimizer_bytes,
@@ -75,8 +76,9 @@ def lower_bound(cfg: Config, overrides: dict[str, Any], hardware: Hardware, budg
     e = 2 if cfg.train.dtype == "bfloat16" else 4
     g, (master, moments) = grad_bytes(cfg.train), optimizer_bytes(cfg.train)
     expert_tensor = overrides.get("parallel.expert_tensor") in (None, axes["tensor"]) or axes["tensor"] == 1
-    # the dispatcher the candidate runs: the config's where its experts spread over devices, else reset
-    dispatcher = cfg.parallel.dispatcher if expert > 1 or not expert_tensor else ParallelConfig().dispatcher
+    # the dispatcher the candidate runs: the config's where its experts exchange tokens, else reset
+    spread = ParallelConfig(expert=expert, tensor=axes["tensor"], expert_tensor=overrides.get("parallel.expert_tensor"))
+    dispatcher = cfg.parallel.dispatcher if exchanges_tokens(spread) else ParallelConfig().dispatcher
     for recompute in RECOMPUTE:
         layers = [
             price_layer(

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hyperjax.config import Config, ParallelConfig, PhaseConfig, check_key
-from hyperjax.config.parallel import MODIFIERS, idle_exchange
+from hyperjax.config.parallel import MODIFIERS, without_idle_exchange
 from hyperjax.cost.rl import RLEstimate, estimate_rl
 from hyperjax.errors import ConfigError, HyperjaxError, expect, positive_int
 from hyperjax.resolver import (
@@ -92,9 +92,8 @@ def with_layouts(
 
     def phase(n: int, overrides: dict[str, Any], own: ParallelConfig) -> PhaseConfig:
         degrees = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("parallel.")}
-        p = runtime_parallel(own, **degrees)
-        unset = ParallelConfig()  # a dispatcher where the degrees exchange no tokens resets, as a candidate's does
-        p = dataclasses.replace(p, **{k: getattr(unset, k) for k in idle_exchange(p) if k not in degrees})
+        # a dispatcher where the degrees exchange no tokens resets, as a candidate's does
+        p = without_idle_exchange(runtime_parallel(own, **degrees), keep=tuple(degrees))
         return PhaseConfig(devices=None if colocated else n, parallel=p)
 
     trains = {k.split(".", 1)[1]: v for k, v in learner[1].items() if k.startswith("train.")}  # fp8.all_gather too
