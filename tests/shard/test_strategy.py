@@ -254,3 +254,85 @@ def test_the_patterns_a_state_adds_may_match_nothing(mesh):
     pure = nnx.to_pure_dict(state)  # the '*/...' patterns match nothing here, and that is no mistake
     assert s.shardings(pure, mesh)["blocks"][0]["mlp"]["w_in"].spec == P(None, "tensor")
     assert pickle.loads(pickle.dumps(s)).shardings({"mu": pure}, mesh)["mu"]["embed"].spec == P("tensor", None)
+
+
+def test_with_param_axes_gives_moments_the_axes_of_the_longest_path_they_end_with(mesh):
+    import optax
+
+    param = lambda shape, axes: nnx.Param(jnp.ones(shape), out_sharding=axes, eager_sharding=False)
+    state = nnx.State(
+        {
+            "out": {"kernel": param((16, 64), ("embed", "mlp"))},
+            "stages": {"0": {"out": {"kernel": param((64, 16), ("mlp", "embed"))}}},
+        }
+    )
+    s = Strategy(rules=RULES)
+    opt = optax.adam(1e-3).init(nnx.to_pure_dict(state))
+    placed = s.with_param_axes(state).shardings(opt, mesh, role="optimizer")
+    assert s.shardings(state, mesh)["stages"]["0"]["out"]["kernel"].get_value().spec == P("tensor", None)
+    for moment in (placed[0].mu, placed[0].nu):
+        assert moment["stages"]["0"]["out"]["kernel"].spec == P("tensor", None)
+        assert moment["out"]["kernel"].spec == P(None, "tensor")
+
+
+def test_with_param_axes_does_not_hold_the_copies_to_the_patterns_that_named_the_state(mesh):
+    import optax
+
+    s = Strategy(rules=RULES, params={"w_in": ("embed", "mlp")}, zero_stage=1)
+    params = {"w_in": jnp.ones((64, 256)), "b_in": jnp.zeros((256,))}  # b_in replicated on purpose
+    opt = optax.adam(1e-3).init(params)
+    placed = s.with_param_axes(params).shardings(opt, mesh, role="optimizer")
+    assert placed[0].mu["w_in"].spec == P("data", "tensor")
+    with pytest.raises(ShardingError, match=r"pattern 'w_in' matches no tensor"):
+        s.shardings(opt, mesh, role="optimizer")  # without the state's patterns the moments would go unnamed
+
+
+def test_a_pattern_naming_other_axes_than_a_tensors_annotation_is_refused(mesh):
+    state = nnx.State({"kernel": nnx.Param(jnp.ones((64, 256)), out_sharding=("embed", "mlp"), eager_sharding=False)})
+    with pytest.raises(
+        ShardingError,
+        match=r"tensor 'kernel': its sharding metadata names logical axes \('embed', 'mlp'\), but params pattern "
+        r"'kernel' names \('mlp', 'embed'\)",
+    ):
+        Strategy(rules=RULES, params={"kernel": ("mlp", "embed")}).shardings(state, mesh)
+    agreeing = Strategy(rules=RULES, params={"kernel": ("embed", "mlp")})
+    assert agreeing.shardings(state, mesh)["kernel"].get_value().spec == P(None, "tensor")
+
+
+def test_spec_refuses_a_mesh_axis_named_by_two_dimensions():
+    s = Strategy(rules={"batch": "data", "embed": "data"})
+    with pytest.raises(ShardingError, match=r"spec\(\('batch', 'embed'\)\): mesh axis 'data' is used twice"):
+        s.spec(("batch", "embed"))
+
+
+def test_explain_counts_a_prng_keys_bytes(mesh):
+    state = nnx.state(nnx.Dropout(0.1, rngs=nnx.Rngs(dropout=0)))
+    table = Strategy(rules={}).explain(state, mesh)
+    keys = [row for row in table.rows if row.path.endswith("key")]
+    assert keys and keys[0].bytes_total == 8  # a threefry key: two uint32 words
+
+
+def test_linen_boxes_name_their_tensors_axes(mesh):
+    from flax import linen as nn
+
+    dense = nn.Dense(64, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp")))
+    variables = dense.init(jax.random.key(0), jnp.ones((2, 16)))
+    placed = Strategy(rules=RULES).shardings(variables["params"], mesh)
+    assert isinstance(placed["kernel"], nn.Partitioned)
+    assert placed["kernel"].value.spec == P(None, "tensor")
+    assert placed["bias"].spec == P(None)
+    logical = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("mlp", "embed"))
+    boxed = nn.Dense(16, kernel_init=logical).init(jax.random.key(0), jnp.ones((2, 64)))["params"]
+    assert Strategy(rules=RULES).shardings(boxed, mesh)["kernel"].value.spec == P("tensor", None)
+
+
+def test_constrain_on_a_mesh_of_explicit_axes_reshards():
+    explicit = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    s = Strategy(rules={"batch": "data", "mlp": "tensor"})
+    x = jnp.arange(8 * 64.0).reshape(8, 64)
+    with jax.set_mesh(explicit):
+        y = jax.jit(lambda x: s.constrain(x * 2, ("batch", "mlp")))(x)
+    assert y.sharding.spec == P("data", "tensor")
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x) * 2)
+    with pytest.raises(ShardingError, match=r"Explicit axes.*jax.set_mesh"):
+        jax.jit(lambda x: s.constrain(x, ("batch", "mlp"), mesh=explicit))(x)

@@ -74,6 +74,23 @@ def one_per_dimension(logical_axes: Any) -> None:
         )
 
 
+def check_one_use(what: str, logical_axes: Sequence[Any], per_dim: Sequence[Sequence[str]]) -> None:
+    """No mesh axis splits two dimensions of one tensor (``per_dim``: each dimension's mesh axes).
+
+    Raises:
+      ShardingError: naming both logical axes and the fix.
+    """
+    seen: dict[str, Any] = {}
+    for name, axes in zip(logical_axes, per_dim, strict=True):
+        for axis in axes:
+            if axis in seen:
+                raise ShardingError(
+                    f"{what}: mesh axis {axis!r} is used twice in one spec, by logical axes "
+                    f"{seen[axis]!r} and {name!r}; map one of them to another mesh axis or to null"
+                )
+            seen[axis] = name
+
+
 def check_mesh(mesh: Any) -> None:
     """``mesh`` is a JAX mesh.
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from hyperjax.shard.metadata import LogicalAxes
@@ -56,3 +59,26 @@ class Explanation:
             "[bold]total[/bold]", "", "", f"{self.bytes_total:,} unsharded", f"[bold]{self.bytes_per_device:,}[/bold]"
         )
         return table
+
+
+def placement(path: str, value: Any, axes: LogicalAxes | None, sharding: jax.sharding.NamedSharding) -> TensorPlacement:
+    """The row of one tensor (an array or its shape) placed by ``sharding``."""
+    shape = tuple(np.shape(value))
+    itemsize = _itemsize(value)
+    return TensorPlacement(
+        path=path,
+        shape=shape,
+        logical_axes=axes,
+        spec=sharding.spec,
+        bytes_per_device=int(math.prod(sharding.shard_shape(shape))) * itemsize,
+        bytes_total=int(math.prod(shape)) * itemsize,
+    )
+
+
+def _itemsize(value: Any) -> int:
+    """Bytes per element of an array, a ``jax.ShapeDtypeStruct`` or a typed PRNG key (its key data's)."""
+    dtype = getattr(value, "dtype", np.float32)
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(np.shape(value), dtype))
+        return data.dtype.itemsize * math.prod(data.shape[np.ndim(value) :])
+    return np.dtype(dtype).itemsize

@@ -1,8 +1,10 @@
 """Logical axes read from a variable's metadata: hyperjax's ``logical_axes``, or flax's own annotation.
 
-flax 0.12 stores every sharding annotation (``nnx.with_partitioning``, ``out_sharding=``, and the
+flax 0.12 stores every NNX sharding annotation (``nnx.with_partitioning``, ``out_sharding=``, and the
 deprecated ``sharding_names=`` / ``sharding=`` keywords) under ``out_sharding``; the older keys are read for
-older flax. The names are logical axes here: a :class:`hyperjax.Strategy`'s ``rules`` place them.
+older flax. A linen parameter carries its names in a box (``nn.with_partitioning``'s ``nn.Partitioned``,
+``nn.with_logical_partitioning``'s ``nn.LogicallyPartitioned``). The names are logical axes here: a
+:class:`hyperjax.Strategy`'s ``rules`` place them.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from flax import nnx
+from flax.core import meta
 from jax.sharding import PartitionSpec as P
 
 from hyperjax.errors import ShardingError
@@ -55,3 +59,31 @@ def unreadable(value: Any) -> str:
             continue
         return f"entry {i} ({entry!r}) is neither a name, None nor a tuple of names"
     return ""
+
+
+def is_annotated(x: Any) -> bool:
+    """Whether ``x`` is a leaf that can carry its own logical axes: an ``nnx.Variable`` or a linen box."""
+    return isinstance(x, nnx.Variable | meta.Partitioned)
+
+
+def leaf_value(x: Any) -> Any:
+    """The array (or shape) inside an annotated leaf; any other leaf itself."""
+    if isinstance(x, nnx.Variable):
+        return x.get_value()
+    return x.value if isinstance(x, meta.Partitioned) else x
+
+
+def own_axes(path: str, x: Any) -> LogicalAxes | None:
+    """The logical axes an annotated leaf names (``None`` for any other leaf, or a variable without them)."""
+    if isinstance(x, nnx.Variable):
+        return metadata_axes(path, x.get_metadata())
+    if isinstance(x, meta.Partitioned):
+        return metadata_axes(path, {"logical_axes": x.names})
+    return None
+
+
+def reboxed(x: Any, value: Any) -> Any:
+    """``value`` in the box (variable, linen box) ``x`` is in; ``value`` itself for a bare leaf."""
+    if isinstance(x, nnx.Variable):
+        return x.replace(value=value)
+    return x.replace_boxed(value) if isinstance(x, meta.Partitioned) else value

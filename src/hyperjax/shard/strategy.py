@@ -27,15 +27,22 @@ from typing import Any, Literal
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import keystr
 
 from hyperjax.errors import ShardingError
-from hyperjax.shard.checks import check_mesh, check_patterns, checked_fields, context_mesh, one_per_dimension, unsplit
-from hyperjax.shard.explanation import Explanation, TensorPlacement
-from hyperjax.shard.metadata import LogicalAxes, metadata_axes
+from hyperjax.shard.checks import (
+    check_mesh,
+    check_one_use,
+    check_patterns,
+    checked_fields,
+    context_mesh,
+    one_per_dimension,
+    unsplit,
+)
+from hyperjax.shard.explanation import Explanation, placement
+from hyperjax.shard.metadata import LogicalAxes, is_annotated, leaf_value, own_axes, reboxed
 
 MeshAxes = str | tuple[str, ...] | None
 Role = Literal["params", "gradients", "optimizer"]
@@ -129,10 +136,12 @@ class Strategy:
           The spec, with each logical axis replaced by its mesh axes from ``rules``.
 
         Raises:
-          ShardingError: a logical axis has no rule.
+          ShardingError: a logical axis has no rule, or two dimensions map to one mesh axis.
         """
         one_per_dimension(logical_axes)
-        return P(*(spec_entry(self.mesh_axes(name)) for name in logical_axes))
+        per_dim = [self.mesh_axes(name) for name in logical_axes]
+        check_one_use(f"spec({tuple(logical_axes)!r})", logical_axes, per_dim)
+        return P(*(spec_entry(axes) for axes in per_dim))
 
     def logical_axes(self, tree: Any) -> Any:
         """The logical axes of every leaf of ``tree`` (a tuple per leaf; ``None`` where nothing names them).
@@ -141,8 +150,10 @@ class Strategy:
         ``out_sharding`` (where flax 0.12 keeps ``nnx.with_partitioning(init, names)``,
         ``nnx.Param(value, out_sharding=names)`` and the deprecated ``sharding_names=`` / ``sharding=``), a
         tuple or ``PartitionSpec`` whose names are logical axes here: they go through ``rules`` (flax's own
-        ``sharding_rules`` metadata and ``nnx.logical_axis_rules`` are not consulted). A variable without
-        such metadata, and any other leaf, uses the first ``params`` pattern that matches its key path.
+        ``sharding_rules`` metadata and ``nnx.logical_axis_rules`` are not consulted). A linen parameter boxed
+        by ``nn.with_partitioning`` or ``nn.with_logical_partitioning`` uses its box's names alike. A variable
+        without such metadata, and any other leaf, uses the first ``params`` pattern that matches its key
+        path; a pattern that names other axes for an annotated leaf is an error (one source per tensor).
 
         Args:
           tree: a pytree of arrays, ``jax.ShapeDtypeStruct`` s or ``nnx.Variable`` s (an NNX state).
@@ -152,21 +163,25 @@ class Strategy:
 
         Raises:
           ShardingError: a variable's sharding metadata is not a tuple (or ``PartitionSpec``) of logical axis
-            names, ``None`` and tuples of names, or two of its metadata keys name different axes.
+            names, ``None`` and tuples of names, two of its metadata keys name different axes, or a ``params``
+            pattern names other axes than its metadata.
         """
 
         def one(path: tuple, leaf: Any) -> LogicalAxes | None:
             name = keystr(path, simple=True, separator="/")
-            if isinstance(leaf, nnx.Variable):
-                axes = metadata_axes(name, leaf.get_metadata())
-                if axes is not None:
-                    return axes
-            for pattern, axes in self.params.items():
-                if fnmatch.fnmatchcase(name, pattern):
-                    return axes
-            return None
+            matched = next(((p, a) for p, a in self.params.items() if fnmatch.fnmatchcase(name, p)), None)
+            own = own_axes(name, leaf)
+            if own is None:
+                return None if matched is None else matched[1]
+            if matched is not None and matched[0] not in self._derived and tuple(matched[1]) != own:
+                raise ShardingError(
+                    f"tensor {name!r}: its sharding metadata names logical axes {own}, but params pattern "
+                    f"{matched[0]!r} names {tuple(matched[1])}; drop the pattern or the annotation, so that one "
+                    "source names its axes"
+                )
+            return own
 
-        return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_variable)
+        return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_annotated)
 
     def shardings(self, tree: Any, mesh: jax.sharding.Mesh, *, role: Role = "params") -> Any:
         """A ``NamedSharding`` for every leaf of ``tree``, checked against the leaf's shape.
@@ -197,15 +212,15 @@ class Strategy:
         paths, bare = [], []  # every leaf's path; those of the tensors nothing names, which are replicated
 
         def one(path: tuple, leaf: Any) -> Any:
-            value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+            value = leaf_value(leaf)
             (axes,) = self._axes_of(leaf, path)
             name = keystr(path, simple=True, separator="/")
             paths.append(name)
             bare.extend([name] if axes is None and np.ndim(value) > 0 else [])
             sharding = NamedSharding(mesh, self.check(name, np.shape(value), axes, mesh, zero=zero))
-            return leaf.replace(value=sharding) if isinstance(leaf, nnx.Variable) else sharding
+            return reboxed(leaf, sharding)
 
-        out = jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_variable)
+        out = jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_annotated)
         check_patterns([p for p in self.params if p not in self._derived], paths, bare)
         return out
 
@@ -254,7 +269,6 @@ class Strategy:
             per_dim = [list(self.mesh_axes(name)) for name in logical_axes]
         except ShardingError as e:
             raise ShardingError(f"{what}: {e}") from None
-        seen: dict[str, str | None] = {}
         for name, axes in zip(logical_axes, per_dim, strict=True):
             for axis in axes:
                 if axis not in mesh.shape:
@@ -262,12 +276,8 @@ class Strategy:
                         f"{what}: logical axis {name!r} maps to mesh axis {axis!r}, which the mesh "
                         f"{dict(mesh.shape)} does not have; fix the rule for {name!r}"
                     )
-                if axis in seen:
-                    raise ShardingError(
-                        f"{what}: mesh axis {axis!r} is used twice in one spec, by logical axes "
-                        f"{seen[axis]!r} and {name!r}; map one of them to another mesh axis or to null"
-                    )
-                seen[axis] = name
+        check_one_use(what, logical_axes, per_dim)
+        seen = {axis for axes in per_dim for axis in axes}
         for name, axes, size in zip(logical_axes, per_dim, shape, strict=True):
             ways = math.prod(mesh.shape[a] for a in axes)
             if size % ways:
@@ -297,17 +307,24 @@ class Strategy:
         under optimizer-state fields) then shard like the variables they mirror: the pattern for
         ``blocks/0/mlp/w_in`` is that path itself and ``*/blocks/0/mlp/w_in``.
         """
-        found: dict[str, LogicalAxes] = {}
+        named: dict[str, LogicalAxes] = {}
 
         def record(path: tuple, leaf: Any) -> None:
             (axes,) = self._axes_of(leaf, path)
             if axes is not None:
-                name = keystr(path, simple=True, separator="/")
-                found[name] = found[f"*/{name}"] = axes
+                named[keystr(path, simple=True, separator="/")] = axes
 
-        jax.tree_util.tree_map_with_path(record, state, is_leaf=_is_variable)
+        jax.tree_util.tree_map_with_path(record, state, is_leaf=is_annotated)
+        # the longest paths first: the first pattern that matches wins, and ``*/out/kernel`` also matches the
+        # moments of ``stages/0/out/kernel``, which ``*/stages/0/out/kernel`` must claim before it
+        found: dict[str, LogicalAxes] = {}
+        for name in sorted(named, key=lambda n: -n.count("/")):
+            found[name] = found[f"*/{name}"] = named[name]
+        # a pattern of the caller's that named variables of the state is mirrored by theirs: the copies of the
+        # state need not match it
+        covered = {p for p in self.params if any(fnmatch.fnmatchcase(n, p) for n in named)}
         out = dataclasses.replace(self, params={**found, **self.params})
-        object.__setattr__(out, "_derived", self._derived | (found.keys() - self.params.keys()))
+        object.__setattr__(out, "_derived", self._derived | (found.keys() - self.params.keys()) | covered)
         return out
 
     def explain(self, tree: Any, mesh: jax.sharding.Mesh, *, role: Role = "params") -> Explanation:
@@ -317,22 +334,12 @@ class Strategy:
           ShardingError: as :meth:`shardings`.
         """
         shardings = self.shardings(tree, mesh, role=role)
-        rows = []
-        for (path, leaf), sharding in zip(_leaves(tree), jax.tree.leaves(shardings), strict=True):
-            value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
-            shape, dtype = tuple(np.shape(value)), np.dtype(getattr(value, "dtype", np.float32))
-            local = sharding.shard_shape(shape)
-            (axes,) = self._axes_of(leaf, path)
-            rows.append(
-                TensorPlacement(
-                    path=keystr(path, simple=True, separator="/"),
-                    shape=shape,
-                    logical_axes=axes,
-                    spec=sharding.spec,
-                    bytes_per_device=int(math.prod(local)) * dtype.itemsize,
-                    bytes_total=int(math.prod(shape)) * dtype.itemsize,
-                )
+        rows = [
+            placement(
+                keystr(path, simple=True, separator="/"), leaf_value(leaf), self._axes_of(leaf, path)[0], sharding
             )
+            for (path, leaf), sharding in zip(_leaves(tree), jax.tree.leaves(shardings), strict=True)
+        ]
         return Explanation(rows=tuple(rows), mesh_shape=dict(mesh.shape))
 
     def _axes_of(self, leaf: Any, path: tuple) -> list[LogicalAxes | None]:
@@ -372,6 +379,14 @@ class Strategy:
         check_mesh(mesh)
         what = f"x in constrain(x, {tuple(logical_axes)!r})"
         spec = self._check(what, np.shape(x), tuple(logical_axes), mesh)
+        if jax.sharding.AxisType.Explicit in mesh.axis_types:  # the layout is the array's type: change it
+            if isinstance(x, jax.core.Tracer) and jax.sharding.get_abstract_mesh().empty:
+                raise ShardingError(
+                    f"{what}: the mesh {dict(mesh.shape)} has Explicit axes, whose layouts jit types only under "
+                    "a mesh set around it; call the jitted function inside `with jax.set_mesh(mesh):`, or make "
+                    "the mesh with hyperjax.make_mesh (Auto axes)"
+                )
+            return jax.sharding.reshard(x, NamedSharding(mesh, spec))
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
@@ -382,7 +397,7 @@ def _rebuilt(cls: type[Strategy], fields: dict[str, Any], derived: frozenset[str
 
 
 def _leaves(tree: Any) -> list[tuple[tuple, Any]]:
-    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)[0]
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_annotated)[0]
 
 
 def _at_path(path: tuple, leaf: Any) -> Any:
@@ -402,10 +417,6 @@ def spec_entry(axes: tuple[str, ...]) -> MeshAxes:
 def entry_axes(entry: MeshAxes) -> tuple[str, ...]:
     """The mesh axes of one ``PartitionSpec`` entry."""
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
 
 
 def place(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
