@@ -44,6 +44,8 @@ def write(folder, **changes):
         ({"attention_bias": True, "mlp_bias": False}, "attention_bias=True with mlp_bias=False"),
         ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=True"),
         ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types="),
+        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+         "sliding_window=16"),
         ({"logit_softcapping": 30.0}, "logit_softcapping=30.0"),
         ({"num_attention_heads": 5}, "model.d_model=64 is not divisible by model.heads=5"),
         ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -53,7 +55,7 @@ def write(folder, **changes):
         ({"num_attention_heads": 0}, "num_attention_heads=0 must be at least 1"),
         ({"hidden_size": "64"}, "hidden_size='64' has the wrong type: expected an integer, got str"),
     ],
-    ids=["model-type", "sliding", "rope-type", "act", "bias-mix", "qwen3-bias", "layer-types", "unknown",
+    ids=["model-type", "sliding", "rope-type", "act", "bias-mix", "qwen3-bias", "layer-types", "qwen-slides", "unknown",
          "shape", "sparse-layers", "sparse-step-0", "no-heads", "string"],
 )  # fmt: skip
 def test_a_field_hyperjax_cannot_honour_exits_2_naming_it(capsys, tmp_path, changes, message):
@@ -162,26 +164,32 @@ def test_weights_of_another_model_exit_2_naming_the_tensor(capsys, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_generate_encodes_and_decodes_with_the_tokenizer(capsys, tmp_path):
+@pytest.mark.parametrize(("arch", "bos"), [("qwen3", None), ("llama", 1)])
+def test_generate_encodes_and_decodes_with_the_tokenizer(capsys, tmp_path, arch, bos):
+    """Text is encoded with the special tokens the tokenizer's template adds (a Llama's beginning of sequence),
+    as transformers' tokenizer encodes it."""
     pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
     from tests.hf.models import VOCAB, greedy, make
 
-    model = make("qwen3", tmp_path / "hf")
+    model = make(arch, tmp_path / "hf")
     words = {f"w{i}": i for i in range(VOCAB)}
     tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if bos is not None:
+        tok.post_processor = processors.TemplateProcessing(single=f"w{bos} $A", special_tokens=[(f"w{bos}", bos)])
     tok.save(str(tmp_path / "hf" / "tokenizer.json"))
     assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "q3"), "--set", "model.seq_len=64"]) == 0
     assert (tmp_path / "q3" / "tokenizer.json").is_file()
     capsys.readouterr()
     args = ["generate", str(tmp_path / "q3" / "config.yaml"), "--checkpoint-dir", str(tmp_path / "q3" / "checkpoint")]
-    assert main([*args, "--prompt", "w5 w9 w12", "--max-new-tokens", "8", "--json"]) == 0
+    assert main([*args, "--prompt", "w5 w9 w12", "--max-new-tokens", "8", "--ignore-eos", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    want = greedy(model, [5, 9, 12], 8)
+    ids = [*([] if bos is None else [bos]), 5, 9, 12]
+    want = greedy(model, ids, 8)
     assert out["tokens"] == [want]
-    assert out["text"] == [tok.decode([5, 9, 12, *want])]
+    assert out["text"] == [tok.decode([*ids, *want])]
 
 
 def test_fields_left_out_read_as_transformers_defaults_them():
@@ -349,3 +357,10 @@ def test_a_config_json_given_is_its_folder_for_import_and_export(capsys, tmp_pat
     assert main([*gen, "--prompt", "Hello", "--max-new-tokens", "2"]) == 2
     assert "beside CONFIG is vocab.json, merges.txt, which generate does not read" in capsys.readouterr().err
     assert main([*gen, "--prompt-ids", "1,2", "--max-new-tokens", "2", "--json"]) == 0
+
+
+def test_a_qwen_window_no_layer_reaches_is_full_attention(tmp_path):
+    """transformers slides Qwen2/3's layers from ``max_window_layers`` on: at or past the last, none slides."""
+    for window_layers in (2, 28):
+        hf = {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16}
+        assert load_config_json({**LLAMA, **hf, "max_window_layers": window_layers}).model.layers == 2

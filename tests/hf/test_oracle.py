@@ -214,3 +214,88 @@ def test_weights_import_with_the_experts_run_settings_changed(imported, tmp_path
     capsys.readouterr()
     assert main([*args, "--set", "model.moe.top_k=1"]) == 2
     assert "--set model.moe.top_k: 1 changes the model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_export_writes_back_the_special_tokens_and_the_balancing_weight(imported, tmp_path, arch):
+    import transformers
+
+    model, hf, folder = imported(arch)
+    original = json.loads((hf / "config.json").read_text())
+    args = ["export-hf", str(folder / "config.yaml"), "--checkpoint-dir", str(folder / "checkpoint")]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert written.get(key) == original.get(key), key
+    back = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    assert (back.bos_token_id, back.eos_token_id, back.pad_token_id) == (
+        model.config.bos_token_id,
+        model.config.eos_token_id,
+        model.config.pad_token_id,
+    )
+    if arch == "qwen3_moe":
+        assert written["router_aux_loss_coef"] == original["router_aux_loss_coef"]
+
+
+def test_export_refuses_a_folder_holding_files_it_does_not_write_and_the_imported_one(imported, tmp_path, capsys):
+    _, hf, folder = imported("qwen3")
+    args = ["export-hf", str(folder / "config.yaml"), "--checkpoint-dir", str(folder / "checkpoint")]
+    download = tmp_path / "download"
+    download.mkdir()
+    for name in ("config.json", "model.safetensors", "LICENSE", "README.md"):
+        (download / name).write_text("keep")
+    (download / "original").mkdir()
+    capsys.readouterr()
+    assert main([*args, "--out", str(download)]) == 2
+    assert "holds LICENSE, README.md, original/, which this command does not write" in capsys.readouterr().err
+    assert sorted(p.name for p in download.iterdir()) == [
+        "LICENSE",
+        "README.md",
+        "config.json",
+        "model.safetensors",
+        "original",
+    ]
+    before = {p.name: p.read_bytes() for p in hf.iterdir() if p.is_file()}
+    assert main([*args, "--out", str(hf)]) == 2  # the folder the weights were imported from
+    assert "the folder the checkpoint was imported from" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in hf.iterdir() if p.is_file()} == before
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0  # a folder it wrote is replaced
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+
+
+def test_generate_stops_at_the_imported_configs_end_of_sequence_without_a_generation_config(imported, tmp_path, capsys):
+    import shutil
+
+    model, hf, _ = imported("qwen2")
+    bare = tmp_path / "hf"
+    shutil.copytree(hf, bare)
+    (bare / "generation_config.json").unlink(missing_ok=True)
+    want = greedy(model, PROMPT, 8)
+    config = json.loads((bare / "config.json").read_text()) | {"eos_token_id": want[3]}
+    (bare / "config.json").write_text(json.dumps(config))
+    assert main(["import-hf", str(bare), "--out", str(tmp_path / "hj"), "--set", "model.seq_len=64"]) == 0
+    capsys.readouterr()
+    for where in (tmp_path / "hj" / "config.yaml", bare):  # the import's folder, and the Hugging Face one
+        args = ["generate", str(where), "--checkpoint-dir", str(tmp_path / "hj" / "checkpoint"), "--json"]
+        assert main([*args, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "8"]) == 0
+        assert json.loads(capsys.readouterr().out)["tokens"] == [want[: want.index(want[3]) + 1]]
+
+
+def test_an_untied_gpt2_imports_and_exports_with_transformers_logits(tmp_path):
+    import torch
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=64, n_layer=2, n_embd=32, n_head=4, n_positions=64, attn_pdrop=0.0,
+                                     embd_pdrop=0.0, resid_pdrop=0.0, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.copy_(0.3 * torch.randn_like(model.lm_head.weight))  # not the embedding
+    model.save_pretrained(tmp_path / "hf")
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "hj")]) == 0
+    close(our_logits(tmp_path / "hj", TOKENS, ["emulate.devices=1"]), logits(model, TOKENS))
+    args = ["export-hf", str(tmp_path / "hj" / "config.yaml"), "--checkpoint-dir", str(tmp_path / "hj" / "checkpoint")]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert back.config.tie_word_embeddings is False
+    close(logits(back, TOKENS), logits(model, TOKENS))

@@ -171,7 +171,9 @@ def _beside(config: str) -> Path | None:
 
 def _eos(args: argparse.Namespace, vocab: int) -> tuple[int, ...]:
     """The end-of-sequence ids a continuation stops at: ``--eos-id``, else ``eos_token_id`` of a
-    ``generation_config.json`` beside the config (an id or a list of them); none with ``--ignore-eos``.
+    ``generation_config.json`` beside the config (an id or a list of them), else of the Hugging Face config
+    the model came from (an import's ``source_config.json``, or a ``config.json`` beside it); none with
+    ``--ignore-eos``.
 
     Raises:
       ConfigError: both flags, an id outside the vocabulary, or a generation_config.json that cannot be read.
@@ -185,13 +187,20 @@ def _eos(args: argparse.Namespace, vocab: int) -> tuple[int, ...]:
     if args.eos_id:
         given, where = args.eos_id, "--eos-id"
     else:
+        from hyperjax.hf.convert import source_config
+
         file = _folder(args.config) / "generation_config.json"
-        if not file.is_file():
+        if file.is_file():
+            try:
+                given = json.loads(file.read_text()).get("eos_token_id")
+            except (ValueError, AttributeError):
+                raise ConfigError(
+                    f"{str(file)!r} is not a JSON object; fix it, or give --eos-id or --ignore-eos"
+                ) from None
+        elif (found := source_config(_folder(args.config))) is not None:  # as transformers derives it
+            file, given = found[0], found[1].get("eos_token_id")
+        else:
             return ()
-        try:
-            given = json.loads(file.read_text()).get("eos_token_id")
-        except (ValueError, AttributeError):
-            raise ConfigError(f"{str(file)!r} is not a JSON object; fix it, or give --eos-id or --ignore-eos") from None
         given, where = ([] if given is None else given if isinstance(given, list) else [given]), f"{str(file)!r}"
     for token in given:
         if not integral(token) or not 0 <= token < vocab:

@@ -243,15 +243,19 @@ def _llama_like(field: _Fields, kind: str) -> dict[str, Any]:
     heads = field.get("num_attention_heads")
     layers = field.get("num_hidden_layers")
     field.want("hidden_act", ("silu",), "hyperjax's gated MLP here is SwiGLU (silu)")
-    if kind in ("mistral", "mixtral") or field.get("use_sliding_window", False, kind=bool):
+    types = field.get("layer_types", None, kind=list)
+    slides = kind in ("mistral", "mixtral")
+    if not slides and types is None and field.get("use_sliding_window", False, kind=bool):
+        # Qwen2/3 slide from layer max_window_layers on (transformers' layer_types): none below it
+        slides = field.get("max_window_layers", layers, least=0) < layers
+    if slides:
         window = field.get("sliding_window", None)
         if window is not None:
             raise ConfigError(
                 f"{field.where}: sliding_window={window} is not supported: hyperjax's attention sees every "
                 "earlier token"
             )
-    field.read.add("sliding_window")  # unused unless use_sliding_window (Qwen2/3 give it but switch it off)
-    types = field.get("layer_types", None, kind=list)
+    field.read.update({"sliding_window", "use_sliding_window"})  # Qwen2/3 give them but switch them off
     if types is not None and any(t != "full_attention" for t in types):
         raise ConfigError(f"{field.where}: layer_types={types!r} is not supported: every layer is full attention")
     if kind == "qwen2":

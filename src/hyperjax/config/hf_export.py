@@ -23,8 +23,8 @@ def hf_model_type(m: ModelConfig) -> str:
     why = _unwritable(m)
     if why:
         raise ConfigError(f"no Hugging Face model_type hyperjax writes describes this model: {why}")
-    gpt2 = ("layernorm", "gelu", "learned", True, True, True, False)
-    if (m.norm, m.mlp, m.positions, m.tie_embeddings, m.bias, m.qkv_bias, m.qk_norm) == gpt2:
+    gpt2 = ("layernorm", "gelu", "learned", True, True, False)
+    if (m.norm, m.mlp, m.positions, m.bias, m.qkv_bias, m.qk_norm) == gpt2:
         return "gpt2"
     if m.moe is not None:
         return "qwen3_moe" if m.qk_norm else "mixtral"
@@ -41,12 +41,11 @@ def _unwritable(m: ModelConfig) -> str | None:
     if m.rope_interleave:
         return "model.rope_interleave with multi-head attention (only deepseek_v3 interleaves rotary pairs)"
     if m.norm == "layernorm":
-        gpt2 = (m.mlp, m.positions, m.tie_embeddings, m.bias, m.qkv_bias, m.qk_norm) == (
-            "gelu", "learned", True, True, True, False)  # fmt: skip
+        gpt2 = (m.mlp, m.positions, m.bias, m.qkv_bias, m.qk_norm) == ("gelu", "learned", True, True, False)
         if not gpt2 or moe is not None or m.kv_heads != m.heads or m.head_dim * m.heads != m.d_model:
             return (
-                "layernorm outside gpt2's parts (gelu, learned positions, tied embeddings, biases, multi-head "
-                "attention of d_model / heads, no experts)"
+                "layernorm outside gpt2's parts (gelu, learned positions, biases, multi-head attention of "
+                "d_model / heads, no experts)"
             )
         return None
     if (m.norm, m.mlp, m.positions) != ("rmsnorm", "swiglu", "rope"):
@@ -96,7 +95,7 @@ def hf_from_model(m: ModelConfig) -> dict[str, Any]:
             "vocab_size": m.vocab,
             "activation_function": "gelu_new",
             "layer_norm_epsilon": m.norm_eps,
-            "tie_word_embeddings": True,
+            "tie_word_embeddings": m.tie_embeddings,
             "attn_pdrop": 0.0,
             "embd_pdrop": 0.0,
             "resid_pdrop": 0.0,
@@ -128,6 +127,8 @@ def hf_from_model(m: ModelConfig) -> dict[str, Any]:
     if kind == "mixtral":
         out.update(num_local_experts=m.moe.experts, num_experts_per_tok=m.moe.top_k, intermediate_size=m.moe.d_ff)
         out["sliding_window"] = None
+    if kind in ("mixtral", "qwen3_moe"):
+        out["router_aux_loss_coef"] = m.moe.aux_loss_weight
     if kind == "qwen3_moe":
         out.update(
             num_experts=m.moe.experts,

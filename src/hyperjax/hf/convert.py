@@ -10,6 +10,8 @@ holds. Both write into a temporary folder renamed into place at the end.
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,9 +24,25 @@ from hyperjax.config.hf_export import hf_from_model
 from hyperjax.config.load import apply_override, build_imported
 from hyperjax.errors import ConfigError
 from hyperjax.files import write_json
-from hyperjax.hf.io import check_out, check_shard_size, export_weights, has_weights, import_weights, replace_folder
+from hyperjax.hf.io import (
+    INDEX,
+    SINGLE,
+    check_out,
+    check_shard_size,
+    export_weights,
+    has_weights,
+    import_weights,
+    replace_folder,
+)
 from hyperjax.hf.names import views
 from hyperjax.resolver import resolve
+
+SOURCE_CONFIG = "source_config.json"
+"""The ``config.json`` an import read, kept beside its ``config.yaml`` for what hyperjax does not model (the
+special tokens' ids), which an export writes back and ``generate`` stops at."""
+
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+"""The ``config.json`` fields an export carries over from the folder the model came from."""
 
 TOKENIZER_FILES = (
     *("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"),
@@ -139,6 +157,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, sets: list[str]) -> Imported:
         (tmp / "config.yaml").write_text(header + yaml.safe_dump(raw, sort_keys=False))
         for name in copied:
             shutil.copyfile(hf_dir / name, tmp / name)
+        shutil.copyfile(config_file(hf_dir), tmp / SOURCE_CONFIG)
         if described is not None:
             mtp = hf.get("num_nextn_predict_layers", 0) if hf.get("model_type") == "deepseek_v3" else 0
             mtp = mtp if isinstance(mtp, int) and mtp > 0 else 0  # its layers follow the model's own
@@ -221,11 +240,16 @@ def export_hf(
     check_shard_size(m, max_shard_bytes, dtype)
     src = config_file(config_path).parent if config_path is not None else None  # a folder given is the folder
     inputs = {"--checkpoint-dir": checkpoint_dir, **({"the config's folder": src} if src else {})}
-    check_out(out, inputs, marker="config.json", managed=("--checkpoint-dir", checkpoint_dir))
+    origin = imported_from(checkpoint_dir)
+    if origin is not None:  # the Hugging Face folder the weights came from, which the export must not replace
+        inputs["the folder the checkpoint was imported from"] = origin
+    check_out(out, inputs, marker="config.json", managed=("--checkpoint-dir", checkpoint_dir), writes=exported)
     like = params_like(run)[3]
     params = dict(_flatten(restore_params(checkpoint_dir, like, command="export-hf", model=m).state))
     copied = [n for n in TOKENIZER_FILES if src is not None and (src / n).is_file()]
     written: list[str] = []
+
+    config.update(token_ids(src) if src is not None else {})
 
     def write(tmp: Path) -> None:
         config["torch_dtype"] = dtype
@@ -237,6 +261,54 @@ def export_hf(
 
     replace_folder(write, Path(out))
     return written
+
+
+def source_config(folder: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The Hugging Face config a folder's model came from: the ``source_config.json`` an import kept, or the
+    folder's own ``config.json``; ``None`` where it has neither.
+
+    Raises:
+      ConfigError: a file that is not a JSON object.
+    """
+    for name in (SOURCE_CONFIG, "config.json"):
+        file = folder / name
+        if file.is_file():
+            try:
+                read = json.loads(file.read_text())
+            except ValueError:
+                read = None
+            if not isinstance(read, dict):
+                raise ConfigError(f"{str(file)!r} is not a JSON object; fix it, or remove it")
+            return file, read
+    return None
+
+
+def token_ids(folder: Path) -> dict[str, Any]:
+    """The special tokens' ids (:data:`TOKEN_IDS`) of the config :func:`source_config` finds in ``folder``, as
+    it gives them (transformers keeps an id outside the vocabulary too, with a warning)."""
+    found = source_config(folder)
+    return {} if found is None else {k: found[1][k] for k in TOKEN_IDS if found[1].get(k) is not None}
+
+
+def exported(name: str) -> bool:
+    """Whether export-hf writes a file of this name: ``config.json``, its safetensors and their index, and
+    the tokenizer's files."""
+    return (
+        name in ("config.json", INDEX, *TOKENIZER_FILES)
+        or name == SINGLE
+        or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name) is not None
+    )
+
+
+def imported_from(checkpoint_dir: str | Path) -> Path | None:
+    """The Hugging Face folder an import-hf checkpoint folder's weights were read from (its record), if any."""
+    from hyperjax.train.checkpoint import IMPORTED
+
+    try:
+        origin = json.loads((Path(checkpoint_dir) / IMPORTED).read_text()).get("from")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return Path(origin) if isinstance(origin, str) else None
 
 
 def _flatten(tree: Any, prefix: tuple = ()) -> list[tuple[tuple, Any]]:

@@ -320,13 +320,19 @@ def _umask() -> int:
 
 
 def check_out(
-    out: str | Path, inputs: dict[str, str | Path], *, marker: str, managed: tuple[str, str | Path] | None = None
+    out: str | Path,
+    inputs: dict[str, str | Path],
+    *,
+    marker: str,
+    managed: tuple[str, str | Path] | None = None,
+    writes: Callable[[str], bool] | None = None,
 ) -> None:
     """``--out`` must neither be nor hold any of ``inputs`` (named by their option): replacing it would
     delete them; nor lie inside ``managed`` (an option and the checkpoint folder it names, whose step folders
     training keeps and deletes). An existing ``--out`` must be a folder this command wrote before (holding
-    ``marker``, its ``config.yaml`` or ``config.json``) or an empty one: any other folder, or a file, is not
-    replaced.
+    ``marker``, its ``config.yaml`` or ``config.json``, and, where ``writes`` is given, no entry it does not
+    name: a downloaded model's licence, readme or ``original/`` weights are not this command's) or an empty
+    one: any other folder, or a file, is not replaced.
 
     Raises:
       ConfigError: naming the option and both paths.
@@ -360,3 +366,13 @@ def check_out(
             f"--out {str(out)!r} is a folder with other files in it and no {marker}, so not one this command wrote; "
             "writing it would replace it whole: choose a new or empty folder"
         )
+    if writes is not None and target.is_dir():
+        other = sorted(
+            e.name + ("/" if e.is_dir() else "") for e in target.iterdir() if e.is_dir() or not writes(e.name)
+        )
+        if other:
+            shown = ", ".join(other[:4]) + (f" and {len(other) - 4} more" if len(other) > 4 else "")
+            raise ConfigError(
+                f"--out {str(out)!r} holds {shown}, which this command does not write, so it is not a folder it "
+                "wrote; writing it would replace it whole and delete them: choose a new or empty folder"
+            )

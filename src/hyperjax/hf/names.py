@@ -240,6 +240,8 @@ def _gpt2(m: ModelConfig, kind: str) -> Iterator[tuple[tuple[str, ...], View]]:
         yield (*b, "mlp", "b_out"), _same(f"{p}mlp.c_proj.bias", (d,))
     yield ("final_norm", "scale"), _same("transformer.ln_f.weight", (d,))
     yield ("final_norm", "bias"), _same("transformer.ln_f.bias", (d,))
+    if not m.tie_embeddings:
+        yield ("lm_head",), _linear("lm_head.weight", (v,), d)
 
 
 def stored_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:

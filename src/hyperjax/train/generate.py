@@ -66,8 +66,9 @@ class Bytes:
 
 
 class Tokenizer:
-    """A Hugging Face ``tokenizer.json`` (the ``tokenizers`` library): prompts encoded without added special
-    tokens, continuations decoded as the tokenizer's own ``decode`` does.
+    """A Hugging Face ``tokenizer.json`` (the ``tokenizers`` library): prompts encoded with the special tokens
+    its template adds (a Llama's beginning of sequence), as transformers' tokenizer and vLLM encode them;
+    continuations decoded as the tokenizer's own ``decode`` does.
 
     Raises:
       ConfigError: a file ``tokenizers`` cannot read.
@@ -91,10 +92,10 @@ class Tokenizer:
           ConfigError: a character no token covers (a vocabulary without it or an unknown token drops it; one
             the tokenizer's normalizer removes on purpose is not counted).
         """
-        found = self._ids(text, text)
+        found = self._ids(text, text, special=True)
         norm = self._tok.normalizer
         kept = (c for c in dict.fromkeys(text) if (norm.normalize_str(c) if norm else c).strip())  # not normalized away
-        lost = [c for c in kept if not self._ids(c, text)]
+        lost = [c for c in kept if not self._ids(c, text, special=False)]
         if lost:
             raise ConfigError(
                 f"tokenizer {self.path!r} drops {''.join(lost)!r} of {text[:20]!r}: its vocabulary has no token for "
@@ -102,10 +103,11 @@ class Tokenizer:
             )
         return found
 
-    def _ids(self, text: str, prompt: str) -> list[int]:
-        """``text``'s token ids (a piece of ``prompt``), the errors ``tokenizers`` raises named."""
+    def _ids(self, text: str, prompt: str, *, special: bool) -> list[int]:
+        """``text``'s token ids (a piece of ``prompt``; ``special``: with the tokens the tokenizer's template
+        adds, a Llama's beginning of sequence), the errors ``tokenizers`` raises named."""
         try:
-            return list(self._tok.encode(text, add_special_tokens=False).ids)
+            return list(self._tok.encode(text, add_special_tokens=special).ids)
         except Exception as e:  # tokenizers raises its own errors (a word-level model without an unknown token)
             raise ConfigError(
                 f"tokenizer {self.path!r} cannot encode {text!r} of {prompt[:20]!r} ({e}); give the model's own "
