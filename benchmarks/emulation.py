@@ -24,6 +24,7 @@ compiling first step left out) and how far the losses moved. Writes ``benchmarks
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -285,6 +286,13 @@ def main() -> None:
     parser.add_argument("--steps-vlm", type=int, default=3, help="steps of each vlm-cm384 run (at least 2)")
     parser.add_argument("--out", type=Path, default=RESULTS / "emulation.json")
     args = parser.parse_args()
+    for flag, value, least in (
+        (("--steps", args.steps, 1), ("--rounds", args.rounds, 1))
+        + ((("--steps-384", args.steps_384, 3),) if args.with_384 else ())
+        + ((("--steps-vlm", args.steps_vlm, 2),) if args.with_vlm_384 else ())
+    ):
+        if value < least:  # checked before anything trains: the first steps compile, the rest are timed
+            parser.error(f"{flag} {value}: at least {least}")
 
     cfg = hyperjax.load_config(ROOT / "configs/quickstart.yaml", ["parallel.tensor=2"])
     run = hyperjax.resolve(cfg)
@@ -307,7 +315,7 @@ def main() -> None:
     result = {
         "devices": 8,
         "mesh": run.axes,
-        "model": vars(cfg.model),
+        "model": dataclasses.asdict(cfg.model),
         "steps_each": len(hj),
         "hyperjax_step_s": hj_s,
         "plain_jax_step_s": plain_s,
@@ -354,8 +362,6 @@ def main() -> None:
         steps.caption = f"largest relative difference between the two runs' losses: {drift:.1e}"
         console.print(steps)
     if args.with_vlm_384:
-        if args.steps_vlm < 2:
-            raise SystemExit(f"--steps-vlm {args.steps_vlm}: at least 2 (the first step compiles)")
         before, after = run_vlm_384(args.steps_vlm, buckets=False), run_vlm_384(args.steps_vlm, buckets=True)
         for r in (before, after):
             if "error" in r:

@@ -29,7 +29,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from gpu_kernels_measure import Block, event_time, rotary_table
+from gpu_kernels_measure import Block, event_time, need_cuda, rotary_table
 
 SAVE = {torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_flash_attention.default}
 
@@ -148,6 +148,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--block", choices=("llama", "gpt"), default="llama")
     args = parser.parse_args()
+    need_cuda(parser)
     gpt = args.block == "gpt"
     rows = []
     for checkpointed in (False,) if gpt else (False, True):

@@ -263,6 +263,15 @@ def device_record(method: str) -> dict:
     return {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__, "method": method}
 
 
+def need_cuda(parser: argparse.ArgumentParser) -> None:
+    """Exit 2 naming what is missing where no CUDA GPU is visible to PyTorch (the timings would be nothing)."""
+    if not torch.cuda.is_available():
+        parser.error(
+            "no CUDA GPU is visible to PyTorch here (torch.cuda.is_available() is False); run it on a machine "
+            "with an NVIDIA GPU"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -271,6 +280,7 @@ def main() -> None:
         "--only", nargs="*", help="run only these sections (e.g. attention_widths), kept beside --out's others"
     )
     args = p.parse_args()
+    need_cuda(p)
     start = time.perf_counter()
     res = device_record(
         "CUDA graphs of back-to-back products over operands rotated past L2, median of 5 replays; "

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gpu_block_measure import profiled
-from gpu_kernels_measure import device_record, event_time, graph_time
+from gpu_kernels_measure import device_record, event_time, graph_time, need_cuda
 
 CASES = {
     # a rank of Megatron Bridge's GPT-OSS 120B run (EP 8): 16 local experts, 1,024 copies each
@@ -252,6 +252,7 @@ def main() -> None:
     p.add_argument("--cases", nargs="*", default=list(CASES))
     p.add_argument("--no-decode", dest="decode", action="store_false", help="skip the decode grouped products")
     args = p.parse_args()
+    need_cuda(p)
     method = (
         "one block forward and backward, CUDA events, median of 5 eager calls after one; one more under "
         "PyTorch's profiler, kernels summed by kind"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import threading
@@ -136,6 +137,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seconds", type=float, default=20.0)
     args = parser.parse_args()
+    if shutil.which("nvidia-smi") is None or not torch.cuda.is_available():
+        parser.error("needs an NVIDIA GPU that PyTorch sees and nvidia-smi on PATH to sample its power; run it there")
     names = fields()
     sampler = Sampler(names)
     sampler.thread.start()

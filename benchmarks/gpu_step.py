@@ -448,6 +448,10 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--decode", nargs="*", default=list(DECODE), choices=list(DECODE), metavar="NAME")
     args = parser.parse_args(argv)
     if args.mode == "measure":
+        import jax
+
+        if jax.devices()[0].platform != "gpu":  # timings on another device would be labelled a GPU preset's
+            parser.error(f"measure times a GPU, but JAX's first device is {jax.devices()[0].platform}; run it there")
         measure(args.out, args.cases, repeats=args.repeats, iters=args.iters, decode=args.decode)
         return 0
     return each_measured("gpu", compare, Path(__file__).name)

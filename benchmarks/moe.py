@@ -82,7 +82,8 @@ def main() -> None:
         table.add_column(col, justify="left" if col in ("machine", "exchange over") else "right")
     for r in rows:
         if not r["fits"]:
-            table.add_row(r["machine"], str(r["expert"]), "-", "-", "-", "-", "-", r["why"][:40], "-")
+            why = r["why"] if len(r["why"]) <= 40 else r["why"][:39] + "…"  # in full below the table
+            table.add_row(r["machine"], str(r["expert"]), "-", "-", "-", "-", "-", why, "-")
             continue
         table.add_row(
             r["machine"],
@@ -97,6 +98,9 @@ def main() -> None:
         )
     console = Console(width=160)
     console.print(table)
+    for r in rows:
+        if not r["fits"] and len(r["why"]) > 40:
+            console.print(f"{r['machine']}, EP {r['expert']}: {r['why']}", highlight=False)
     for machine in MACHINES:
         fitting = [r for r in rows if r["machine"] == machine and r["fits"]]
         if fitting:

@@ -23,6 +23,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+import hyperjax
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -71,6 +73,12 @@ def main() -> None:
     parser.add_argument("--devices", type=int, nargs="+", default=[8, 256, 384, 512])
     parser.add_argument("--out", type=Path, default=RESULTS / "selftest_scaling.json")
     args = parser.parse_args()
+    try:
+        hyperjax.load_hardware(args.hardware)
+    except hyperjax.HyperjaxError as e:
+        parser.error(f"--hardware {args.hardware}: {e}")
+    if min(args.devices) < 1:
+        parser.error(f"--devices {min(args.devices)}: each run needs at least 1 device")
 
     rows = [run(args.hardware, n) for n in args.devices]
     table = Table(title=f"collective selftest on emulated {args.hardware} ({os.cpu_count()} CPU cores)")
@@ -92,6 +100,11 @@ def main() -> None:
             f"{r['slowest_ms']:.1f}",
         )
     Console(width=140).print(table)
+    failed = [r for r in rows if "error" in r]
+    for r in failed:
+        print(f"\n{r['devices']} devices failed:\n{r['error']}", file=sys.stderr)
+    if failed:  # the committed results stay those of a run that completed
+        sys.exit(f"{len(failed)} of {len(rows)} runs failed; {args.out} not written")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(

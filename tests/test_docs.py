@@ -73,3 +73,23 @@ def test_example_runs(page, code):
     assert result.returncode == 0, result.stderr[-3000:]
     for expected in re.findall(r"print\(.*\)\s+# (\S+)", code):  # "# 32768 bytes" -> the output shows 32768
         assert expected.split()[0].rstrip(":") in result.stdout, (expected, result.stdout)
+
+
+def test_the_readme_rl_table_is_the_benchmarks_result():
+    """Each cell of the README's GRPO table is ``benchmarks/rl.py``'s iteration (results/rl.json), or says it
+    does not fit."""
+    import json
+
+    rows = json.loads((ROOT / "benchmarks" / "results" / "rl.json").read_text())["rows"]
+    best: dict[tuple[str, str, str], float | None] = {}
+    for r in rows:  # the search's layout per model, machine and placement: the first row of each
+        best.setdefault((r["model"], r["machine"], r["placement"]), r.get("iteration_s"))
+    table = re.search(r"\| model \| placement \|(.*?)\n\n", README, flags=re.S).group(0)
+    machines = re.findall(r"`([^`]+)`", table.splitlines()[0])
+    cells = [line.strip("|").split("|") for line in table.splitlines()[2:] if line]
+    assert len(cells) == 4 and machines
+    for model, placement, *figures in cells:
+        for machine, cell in zip(machines, figures, strict=True):
+            want = best[(model.strip(), machine, placement.strip())]
+            shown = cell.strip().strip("*")
+            assert shown == ("does not fit" if want is None else f"{want:.0f}"), (model, machine, placement)

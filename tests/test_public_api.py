@@ -64,3 +64,24 @@ def test_benchmarks_parse_their_command_line(path):
     }
     assert "parse_args" in calls, f"{path.name} reads no command line"
     assert "argv" not in {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}, f"{path.name} reads sys.argv"
+
+
+@pytest.mark.slow
+def test_the_emulation_benchmark_writes_its_json(tmp_path):
+    """A short run of ``benchmarks/emulation.py`` prints its table and writes its JSON (the model as data)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "emulation.json"
+    script = BENCHMARKS[0].parent / "emulation.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--steps", "1", "--rounds", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["steps_each"] == 1 and result["model"]["d_model"] > 0
+    refused = subprocess.run([sys.executable, str(script), "--rounds", "0"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--rounds 0: at least 1" in refused.stderr
