@@ -263,6 +263,7 @@ def test_export_refuses_a_folder_holding_files_it_does_not_write_and_the_importe
     assert main([*args, "--out", str(tmp_path / "out")]) == 0
 
 
+@pytest.mark.slow
 def test_generate_stops_at_the_imported_configs_end_of_sequence_without_a_generation_config(imported, tmp_path, capsys):
     import shutil
 
@@ -281,6 +282,7 @@ def test_generate_stops_at_the_imported_configs_end_of_sequence_without_a_genera
         assert json.loads(capsys.readouterr().out)["tokens"] == [want[: want.index(want[3]) + 1]]
 
 
+@pytest.mark.slow
 def test_an_untied_gpt2_imports_and_exports_with_transformers_logits(tmp_path):
     import torch
     import transformers
