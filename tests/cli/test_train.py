@@ -118,6 +118,15 @@ def test_explain(capsys, tmp_path: Path, monkeypatch):
             ["--profile", "--steps", "1", "--set", "parallel.pipeline=2", "--set", "parallel.tensor=1"],
             r"--profile: collectives are timed in one SPMD program, not in the 2 pipeline .* drop --profile",
         ),
+        (["--set", "train.seed=-1"], r"train.seed=-1 must be in \[0, 2\*\*63\)"),
+        (["--set", "train.seed=99999999999999999999999"], r"train.seed=99999999999999999999999 must be in"),
+        (["--set", "train.steps=99999999999999999999"], r"train.steps=99999999999999999999 must be below 2\*\*31"),
+        # a model whose state alone outgrows this machine is refused before any process starts
+        (
+            ["--set", "model.layers=100000", "--set", "model.d_model=8192", "--set", "model.heads=64"],
+            r"training this model on 8 emulated devices holds about [\d,]+ GiB of parameters, gradients and "
+            r"optimizer state .* more than this machine's \d+ GiB of memory; train a smaller model",
+        ),
     ],
 )
 def test_bad_input_exits_2(capsys, args, pattern):

@@ -102,7 +102,7 @@ def test_missing_devices_are_what_the_other_phase_leaves():
         (["rl.temperature=1.0e-46"], r"rl.temperature=1e-46 must be a finite number >= 1e-06"),
         (["rl.kl_coef=0", "rl.reference=host"], r"rl.reference=host places the frozen reference model, but rl.kl"),
         (["rl.top_k=300"], r"rl.top_k=300 is more than model.vocab=256"),
-        (["rl.seed=-1"], r"rl.seed=-1 must be >= 0"),
+        (["rl.seed=-1"], r"rl.seed=-1 must be in \[0, 2\*\*63\)"),
         (["rl.kl_coef=.nan"], r"rl.kl_coef=nan must be a finite number"),
         (["rl.offload_optimizer=true"], r"rl.offload_optimizer=true frees the learner's devices"),
         (["train.global_batch=16"], r"train.global_batch=16: .* 8 x 8 = 64 sequences a step; drop train.global_batch"),

@@ -26,7 +26,7 @@ from hyperjax.cli.options import (
     refuse_training_sets,
     without_training,
 )
-from hyperjax.config.sections import MIN_TEMPERATURE
+from hyperjax.config.sections import MIN_TEMPERATURE, SEED_LIMIT
 from hyperjax.errors import ConfigError, integral
 from hyperjax.resolver import resolve
 
@@ -95,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.top_k is not None and args.top_k < 1:
         raise ConfigError(f"--top-k {args.top_k} must be a positive integer")
+    if args.seed is not None and not 0 <= args.seed < SEED_LIMIT:
+        raise ConfigError(f"--seed {args.seed} must be in [0, 2**63) (it seeds JAX's generator)")
     if t == 0 and (args.top_k is not None or args.seed is not None):
         given = f"--top-k {args.top_k}" if args.top_k is not None else f"--seed {args.seed}"
         raise ConfigError(

@@ -35,6 +35,12 @@ from hyperjax.config.types import (
 )
 from hyperjax.errors import ConfigError
 
+SEED_LIMIT = 2**63
+"""Seeds are below it: JAX's and NumPy's generators take a 64-bit signed integer."""
+
+STEP_LIMIT = 2**31
+"""Steps are below it: the optimizer's step counter is a 32-bit integer inside the compiled step."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EmulateConfig:
@@ -110,6 +116,10 @@ class TrainConfig:
         check_fields(self, "train")
         positive(self, "train", ("global_batch", "steps", "checkpoint_every", "keep_checkpoints"))
         positive(self, "train", ("micro_batch", "microbatches"), optional=True)
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise ConfigError(f"train.seed={self.seed} must be in [0, 2**63) (it seeds JAX's and NumPy's generators)")
+        if self.steps >= STEP_LIMIT:
+            raise ConfigError(f"train.steps={self.steps} must be below 2**31 (the step counter is a 32-bit integer)")
         if self.lr <= 0:
             raise ConfigError(f"train.lr={self.lr} must be > 0")
         if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
@@ -266,8 +276,8 @@ class RLConfig:
                 "rl.placement=colocated time-shares the same devices; set rl.placement: disaggregated or "
                 "rl.max_staleness: 0"
             )
-        if self.seed is not None and self.seed < 0:
-            raise ConfigError(f"rl.seed={self.seed} must be >= 0 (or null: train.seed)")
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
+            raise ConfigError(f"rl.seed={self.seed} must be in [0, 2**63) (or null: train.seed)")
         if self.offload_optimizer and self.placement != "colocated":
             raise ConfigError(
                 "rl.offload_optimizer=true frees the learner's devices for the rollout, but rl.placement="

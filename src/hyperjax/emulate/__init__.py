@@ -1,7 +1,7 @@
 """The emulated supernode: CPU devices in one or several processes, and a collective selftest."""
 
 from hyperjax.emulate.launcher import Exit, describe_exit, free_port, launch, run_job
-from hyperjax.emulate.runtime import MAX_DEVICES_PER_PROCESS, Cluster, plan_processes, start_devices
+from hyperjax.emulate.runtime import MAX_DEVICES_PER_PROCESS, Cluster, machine_memory, plan_processes, start_devices
 
 __all__ = [
     "MAX_DEVICES_PER_PROCESS",
@@ -10,6 +10,7 @@ __all__ = [
     "describe_exit",
     "free_port",
     "launch",
+    "machine_memory",
     "plan_processes",
     "run_job",
     "start_devices",
