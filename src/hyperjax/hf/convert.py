@@ -271,15 +271,8 @@ def source_config(folder: Path) -> tuple[Path, dict[str, Any]] | None:
       ConfigError: a file that is not a JSON object.
     """
     for name in (SOURCE_CONFIG, "config.json"):
-        file = folder / name
-        if file.is_file():
-            try:
-                read = json.loads(file.read_text())
-            except ValueError:
-                read = None
-            if not isinstance(read, dict):
-                raise ConfigError(f"{str(file)!r} is not a JSON object; fix it, or remove it")
-            return file, read
+        if (folder / name).is_file():
+            return folder / name, read_hf_config(folder / name)
     return None
 
 
@@ -294,8 +287,7 @@ def exported(name: str) -> bool:
     """Whether export-hf writes a file of this name: ``config.json``, its safetensors and their index, and
     the tokenizer's files."""
     return (
-        name in ("config.json", INDEX, *TOKENIZER_FILES)
-        or name == SINGLE
+        name in ("config.json", SINGLE, INDEX, *TOKENIZER_FILES)
         or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name) is not None
     )
 
