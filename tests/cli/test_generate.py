@@ -80,9 +80,12 @@ def test_a_continuation_stops_after_its_end_of_sequence_token(capsys, checkpoint
     assert "--eos-id 3 names a token to stop at, but --ignore-eos" in capsys.readouterr().err
     (tmp_path / "generation_config.json").write_text("[2]")
     assert main([*args, *prompts]) == 2
-    assert "generation_config.json' is not a JSON object; fix it, or give --eos-id or --ignore-eos" in (
+    assert "generation_config.json' must hold a JSON object, got list; fix it, or give --eos-id" in (
         capsys.readouterr().err
     )
+    (tmp_path / "generation_config.json").write_text("{")
+    assert main([*args, *prompts]) == 2
+    assert "generation_config.json' is not valid JSON" in capsys.readouterr().err
 
 
 def test_a_batch_of_ragged_prompts_decodes_each_as_alone(capsys, checkpoint):

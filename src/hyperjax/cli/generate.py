@@ -189,16 +189,15 @@ def _eos(args: argparse.Namespace, vocab: int) -> tuple[int, ...]:
     if args.eos_id:
         given, where = args.eos_id, "--eos-id"
     else:
+        from hyperjax.config.hf import read_hf_config
         from hyperjax.hf.convert import source_config
 
         file = _folder(args.config) / "generation_config.json"
         if file.is_file():
             try:
-                given = json.loads(file.read_text()).get("eos_token_id")
-            except (ValueError, AttributeError):
-                raise ConfigError(
-                    f"{str(file)!r} is not a JSON object; fix it, or give --eos-id or --ignore-eos"
-                ) from None
+                given = read_hf_config(file).get("eos_token_id")
+            except ConfigError as e:
+                raise ConfigError(f"{e}; fix it, or give --eos-id or --ignore-eos") from None
         elif (found := source_config(_folder(args.config))) is not None:  # as transformers derives it
             file, given = found[0], found[1].get("eos_token_id")
         else:

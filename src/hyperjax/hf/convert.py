@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from hyperjax.hf.io import (
     export_weights,
     has_weights,
     import_weights,
+    is_shard,
     replace_folder,
 )
 from hyperjax.hf.names import views
@@ -286,10 +286,7 @@ def token_ids(folder: Path) -> dict[str, Any]:
 def exported(name: str) -> bool:
     """Whether export-hf writes a file of this name: ``config.json``, its safetensors and their index, and
     the tokenizer's files."""
-    return (
-        name in ("config.json", SINGLE, INDEX, *TOKENIZER_FILES)
-        or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name) is not None
-    )
+    return name in ("config.json", SINGLE, INDEX, *TOKENIZER_FILES) or is_shard(name)
 
 
 def imported_from(checkpoint_dir: str | Path) -> Path | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -30,12 +31,20 @@ from hyperjax.hf.names import View, stored_shapes, views
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+SHARD = "model-{:05d}-of-{:05d}.safetensors"
+"""The name of shard ``i`` (from 1) of ``n`` where the weights are written in several files, as transformers
+names them; :func:`is_shard` recognises them."""
 FLOATS = ("F16", "BF16", "F32", "F64")
 """The safetensors element types a weight is read from (as float32)."""
 
 UNUSED_BUFFERS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 """Stored tensors older ``transformers`` versions save that are not parameters (rotary tables, GPT-2's
 causal masks): skipped on import."""
+
+
+def is_shard(name: str) -> bool:
+    """Whether ``name`` is one of :data:`SHARD`'s names."""
+    return re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name) is not None
 
 
 OTHER_WEIGHTS = ("*.safetensors", "pytorch_model*.bin", "*.pt", "*.pth", "tf_model.h5", "flax_model.msgpack", "*.gguf")
@@ -242,11 +251,7 @@ def export_weights(
         groups[-1].append(name)
         held += size(name)
         total += size(name)
-    files = (
-        [SINGLE]
-        if len(groups) == 1
-        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    )
+    files = [SINGLE] if len(groups) == 1 else [SHARD.format(i + 1, len(groups)) for i in range(len(groups))]
     weight_map = {}
     for file, names in zip(files, groups, strict=True):
         wanted, tensors = set(names), {}

@@ -30,99 +30,27 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hyperjax.config import Config, Run, check_key
-from hyperjax.config.parallel import FEATURES, MODIFIERS, idle_modifiers, modifier_value, set_modifiers
 from hyperjax.config.run import stage_schedule
-from hyperjax.cost import Estimate, StageCore, estimate, unpriced_overrides
+from hyperjax.cost import Estimate, StageCore, estimate
 from hyperjax.errors import ConfigError, HyperjaxError, expect, positive_int, written
-from hyperjax.offload import budget_bytes, offload_pass, with_offload
+from hyperjax.offload import budget_bytes
 from hyperjax.resolver import check_preset, check_zero, resolve
-from hyperjax.resolver.checks import idle_settings, set_settings
+from hyperjax.search.answer import Candidate, NothingFits, Search
 from hyperjax.search.bounds import lower_bound
+from hyperjax.search.held import check_held_modifiers, holds
 from hyperjax.search.strategies import (
     RECOMPUTE,
     candidate,
-    laid_out,
-    micro_batches,
     selected,
     strategies,
     submesh_strategies,
     untried,
 )
+from hyperjax.search.unfit import add_offloaded, nothing_fits
 from hyperjax.topology import Hardware, load_hardware
 
 VARIES = ("parallel.zero_stage", "train.recompute", "parallel.overlap")
 """What a base's variants change (and, between 1F1B and zero-bubble, ``parallel.schedule``)."""
-
-
-def plain(overrides: dict[str, Any]) -> dict[str, Any]:
-    """Config overrides as JSON values: an MPMD candidate's submeshes as mappings."""
-    return {k: [dataclasses.asdict(s) for s in v] if k == "mpmd.submeshes" else v for k, v in overrides.items()}
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Candidate:
-    """One strategy and its prediction.
-
-    Attributes:
-      overrides: the config keys that select it (``parallel.*``, ``train.micro_batch``, ``train.recompute``),
-        with the config's modifiers whose feature it turns off reset (:func:`~hyperjax.search.strategies.selected`).
-      estimate: its predicted step (its ``run`` is the resolved candidate).
-      offload: the placement that makes it fit, as ``--json`` prints it, when it needs one.
-    """
-
-    overrides: dict[str, Any]
-    estimate: Estimate
-    offload: dict[str, Any] | None = None
-
-    @property
-    def run(self) -> Run:
-        """The candidate, resolved."""
-        return self.estimate.run
-
-    def to_dict(self) -> dict[str, Any]:
-        """The candidate as JSON-ready data: its overrides, the rows of each micro-batch and their count as
-        the step runs them (``micro_batch_rows``, ``microbatches``), the headline predictions, and the
-        config's ``shard`` overrides they do not price (``unpriced``, see
-        :func:`hyperjax.cost.unpriced_overrides`)."""
-        e = self.estimate
-        out = {
-            **plain(self.overrides),
-            "micro_batch_rows": e.run.micro_batch,
-            "microbatches": e.run.microbatches,
-            "step_time_s": e.step_time_s,
-            "mfu": e.mfu,
-            "peak_gib": e.memory_per_device_gib["peak"],
-            "fits": e.fits,
-            "unpriced": list(unpriced_overrides(e.run)),
-        }
-        return out | ({"offload": self.offload} if self.offload is not None else {})
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Search:
-    """What a search found.
-
-    Attributes:
-      best: the fastest strategies that fit, fastest first.
-      searched: strategies considered (every valid combination of degrees and options).
-      priced: estimates computed (a strategy is priced once per recomputation setting tried).
-      fitting: strategies priced that fit.
-      seconds: wall time of the search.
-    """
-
-    best: list[Candidate]
-    searched: int
-    priced: int
-    fitting: int
-    seconds: float
-
-
-class NothingFits(ConfigError):
-    """No strategy fits the device-memory budget; ``report`` is the ``fits: false`` answer of ``plan --json``."""
-
-    def __init__(self, message: str, report: dict[str, Any]) -> None:
-        super().__init__(message)
-        self.report = report
 
 
 def price(cfg: Config, overrides: dict[str, Any], devices: int, hardware: Hardware) -> Estimate:
@@ -217,8 +145,8 @@ def plan(
     if cfg.mpmd.submeshes:
         combinations += list(submesh_strategies(cfg, hw, devices))
     if where:
-        combinations = [c for c in combinations if _holds(cfg, c, where)]
-        _check_held_modifiers(cfg, combinations, where)
+        combinations = [c for c in combinations if holds(cfg, c, where)]
+        check_held_modifiers(cfg, combinations, where)
     index = {id(c): i for i, c in enumerate(combinations)}  # ties are ranked as the enumeration orders them
     groups = list(bases(combinations).values())
     bound = [
@@ -295,7 +223,7 @@ def plan(
     ]
     fitting = len(found)
     if cfg.offload.policy in ("auto", "greedy"):
-        fitting += _with_offload(cfg, devices, hw, too_big, best)
+        fitting += add_offloaded(cfg, devices, hw, too_big, best)
         best = sorted(best, key=lambda c: c.estimate.step_time_s)[:keep]
     if not priced and where:
         held = ", ".join(f"{k}={written(v)}" for k, v in where.items())
@@ -320,7 +248,7 @@ def plan(
             "sequence length and global batch have divisors that multiply to the device count"
         )
     if not best and leanest is not None:
-        error = _nothing_fits(cfg, devices, hw, budget_gib, priced, leanest, too_big)
+        error = nothing_fits(cfg, devices, hw, budget_gib, priced, leanest, too_big)
         error.report |= {"searched": len(combinations), "seconds": time.perf_counter() - start}
         raise error
     return Search(
@@ -341,116 +269,3 @@ def _prices_without_buckets(
     except HyperjaxError:
         return False
     return True
-
-
-def _holds(cfg: Config, combo: dict[str, Any], where: Mapping[str, Any]) -> bool:
-    """Whether ``combo`` has the settings of ``where``. A strategy without a key (a dense model's expert
-    degree, an MPMD split's whole-run degrees) passes it; the micro-batch's rows and count are compared as
-    the step runs them (one stage of every row at once runs one micro-batch of all its rows)."""
-    if "parallel.data" in combo:  # a whole-run strategy: its micro-batches as the step runs them
-        rows, count = micro_batches(cfg, combo)
-        combo = {**combo, "train.micro_batch": rows, "train.microbatches": count}
-    return all(combo.get(key, value) == value for key, value in where.items())
-
-
-def _check_held_modifiers(cfg: Config, combinations: list[dict[str, Any]], where: Mapping[str, Any]) -> None:
-    """The config's modifiers (``parallel.fsdp_reshard``, ``tp_overlap``, ..., a mixture of experts'
-    ``dispatcher``, ``train.fp8.all_gather``) act in some strategy ``where`` leaves: one that every such
-    strategy turns off would be reset in each candidate unsaid, and is named instead.
-
-    Raises:
-      ConfigError: naming the modifier, the held keys and the fix.
-    """
-    kept = [f"parallel.{k}" for k in set_modifiers(cfg.parallel)] + list(set_settings(cfg))
-    laid_any = False  # a held layout the config refuses altogether is named by the search, not here
-    for c in combinations if kept else ():
-        try:
-            laid = laid_out(cfg, c)
-        except HyperjaxError:  # a strategy its config refuses runs nothing: not one that has the feature
-            continue
-        laid_any = True
-        p, subs = laid.parallel, laid.mpmd.submeshes
-        idle = {f"parallel.{k}" for k in idle_modifiers(p, subs)} | set(idle_settings(laid))
-        if not (kept := [k for k in kept if k in idle]):
-            return
-    if laid_any and kept:
-        key, held = kept[0], ", ".join(f"{k}={written(v)}" for k, v in where.items())
-        field = key.removeprefix("parallel.")
-        feature = FEATURES[MODIFIERS[field]] if field in MODIFIERS else IDLE_FEATURES[key]
-        value = modifier_value(getattr(cfg.parallel, field)) if field in MODIFIERS else written(set_settings(cfg)[key])
-        raise ConfigError(
-            f"{key}={value} says how {feature} runs, but no strategy the search tries with {held} has "
-            f"it; remove {key}, or hold a layout that has it"
-        )
-
-
-IDLE_FEATURES = {
-    "parallel.dispatcher": "a mixture of experts' token exchange",
-    "parallel.dispatcher_sms": "a mixture of experts' token exchange",
-    "train.fp8.all_gather": "FSDP",
-}
-"""What each key of :data:`~hyperjax.resolver.checks.IDLE_DEFAULTS` modifies, as an error names it."""
-
-
-def _nothing_fits(
-    cfg: Config,
-    devices: int,
-    hw: Hardware,
-    budget_gib: float,
-    priced: int,
-    leanest: tuple[dict[str, Any], Estimate],
-    too_big: list[tuple[dict[str, Any], Estimate]],
-) -> NothingFits:
-    overrides, est = leanest
-    mem = est.memory_per_device_gib
-    term = max(("params", "optimizer", "gradients", "activations"), key=mem.__getitem__)
-    report = {"fits": False, "priced": priced, "fitting": 0, "budget_gib": budget_gib}
-    report |= {"leanest": plain(selected(cfg, overrides)), "leanest_peak_gib": mem["peak"], "cannot_fit": term}
-    # the placement pass places a decoder's blocks: a vision-language model has none it can place
-    can_offload = cfg.offload.policy in ("none", "manual") and cfg.model.vision is None
-    hint = "Use more devices, a smaller model" + (" or offload.policy: auto." if can_offload else ".")
-    if cfg.offload.policy in ("auto", "greedy") and too_big:
-        lean = min(too_big, key=lambda oe: oe[1].memory_per_device_gib["peak"])
-        offload = offload_pass(resolve(candidate(cfg, lean[0]), devices, hardware=hw))
-        report |= {"leanest": plain(selected(cfg, lean[0])), "cannot_fit": offload.cannot_fit}
-        report |= {"smallest_budget_gib": offload.smallest_budget_gib}
-        term = f"{offload.cannot_fit} (which cannot leave the device)"
-        hint = f"Offloading, the leanest strategy needs {offload.smallest_budget_gib:g} GiB; use more devices."
-    return NothingFits(
-        f"none of the {priced} strategies on {devices} devices fits {budget_gib:.3g} GiB "
-        f"per device; the leanest needs {mem['peak']:.3g} GiB, most of it {term}"
-        + (f" ({mem[term]:.3g} GiB). " if term in mem else ". ")
-        + hint,
-        report,
-    )
-
-
-OFFLOAD_TRIES = 8  # strategies handed to the placement pass (each an integer program)
-
-
-def _with_offload(
-    cfg: Config,
-    devices: int,
-    hw: Hardware,
-    too_big: list[tuple[dict[str, Any], Estimate]],
-    ranked: list[Candidate],
-) -> int:
-    """Give the fastest strategies that do not fit to the placement pass; add those it fits to ``ranked``."""
-    best = min((c.estimate.step_time_s for c in ranked), default=float("inf"))
-    added = 0
-    tries = sorted(too_big, key=lambda oe: oe[1].step_time_s)[:OFFLOAD_TRIES]
-    if too_big and not ranked:  # nothing fits as it is: the leanest is the likeliest to fit with offload
-        leanest = min(too_big, key=lambda oe: oe[1].memory_per_device_gib["peak"])
-        tries += [leanest] if all(leanest is not t for t in tries) else []
-    for overrides, est in tries:
-        if est.step_time_s >= best:
-            continue  # offloading only adds time: it cannot beat a strategy that fits as it is
-        try:
-            offload = offload_pass(resolve(candidate(cfg, overrides), devices, hardware=hw))
-        except HyperjaxError:
-            continue  # nothing the pass can place (a vision-language model)
-        if offload.fits:
-            chosen = {**selected(cfg, overrides), "offload.policy": cfg.offload.policy}
-            ranked.append(Candidate(overrides=chosen, estimate=with_offload(offload), offload=offload.to_dict()))
-            added += 1
-    return added

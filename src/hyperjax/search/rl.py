@@ -36,7 +36,8 @@ from hyperjax.resolver import (
     phase_config,
     resolve_rl,
 )
-from hyperjax.search.planner import NothingFits, plan
+from hyperjax.search.answer import NothingFits
+from hyperjax.search.planner import plan
 from hyperjax.search.strategies import apply, divisors, untried
 from hyperjax.topology import Hardware, load_hardware
 

@@ -1,0 +1,79 @@
+"""The strategies that do not fit the device-memory budget: those the placement pass makes fit under
+``offload.policy: auto`` or ``greedy``, and the error that names the leanest when none does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hyperjax.config import Config
+from hyperjax.cost import Estimate
+from hyperjax.errors import HyperjaxError
+from hyperjax.offload import offload_pass, with_offload
+from hyperjax.resolver import resolve
+from hyperjax.search.answer import Candidate, NothingFits, plain
+from hyperjax.search.strategies import candidate, selected
+from hyperjax.topology import Hardware
+
+
+def nothing_fits(
+    cfg: Config,
+    devices: int,
+    hw: Hardware,
+    budget_gib: float,
+    priced: int,
+    leanest: tuple[dict[str, Any], Estimate],
+    too_big: list[tuple[dict[str, Any], Estimate]],
+) -> NothingFits:
+    overrides, est = leanest
+    mem = est.memory_per_device_gib
+    term = max(("params", "optimizer", "gradients", "activations"), key=mem.__getitem__)
+    report = {"fits": False, "priced": priced, "fitting": 0, "budget_gib": budget_gib}
+    report |= {"leanest": plain(selected(cfg, overrides)), "leanest_peak_gib": mem["peak"], "cannot_fit": term}
+    # the placement pass places a decoder's blocks: a vision-language model has none it can place
+    can_offload = cfg.offload.policy in ("none", "manual") and cfg.model.vision is None
+    hint = "Use more devices, a smaller model" + (" or offload.policy: auto." if can_offload else ".")
+    if cfg.offload.policy in ("auto", "greedy") and too_big:
+        lean = min(too_big, key=lambda oe: oe[1].memory_per_device_gib["peak"])
+        offload = offload_pass(resolve(candidate(cfg, lean[0]), devices, hardware=hw))
+        report |= {"leanest": plain(selected(cfg, lean[0])), "cannot_fit": offload.cannot_fit}
+        report |= {"smallest_budget_gib": offload.smallest_budget_gib}
+        term = f"{offload.cannot_fit} (which cannot leave the device)"
+        hint = f"Offloading, the leanest strategy needs {offload.smallest_budget_gib:g} GiB; use more devices."
+    return NothingFits(
+        f"none of the {priced} strategies on {devices} devices fits {budget_gib:.3g} GiB "
+        f"per device; the leanest needs {mem['peak']:.3g} GiB, most of it {term}"
+        + (f" ({mem[term]:.3g} GiB). " if term in mem else ". ")
+        + hint,
+        report,
+    )
+
+
+OFFLOAD_TRIES = 8  # strategies handed to the placement pass (each an integer program)
+
+
+def add_offloaded(
+    cfg: Config,
+    devices: int,
+    hw: Hardware,
+    too_big: list[tuple[dict[str, Any], Estimate]],
+    ranked: list[Candidate],
+) -> int:
+    """Give the fastest strategies that do not fit to the placement pass; add those it fits to ``ranked``."""
+    best = min((c.estimate.step_time_s for c in ranked), default=float("inf"))
+    added = 0
+    tries = sorted(too_big, key=lambda oe: oe[1].step_time_s)[:OFFLOAD_TRIES]
+    if too_big and not ranked:  # nothing fits as it is: the leanest is the likeliest to fit with offload
+        leanest = min(too_big, key=lambda oe: oe[1].memory_per_device_gib["peak"])
+        tries += [leanest] if all(leanest is not t for t in tries) else []
+    for overrides, est in tries:
+        if est.step_time_s >= best:
+            continue  # offloading only adds time: it cannot beat a strategy that fits as it is
+        try:
+            offload = offload_pass(resolve(candidate(cfg, overrides), devices, hardware=hw))
+        except HyperjaxError:
+            continue  # nothing the pass can place (a vision-language model)
+        if offload.fits:
+            chosen = {**selected(cfg, overrides), "offload.policy": cfg.offload.policy}
+            ranked.append(Candidate(overrides=chosen, estimate=with_offload(offload), offload=offload.to_dict()))
+            added += 1
+    return added
