@@ -2,6 +2,7 @@
 
 import dataclasses
 import pickle
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +47,20 @@ def test_replace_of_the_experts_takes_the_new_balance_methods_default():
     weighted = MoEConfig(aux_loss_weight=0.1)
     with pytest.raises(ConfigError, match=r"model.moe.aux_loss_weight=0.1 applies to"):
         weighted.replace(balance="bias")  # a weight given is kept, and refused under the other method
+
+
+def test_a_model_deeper_than_the_layer_limit_is_refused_from_the_command_line(capsys):
+    """Blocks are counted and priced one by one: ten thousand take seconds, a hundred million ran for hours;
+    past the limit the config key, its value and the limit are named, before any work."""
+    from hyperjax.cli.main import main
+    from hyperjax.config.checks import LAYER_LIMIT
+    from hyperjax.config.model import VisionConfig
+
+    ModelConfig(layers=LAYER_LIMIT)
+    with pytest.raises(ConfigError, match=r"model.layers=10,001 is more than the 10,000 blocks"):
+        ModelConfig(layers=LAYER_LIMIT + 1)
+    with pytest.raises(ConfigError, match=r"model.vision.layers=20,000 is more than .*at most 10,000"):
+        VisionConfig(layers=20_000)
+    quick = str(Path(__file__).parents[2] / "configs" / "quickstart.yaml")
+    assert main(["predict", quick, "--set", "model.layers=100000000"]) == 2
+    assert "model.layers=100,000,000 is more than the 10,000 blocks" in capsys.readouterr().err

@@ -130,3 +130,29 @@ def test_an_offloaded_step_is_traced_as_its_placement_prices_it(tmp_path: Path, 
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
     assert max(e["ts"] + e["dur"] for e in events) / 1e6 == pytest.approx(step, rel=1e-4)
     assert {"recomputation (placement)", "exposed host transfers"} & {e["name"] for e in events}
+
+
+@pytest.mark.parametrize(
+    ("config", "sets"),
+    [
+        ("moe-tiny.yaml", ["parallel.tensor=1", "parallel.pipeline=2", "train.microbatches=4"]),
+        ("quickstart.yaml", ["parallel.pipeline=2", "parallel.tensor=1", "parallel.data=4", "train.micro_batch=2"]),
+        ("deepseek-v3-671b.yaml", []),
+    ],
+)
+def test_a_trace_is_refused_past_the_events_it_draws(config, sets, tmp_path: Path, capsys, monkeypatch):
+    """The events a trace would hold are counted before it is drawn (as many as are drawn, give or take a
+    tenth), and a step of more than ``TRACE_EVENTS`` is refused with its counts and the fix, writing nothing,
+    where drawing its grid of tasks would run for minutes (12.5 million micro-batches) and write gigabytes."""
+    from hyperjax.cost import trace
+
+    run = resolve(load_config(ROOT / "configs" / config, sets))
+    drawn = len(simulate(estimate(run)))
+    monkeypatch.setattr(trace, "TRACE_EVENTS", int(drawn * 0.9))
+    args = ["predict", str(ROOT / "configs" / config), *(f"--set={s}" for s in sets), "--trace", str(tmp_path / "t")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"on {run.chunks} model chunks" in err and "a smaller train.global_batch" in err
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setattr(trace, "TRACE_EVENTS", int(drawn * 1.1))
+    assert main(args) == 0 and (tmp_path / "t").is_file()

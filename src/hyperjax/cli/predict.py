@@ -23,7 +23,7 @@ from hyperjax.cli.options import (
     without_training,
 )
 from hyperjax.config import ACTIVATIONS, Config
-from hyperjax.cost import Estimate, estimate, memory_budget, unpriced_overrides, write_trace
+from hyperjax.cost import Estimate, check_traceable, estimate, memory_budget, unpriced_overrides, write_trace
 from hyperjax.cost.inference import TRAINING_ONLY, InferenceEstimate, estimate_inference
 from hyperjax.cost.rl import RLEstimate, estimate_rl
 from hyperjax.errors import ConfigError
@@ -89,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         check_writable(args.trace, "--trace")
     run = resolve(cfg, args.devices)
+    if args.trace:
+        check_traceable(run)
     est = estimate(run)
     offload = None
     if run.offload != "none":

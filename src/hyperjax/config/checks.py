@@ -45,6 +45,20 @@ def positive(obj: Any, section: str, keys: Sequence[str], *, optional: bool = Fa
             raise ConfigError(f"{section}.{key}={value!r} must be a positive integer{' or null' if optional else ''}")
 
 
+LAYER_LIMIT = 10_000
+"""The most blocks a model (or its vision encoder) may have: each is counted, placed and priced one by one,
+which at this depth takes seconds (the deepest transformers trained have about a thousand)."""
+
+
+def at_most_layers(layers: int, key: str) -> None:
+    """``layers`` (the value of config key ``key``) is at most :data:`LAYER_LIMIT`."""
+    if layers > LAYER_LIMIT:
+        raise ConfigError(
+            f"{key}={layers:,} is more than the {LAYER_LIMIT:,} blocks hyperjax counts, places and prices one by "
+            f"one (at {LAYER_LIMIT:,} that takes seconds); give {key} of at most {LAYER_LIMIT:,}"
+        )
+
+
 def literal_options(hint: Any) -> tuple[Any, ...] | None:
     """The words of a ``Literal`` hint (also inside ``X | None``); ``None`` when the hint is not one."""
     if typing.get_origin(hint) is typing.Literal:

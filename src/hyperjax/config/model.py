@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from hyperjax.config.checks import Filled, check_fields, positive
+from hyperjax.config.checks import Filled, at_most_layers, check_fields, positive
 from hyperjax.config.model_parts import MoEConfig, RopeScaling
 from hyperjax.config.types import (
     GATED,
@@ -65,6 +65,7 @@ class VisionConfig:
     def __post_init__(self) -> None:
         check_fields(self, "model.vision")
         positive(self, "model.vision", ("layers", "d_model", "heads", "d_ff", "image_size", "patch", "channels"))
+        at_most_layers(self.layers, "model.vision.layers")
         if self.d_model % self.heads:
             raise ConfigError(
                 f"model.vision.d_model={self.d_model} is not divisible by model.vision.heads={self.heads}"
@@ -150,6 +151,7 @@ class ModelConfig(Filled):
                 "or remove model.attention_impl"
             )
         positive(self, "model", ("layers", "d_model", "heads", "d_ff", "vocab", "seq_len"))
+        at_most_layers(self.layers, "model.layers")
         positive(self, "model", ("kv_heads", "head_dim"), optional=True)
         self.note_open()
         for key, value in FAMILY_PARTS[self.family].items():

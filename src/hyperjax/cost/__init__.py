@@ -22,7 +22,7 @@ from hyperjax.cost.parts import chunk_starts
 from hyperjax.cost.rl import RLEstimate, estimate_rl
 from hyperjax.cost.spans import stage_spans
 from hyperjax.cost.stage import ChunkCost, PartCost, StageCore, StageCost
-from hyperjax.cost.trace import simulate, stage_metadata, task_events, write_trace
+from hyperjax.cost.trace import check_traceable, simulate, stage_metadata, task_events, write_trace
 from hyperjax.cost.unpriced import unpriced_overrides
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "ServeLayer",
     "StageCore",
     "StageCost",
+    "check_traceable",
     "chunk_starts",
     "collective_time",
     "core_time",

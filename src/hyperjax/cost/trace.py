@@ -16,14 +16,40 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hyperjax.config import Run
 from hyperjax.cost.estimate import Estimate
 from hyperjax.cost.overlap import lane_events
 from hyperjax.cost.parts import chunk_starts
+from hyperjax.errors import ConfigError
 from hyperjax.files import write_json
 from hyperjax.mpmd.schedules import Task
 from hyperjax.mpmd.timing import replay
 
 COMPUTE, COMMUNICATION, ALL_TO_ALL = 0, 1, 2
+
+TRACE_EVENTS = 1_000_000
+"""The most events a trace draws: at about 170 bytes an event (as written here), a JSON file near 170 MB, which
+the browser-based trace viewers load slowly or not at all."""
+
+
+def check_traceable(run: Run) -> None:
+    """The trace of ``run``'s step has at most :data:`TRACE_EVENTS` events: two of each task (a forward or a
+    backward of a micro-batch on a model chunk), for a mixture of experts two of each of its layers'
+    token exchanges, and each stage's gradient reduction and optimizer step.
+
+    Raises:
+      ConfigError: the counts, their factors and the fix.
+    """
+    tasks = 2 * run.microbatches * run.chunks
+    m = run.config.model
+    events = tasks * (2 + (2 * m.moe_layers / run.chunks if m.moe is not None else 0)) + 2 * len(run.stages)
+    if events > TRACE_EVENTS:
+        raise ConfigError(
+            f"--trace: the step runs {tasks:,} tasks (forward and backward of {run.microbatches:,} micro-batches "
+            f"on {run.chunks} model chunks), about {events:,.0f} trace events, more than the {TRACE_EVENTS:,} a "
+            "trace draws; trace a step of fewer micro-batches (a smaller train.global_batch, or a larger "
+            "train.micro_batch), whose schedule the trace shows alike, and price this one without --trace"
+        )
 
 
 def task_events(
@@ -135,7 +161,12 @@ def _event(name: str, start_s: float, dur_s: float, pid: int, tid: int, args: di
 
 
 def write_trace(est: Estimate, path: str | Path, *, title: str) -> None:
-    """Write the trace of ``est`` to ``path`` (JSON in the Chrome trace event format), atomically."""
+    """Write the trace of ``est`` to ``path`` (JSON in the Chrome trace event format), atomically.
+
+    Raises:
+      ConfigError: the step has more tasks than a trace draws (:func:`check_traceable`).
+    """
+    check_traceable(est.run)
     data = {
         "traceEvents": stage_metadata(len(est.run.stages)) + simulate(est),
         "displayTimeUnit": "ms",
