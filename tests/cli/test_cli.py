@@ -155,6 +155,18 @@ def test_bad_input_from_the_shell_has_no_traceback():
     assert "Traceback" not in result.stderr + result.stdout
 
 
+def test_a_reader_that_stops_early_ends_the_command_without_a_traceback():
+    """``hyperjax plan ... --json | head -1``: the closed pipe ends the command quietly, as a shell tool
+    killed by SIGPIPE ends (status 141)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    args = [*CLI, "predict", str(CONFIGS / "quickstart.yaml"), "--json"]
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as proc:
+        proc.stdout.close()  # no reader: the first write fails
+        err = proc.stderr.read().decode()
+        status = proc.wait(timeout=300)
+    assert status == 141 and err == ""
+
+
 def test_selftest_8_devices_in_process(capsys, tmp_path: Path):
     out = tmp_path / "selftest.json"
     assert (

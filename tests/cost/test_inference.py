@@ -43,7 +43,7 @@ def test_decode_reads_every_weight_and_the_whole_cache():
     assert est.kv_cache_gib_per_device * 2**30 == pytest.approx(80 * 2 * 128 * 2 * 8192)
     weights = est.memory_per_device_gib["weights"] * 2**30
     assert est.decode_s_per_token > weights / (hw.hbm_bandwidth * hw.memory_efficiency)
-    longer = llama70b("serve.batch=1", "serve.prompt_len=65536", "serve.new_tokens=1")
+    longer = llama70b("serve.batch=1", "serve.prompt_len=65536", "serve.new_tokens=1", "model.seq_len=131072")
     extra = longer.decode_breakdown_s["kv_cache_read"] - est.decode_breakdown_s["kv_cache_read"]
     more = 80 * 2 * 128 * 2 * (65536 + 0.5 - 6144)  # the mean context grows from 4096 + 4096 / 2
     assert extra == pytest.approx(more / (hw.hbm_bandwidth * hw.memory_efficiency), rel=0.1)  # and the scores
@@ -91,6 +91,7 @@ def test_moe_decode_reads_only_the_experts_its_tokens_touch():
     [
         (["serve.batch=3"], "serve.batch=3 is split over 4 data-parallel replicas"),
         (["serve.prompt_len=100", "serve.new_tokens=100"], "learned positions reach model.seq_len=128"),
+        (["serve.prompt_len=129", "model.family=llama"], "serve.prompt_len=129 is longer than model.seq_len=128"),
         (["serve.batch=0"], "serve.batch=0 must be a positive integer"),
         # training settings serving does not read
         (["train.recompute=full"], "--set train.recompute: predict --inference prices serving, which does not"),
@@ -176,7 +177,7 @@ def test_inference_fits_the_offload_budget_and_places_what_does_not(capsys):
         "predict", str(ROOT / "configs/llama3-70b.yaml"), "--inference", "--json", "--devices", "8",
         "--set", "parallel.data=1", "--set", "parallel.pipeline=1", "--set", "parallel.virtual_stages=1",
         "--set", "parallel.schedule=1f1b", "--set", "serve.prompt_len=32000", "--set", "serve.new_tokens=1",
-        "--set", "serve.batch=4",
+        "--set", "serve.batch=4", "--set", "model.seq_len=32768",
     ]  # fmt: skip
 
     def answer(*sets: str) -> dict:

@@ -149,3 +149,22 @@ def test_the_forward_regrouping_moves_fp8_rows_where_the_dispatch_does():
     move = lambda b: stream_time(2 * route.busiest * m.d_model * b, ops=1, hardware=hw)
     assert nccl.forward_s - deepep.forward_s == pytest.approx(move(1) + move(2))
     assert nccl.backward_s - deepep.backward_s == pytest.approx(2 * move(2))
+
+
+def test_a_capacity_below_one_drops_copies_from_every_expert_and_prices_what_is_kept():
+    """With ``moe.capacity_factor`` C, an expert computes at most C times its even share of the copies (the
+    emulation drops the rest: half of them at C 0.5). Below 1 every expert is full, so the busiest device
+    computes and exchanges C of the even share, and the layer is cheaper than at C 1; above 1 the load
+    imbalance caps at C."""
+    path = Path(__file__).parents[2] / "configs" / "mixtral-8x7b.yaml"
+    cfg = {c: load_config(path, [f"model.moe.capacity_factor={c}"]).model for c in (0.5, 1.0, 1.25)}
+    kw = dict(tokens=4096.0, axes={"tensor": 1, "expert": 8}, expert_tensor=True)
+    routes = {c: routing(m, **kw) for c, m in cfg.items()}
+    assert routes[0.5].busiest == pytest.approx(0.5 * routes[1.0].busiest)
+    assert routes[1.0].imbalance == 1.0 and 1.0 <= routes[1.25].imbalance <= 1.25
+    layer = {
+        c: estimate(resolve(load_config(path, [f"model.moe.capacity_factor={c}"]))).stages[0].parts[-1].layer
+        for c in (0.5, 1.0)
+    }
+    assert layer[0.5].exchange_s < 0.6 * layer[1.0].exchange_s  # half the bytes, the same latency
+    assert layer[0.5].forward_s < layer[1.0].forward_s

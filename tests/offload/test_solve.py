@@ -21,7 +21,7 @@ from hyperjax.offload import (
     solve_exact,
 )
 from hyperjax.offload.problem import GIB
-from hyperjax.offload.solve import minimum_memory
+from hyperjax.offload.solve import ceil_gib, minimum_memory
 
 ROOT = Path(__file__).parents[2]
 HW = load_hardware("cloudmatrix384")
@@ -283,3 +283,26 @@ def test_a_deeper_prefetch_never_prices_a_placement_slower():
         peaks.append(result.priced.peak_bytes)
     assert steps == sorted(steps, reverse=True)
     assert peaks[:4] == sorted(peaks[:4]) and peaks[0] < peaks[3] and peaks[3] == peaks[4]  # 4 layers
+
+
+def test_every_pipeline_stage_must_fit_not_only_the_fullest():
+    """The placement is chosen on the stage that holds the most; a stage past it (here the last, of one
+    block and a 128k-token vocabulary's logits) must fit too, under any placement of its own blocks.
+    Before, the run was said to fit a budget its last stage can never meet."""
+    sets = {
+        "model.family": "llama", "model.layers": 32, "model.d_model": 1024, "model.d_ff": 4096,
+        "model.vocab": 128000, "model.seq_len": 4096, "model.tie_embeddings": "false",
+        "model.attention_kernel": "flash", "train.dtype": "bfloat16", "train.global_batch": 24,
+        "parallel.tensor": 1, "parallel.pipeline": 2, "parallel.stage_devices": "[6,2]",
+        "parallel.stage_layers": "[31,1]", "offload.policy": "auto",
+    }  # fmt: skip
+    run = resolve(config(**sets, **{"offload.device_memory_gib": 5}))
+    base = estimate(dataclasses.replace(run, recompute="none"))
+    assert base.fullest == 0
+    last = minimum_memory(build_problem(base, hardware=run.hardware, budget_bytes=5 * GIB, prefetch=1, stage=1))
+    assert last.peak_bytes > 5 * GIB  # the last stage's fixed logits alone outgrow the budget
+    plan = offload_pass(run)
+    assert not plan.fits and plan.cannot_fit.endswith("of stage 1")
+    assert plan.smallest_budget_gib == ceil_gib(last.peak_bytes)  # rounded up to three figures
+    roomy = offload_pass(resolve(config(**sets, **{"offload.device_memory_gib": plan.smallest_budget_gib})))
+    assert roomy.fits

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from importlib.metadata import version
@@ -49,9 +50,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HyperjaxError as e:
         print(f"hyperjax {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of stdout (``| head``) stopped early: not an error of the command's
+        _quiet_stdout()  # what Python would flush into the closed pipe at exit goes nowhere
+        return 141  # as a command killed by SIGPIPE ends in a shell
     except KeyboardInterrupt as e:  # a training run stopped after a whole step says which (Interrupted)
         print(f"hyperjax {args.command}: interrupted{f' {e}' if str(e) else ''}", file=sys.stderr)
         return 130
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at the null device (where it is a file descriptor)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # a replaced stream (a test's capture) has none
+        return
+    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
 
 
 if __name__ == "__main__":

@@ -134,13 +134,18 @@ def estimate_inference(run: Run) -> InferenceEstimate:
     """Predict serving ``run.config.serve`` on ``run``'s mesh and hardware.
 
     Raises:
-      ConfigError: a batch the data-parallel replicas cannot split, a prompt and its new tokens longer than
-        learned positions reach, or a prompt that leaves no new tokens of ``model.seq_len`` to a null
-        ``serve.new_tokens``.
+      ConfigError: a batch the data-parallel replicas cannot split, a prompt longer than ``model.seq_len``,
+        a prompt and its new tokens longer than learned positions reach, or a prompt that leaves no new
+        tokens of ``model.seq_len`` to a null ``serve.new_tokens``.
     """
     cfg, m, hw = run.config, run.config.model, run.hardware
     serve = cfg.serve
     prompt = serve.prompt_len or max(1, m.seq_len // 2)
+    if prompt > m.seq_len:  # as generate refuses it, and vLLM a prompt past the model's length
+        raise ConfigError(
+            f"serve.prompt_len={prompt} is longer than model.seq_len={m.seq_len}, the longest sequence the model "
+            f"takes; give serve.prompt_len of at most {m.seq_len}, or a longer model.seq_len"
+        )
     if serve.new_tokens is None and prompt >= m.seq_len:
         raise ConfigError(
             f"serve.new_tokens is null (the rest of model.seq_len={m.seq_len}), but serve.prompt_len={prompt} leaves "

@@ -80,8 +80,8 @@ def routing(m: ModelConfig, *, tokens: float, axes: Mapping[str, int], expert_te
     local = max(1, x.experts // spread)
     copies = tokens / (1 if expert_tensor else tp) * x.top_k
     imbalance = load_imbalance(m, local, spread)
-    if x.capacity_factor is not None:  # copies past an expert's capacity are dropped
-        imbalance = min(imbalance, max(1.0, x.capacity_factor))
+    if x.capacity_factor is not None:  # copies past an expert's capacity are dropped (below 1, from every expert)
+        imbalance = min(imbalance, x.capacity_factor)
     return Routing(
         local_experts=local,
         width=tp if expert_tensor else 1,

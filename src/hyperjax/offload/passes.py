@@ -121,11 +121,14 @@ def offload_pass(run: Run) -> OffloadResult:
         answers.append((not priced.fits, priced.step_time_s, len(answers), priced, problem))
     _, _, _, priced, problem = min(answers, key=lambda a: a[:3])
     budget_gib = budget / GIB
-    if priced.fits:
+    elsewhere = _other_stages(est, hardware, budget, o.prefetch)
+    if priced.fits and (elsewhere is None or elsewhere[1] <= budget):
         return OffloadResult(
             policy=policy, priced=priced, fits=True, budget_gib=budget_gib, problem=problem, run=run, base=est
         )
-    term, smallest = describe_infeasible(problem)
+    term, smallest = describe_infeasible(problem) if not priced.fits else (None, priced.peak_bytes)
+    if elsewhere is not None and (term is None or elsewhere[1] > smallest):
+        term, smallest = elsewhere
     return OffloadResult(
         policy=policy,
         priced=priced,
@@ -137,6 +140,32 @@ def offload_pass(run: Run) -> OffloadResult:
         cannot_fit=term,
         smallest_budget_gib=ceil_gib(smallest),
     )
+
+
+def _other_stages(est: Estimate, hardware: Hardware, budget: float, prefetch: int) -> tuple[str, float] | None:
+    """What makes the pipeline stage, other than the fullest (which the placement is chosen on), that cannot
+    fit ``budget`` bytes under any placement of its own blocks too big, and its smallest peak (bytes): the
+    one whose smallest peak is largest. ``None`` where every such stage can fit; a stage that fits with
+    nothing placed is not solved.
+
+    A stage of other blocks (the embedding's, the loss's) still answers for the step: each stage places
+    its own blocks, and the run fits only where all of them do.
+    """
+    worst: tuple[str, float] | None = None
+    for i, stage in enumerate(est.stages):
+        if i == est.fullest or stage.memory["peak"] <= budget:
+            continue
+        try:
+            problem = build_problem(est, hardware=hardware, budget_bytes=budget, prefetch=prefetch, stage=i)
+        except ConfigError:  # no decoder blocks to place: what it holds stays on the device
+            term = max(("params", "optimizer", "gradients", "activations"), key=stage.memory.__getitem__)
+            found = (f"stage {i}'s {term} (it holds no decoder block to place)", stage.memory["peak"])
+        else:
+            term, smallest = describe_infeasible(problem)
+            found = (f"{term} of stage {i}", smallest)
+        if found[1] > budget and (worst is None or found[1] > worst[1]):
+            worst = found
+    return worst
 
 
 def with_offload(result: OffloadResult) -> Estimate:

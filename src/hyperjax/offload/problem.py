@@ -114,10 +114,16 @@ class Priced:
 
 
 def build_problem(
-    est: Estimate, *, hardware: Hardware, budget_bytes: float, prefetch: int, reach: int | None = None
+    est: Estimate,
+    *,
+    hardware: Hardware,
+    budget_bytes: float,
+    prefetch: int,
+    reach: int | None = None,
+    stage: int | None = None,
 ) -> Problem:
-    """The placement problem of the stage of ``est`` that holds the most memory (the whole model for one
-    stage).
+    """The placement problem of stage ``stage`` of ``est`` (default: the one that holds the most memory; the
+    whole model for one stage).
 
     ``est`` is the estimate of the run with ``recompute: none``; ``hardware`` gives the host link. Staging
     buffers hold ``prefetch`` layers ahead; the transfers are issued ``reach`` layers ahead (default
@@ -126,7 +132,7 @@ def build_problem(
     Raises:
       ConfigError: the stage holds no decoder blocks (the pass places a decoder's tensor groups).
     """
-    stage = est.stages[est.fullest]
+    stage = est.stages[est.fullest if stage is None else stage]
     blocks = decoder_blocks(est, stage)
     if not blocks:
         raise ConfigError(

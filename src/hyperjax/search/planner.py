@@ -7,7 +7,9 @@ that hides its all-to-all; for a vision-language model under
 (:func:`hyperjax.resolve`) priced by :func:`hyperjax.estimate`; those that do not fit the device-memory
 budget (``offload.device_memory_gib``, default the preset's HBM less its ``reserved_bytes``) are
 dropped. Under ``offload.policy: auto`` or ``greedy`` the fastest strategies that do not fit are also
-given to the placement pass (:mod:`hyperjax.offload`), and those it makes fit compete with the rest.
+given to the placement pass (:mod:`hyperjax.offload`), and those it makes fit compete with the rest: a
+heuristic (:data:`~hyperjax.search.unfit.OFFLOAD_TRIES` of them, from a search as deep as for
+:data:`~hyperjax.search.unfit.OFFLOAD_POOL` answers), not the exhaustive answer below.
 
 It answers in seconds at the scale of the machines people size:
 
@@ -46,7 +48,7 @@ from hyperjax.search.strategies import (
     submesh_strategies,
     untried,
 )
-from hyperjax.search.unfit import add_offloaded, nothing_fits
+from hyperjax.search.unfit import OFFLOAD_POOL, add_offloaded, nothing_fits
 from hyperjax.topology import Hardware, load_hardware
 
 VARIES = ("parallel.zero_stage", "train.recompute", "parallel.overlap")
@@ -154,7 +156,10 @@ def plan(
     ]  # fmt: skip
     order = sorted(range(len(groups)), key=bound.__getitem__)
     found: list[tuple[float, int, dict[str, Any]]] = []  # (step, enumeration order, overrides) that fit
-    fastest: list[float] = []  # the negated steps of the ``keep`` fastest found so far (a heap)
+    fastest: list[float] = []  # the negated steps of the ``depth`` fastest found so far (a heap)
+    # under a placement pass, the strategies handed to it are the fastest that do not fit among those priced:
+    # a search as deep for every ``keep`` up to OFFLOAD_POOL prices the same, so its answers agree
+    depth = max(keep, OFFLOAD_POOL) if cfg.offload.policy in ("auto", "greedy") else keep
     priced = 0
     leanest: tuple[dict[str, Any], Estimate] | None = None
     refused: HyperjaxError | None = None  # the first ZeRO stage refused, for a search that prices none
@@ -163,7 +168,7 @@ def plan(
     for done, g in enumerate(order):
         if progress is not None:
             progress(done, len(order))
-        if prune and len(fastest) == keep and bound[g] > -fastest[0]:
+        if prune and len(fastest) == depth and bound[g] > -fastest[0]:
             break  # bases come in bound order: none after this one can enter the answer
         try:
             named = cfg.train.recompute_modules is not None  # what selective recomputes, kept for pricing
@@ -198,7 +203,7 @@ def plan(
                 if est.memory_per_device_gib["peak"] <= budget_gib:
                     found.append((est.step_time_s, index[id(combo)], overrides))
                     heapq.heappush(fastest, -est.step_time_s)
-                    if len(fastest) > keep:
+                    if len(fastest) > depth:
                         heapq.heappop(fastest)
                     continue
                 left.append(combo)

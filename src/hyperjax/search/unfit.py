@@ -37,18 +37,22 @@ def nothing_fits(
         offload = offload_pass(resolve(candidate(cfg, lean[0]), devices, hardware=hw))
         report |= {"leanest": plain(selected(cfg, lean[0])), "cannot_fit": offload.cannot_fit}
         report |= {"smallest_budget_gib": offload.smallest_budget_gib}
-        term = f"{offload.cannot_fit} (which cannot leave the device)"
-        hint = f"Offloading, the leanest strategy needs {offload.smallest_budget_gib:g} GiB; use more devices."
+        hint = (
+            f"Offloading, the leanest needs {offload.smallest_budget_gib:.3g} GiB, most of it "
+            f"{offload.cannot_fit}, which cannot leave the device; use more devices."
+        )
     return NothingFits(
         f"none of the {priced} strategies on {devices} devices fits {budget_gib:.3g} GiB "
-        f"per device; the leanest needs {mem['peak']:.3g} GiB, most of it {term}"
-        + (f" ({mem[term]:.3g} GiB). " if term in mem else ". ")
-        + hint,
+        f"per device; as it is, the leanest needs {mem['peak']:.3g} GiB, most of it {term} "
+        f"({mem[term]:.3g} GiB). " + hint,
         report,
     )
 
 
 OFFLOAD_TRIES = 8  # strategies handed to the placement pass (each an integer program)
+OFFLOAD_POOL = 10
+"""Under a placement pass the search prices as deep as for this many answers (``plan --top``'s default), so
+that the strategies it hands the pass, and the answers, are the same for any ``keep`` up to it."""
 
 
 def add_offloaded(
