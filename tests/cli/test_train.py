@@ -123,7 +123,7 @@ def test_explain(capsys, tmp_path: Path, monkeypatch):
         (["--set", "train.steps=99999999999999999999"], r"train.steps=99999999999999999999 must be below 2\*\*31"),
         # a model whose state alone outgrows this machine is refused before any process starts
         (
-            ["--set", "model.layers=100000", "--set", "model.d_model=8192", "--set", "model.heads=64"],
+            ["--set", "model.layers=100", "--set", "model.d_model=65536", "--set", "model.heads=64"],
             r"training this model on 8 emulated devices holds about [\d,]+ GiB of parameters, gradients and "
             r"optimizer state .* more than this machine's \d+ GiB of memory; train a smaller model",
         ),
@@ -337,3 +337,15 @@ def test_a_diverged_run_stops_at_the_step_and_keeps_only_finite_records(capsys, 
 
     assert saved_steps(ck) == list(range(1, step))[-3:]  # the newest kept, none of the diverged step
     assert f"the last checkpoint, {ck / str(step - 1)}, is kept" in err
+
+
+@pytest.mark.slow
+def test_a_pipelines_summary_says_its_memory_is_the_state_it_holds(capsys, tmp_path: Path):
+    """A schedule of per-chunk programs is measured by the parameters, gradient accumulators and optimizer
+    state its fullest stage holds, not by a compiled step's activations: the summary says so."""
+    small = ["model.layers=4", "model.d_model=64", "model.heads=4", "model.d_ff=256", "model.seq_len=32"]
+    small += ["train.global_batch=16", "parallel.pipeline=2", "parallel.tensor=1", "train.microbatches=4"]
+    args = ["train", QUICK, "--steps", "1", "--out-dir", str(tmp_path), *(x for s in small for x in ("--set", s))]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "per-device memory of the held state (parameters, gradient accumulators, optimizer state" in out

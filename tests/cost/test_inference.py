@@ -238,3 +238,34 @@ def test_the_priced_cache_is_the_cache_generation_allocates(model, tensor):
     m = ModelConfig(**model)
     held = cache_bytes(m, "bfloat16", 3, 17, lambda axis: tensor if axis == "act_kv_heads" else 1)  # rounded up
     assert held == m.layers * 3 * 17 * kv_bytes_per_token(m, tensor, 2) > 0
+
+
+def test_a_vision_encoder_runs_once_in_the_prefill_and_holds_no_cache():
+    """A vision-language model's encoder encodes the image in the prefill, over its patches; a decode step
+    runs the language model alone, and only its blocks cache keys and values. Before, every new token paid
+    the encoder's blocks and the encoder held a cache."""
+    path = ROOT / "configs" / "vlm-8b-cm384.yaml"
+    est = {
+        n: estimate_inference(hyperjax.resolve(hyperjax.load_config(path, [f"model.vision.layers={n}"])))
+        for n in (1, 24, 96)
+    }
+    assert est[1].decode_s_per_token == est[24].decode_s_per_token == est[96].decode_s_per_token
+    assert est[1].kv_cache_gib_per_device == est[96].kv_cache_gib_per_device
+    assert est[1].prefill_s < est[24].prefill_s < est[96].prefill_s
+
+
+def test_a_token_crosses_every_chunk_boundary_of_an_interleaved_pipeline():
+    """Virtual stages put consecutive chunks on consecutive stages round the pipeline: a token crosses
+    chunks - 1 boundaries, not stages - 1, each a hand-over of its hidden state."""
+    path = ROOT / "configs" / "llama3-70b.yaml"
+    sets = {v: ["parallel.schedule=1f1b"] if v == 1 else [] for v in (1, 5, 10)}
+    est = {
+        v: estimate_inference(hyperjax.resolve(hyperjax.load_config(path, [f"parallel.virtual_stages={v}", *s])))
+        for v, s in sets.items()
+    }
+    p = len(est[1].run.stages)
+    hop = {v: e.decode_breakdown_s["communication"] for v, e in est.items()}
+    per = (hop[10] - hop[5]) / (5 * p)  # one boundary's hand-over more per chunk added
+    assert per > 0
+    assert hop[5] - hop[1] == pytest.approx(per * (5 * p - 1 - (p - 1)), rel=0.25)
+    assert est[1].prefill_s < est[5].prefill_s < est[10].prefill_s

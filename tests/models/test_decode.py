@@ -85,6 +85,19 @@ def test_greedy_tokens_are_the_same_on_every_layout(sets):
     )
 
 
+def test_a_padded_batch_is_refused_under_a_capacity_factor():
+    """Copies of the last prompt pad a batch the data axes do not divide; under a capacity factor they would
+    take the experts' capacity from the prompts' own tokens, and the tokens would change with the layout."""
+    from hyperjax import ConfigError, resolve
+    from hyperjax.train.generate import generate_on_mesh
+
+    sets = ["model.layers=2", "model.moe.capacity_factor=1.0", "parallel.expert=2", "parallel.tensor=1"]
+    cfg = load_config(CONFIGS / "moe-tiny.yaml", sets)
+    prompt = np.random.default_rng(0).integers(0, cfg.model.vocab, (3, 5)).astype(np.int32)
+    with pytest.raises(ConfigError, match=r"capacity_factor=1.0: .* 3 prompt\(s\) padded to 8 .* multiple of 8"):
+        generate_on_mesh(resolve(cfg, 8), build_model(cfg.model, seed=0), prompt, 2)
+
+
 @pytest.mark.parametrize(
     ("sets", "dtype"),
     [(["model.family=llama", "model.kv_heads=2"], "float32"), (["model.layers=2", *DEEPSEEK_PARTS], "bfloat16")],
@@ -120,3 +133,16 @@ def test_one_devices_share_of_the_cache_is_what_the_layout_gives_it(name, sets, 
     held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(cache))
     assert held == device_cache_bytes(run, laid_out, 4, 10)
     assert held * 8 == copies * cache_bytes(run.config.model, run.dtype, 4, 10)
+
+
+def test_generate_names_both_settings_a_token_split_over_experts_needs():
+    """parallel.expert_tensor=1 needs sequence parallelism, which generation cannot run: the fix names both
+    keys. Before, turning sequence parallelism off met the config check, which asked to turn it back on."""
+    from hyperjax import ConfigError, resolve
+    from hyperjax.train.generate import check_generable
+
+    sets = ["parallel.expert=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert_tensor=1"]
+    with pytest.raises(ConfigError, match=r"--set parallel.sequence_parallel=false --set parallel.expert_tensor=null"):
+        check_generable(resolve(load_config(CONFIGS / "moe-tiny.yaml", sets), 8))
+    fixed = [*sets, "parallel.sequence_parallel=false", "parallel.expert_tensor=null"]
+    check_generable(resolve(load_config(CONFIGS / "moe-tiny.yaml", fixed), 8))

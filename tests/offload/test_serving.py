@@ -2,6 +2,7 @@
 pass equals brute force on a small problem, beats or equals greedy, and the longest context grows with it."""
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -117,3 +118,25 @@ def test_the_device_only_step_is_the_whole_decode_step(pipeline):
     placed = hyperjax.offload.serving.serving_pass(est, budget_bytes=2**40)
     assert placed.decode_s_per_token == placed.device_only_s_per_token
     assert placed.device_only_s_per_token == pytest.approx(est.decode_s_per_token, rel=0.01)  # its own context
+
+
+def test_every_pipeline_stage_places_its_own_layers():
+    """The placement is chosen on the stage that holds the most; each other stage over the budget places its
+    own layers by the same pass, and a token waits for the fetches each leaves exposed. A stage that cannot
+    fit (here one with nothing of its own to place) makes the run not fit. Before, Llama-3-70B's four stages
+    at 3 GiB were said to fit with only the first placed, decoding at the first stage's price."""
+    import dataclasses
+
+    from hyperjax.offload.serving import serving_pass
+
+    path = Path(__file__).parents[2] / "configs" / "llama3-70b.yaml"
+    cfg = hyperjax.load_config(path, ["offload.policy=auto"])
+    est = estimate_inference(hyperjax.resolve(cfg))
+    budget = 3 * 2**30
+    assert len(est.others) == 3 and all(peak > budget for _, _, peak in est.others)
+    alone = serving_pass(dataclasses.replace(est, others=()), budget_bytes=budget)
+    every = serving_pass(est, budget_bytes=budget)
+    assert every.fits and alone.fits
+    assert every.decode_s_per_token > 2 * alone.decode_s_per_token  # three more stages' fetches exposed
+    stuck = dataclasses.replace(est, others=(((), 0.0, 4 * 2**30),))  # 4 GiB of nothing it could move
+    assert not serving_pass(stuck, budget_bytes=budget).fits

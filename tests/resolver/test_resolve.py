@@ -255,6 +255,21 @@ def test_an_elastic_restart_that_drops_a_feature_resets_its_modifiers():
     assert run.config.parallel.fsdp_reshard is True and run.config.parallel.tp_overlap == "none"
 
 
+def test_an_elastic_restart_keeps_a_paired_run_paired_or_says_why_not():
+    """A run whose forwards and backwards pair (parallel.overlap: fb-pair) saves its state as a one-stage
+    pipeline: an elastic restart that drops the pairing would not load it. On 2 devices, where the experts
+    cannot stay spread, the restart is refused naming the setting, before any device starts; before, it
+    failed after the devices started, on a tensor the checkpoint lacked."""
+    from hyperjax.resolver import elastic_overrides
+
+    sets = ["model.layers=2", "train.global_batch=16", "parallel.expert=4", "parallel.tensor=2"]
+    sets += ["train.microbatches=2", "parallel.overlap=fb-pair"]
+    load = lambda more: load_config(CONFIGS / "moe-tiny.yaml", [*sets, *more])
+    assert elastic_overrides(load, 8)[1].overlap == "fb-pair"
+    with pytest.raises(ConfigError, match=r"no strategy fits 2 devices .*parallel.overlap=fb-pair saves"):
+        elastic_overrides(load, 2)
+
+
 def test_expert_tensor_equal_to_tensor_splits_each_expert_as_null_does():
     sets = ["parallel.tensor=2", "parallel.sequence_parallel=true"]
     null = resolve(load_config(CONFIGS / "moe-tiny.yaml", sets))

@@ -95,6 +95,14 @@ def test_missing_devices_are_what_the_other_phase_leaves():
             r"rl.rollout_batch=5 completions .* the rollout's 2 data-parallel replicas",
         ),
         (["rl.rollout_batch=128"], r"rl.rollout_batch=128 is more than the 64 completions"),
+        (
+            [
+                "model.moe={experts: 4, top_k: 2, d_ff: 64, capacity_factor: 1.0}",
+                *("rl.rollout.devices=6", "rl.learner.devices=2", "rl.learner.parallel={fsdp: 2}"),
+                "rl.rollout.parallel={data: 3, tensor: 2}",
+            ],
+            r"capacity_factor=1.0: .* 64 completions .* padded to 66 .* set rl.rollout_batch to a multiple of 3",
+        ),
         (["parallel.tensor=2"], r"an rl: config lays out each phase apart"),
         (["offload.policy=auto"], r"offload.policy='auto': an rl: config"),
         (["rl.algorithm=ppo"], r"rl.algorithm='ppo' is not one of \('grpo',\)"),

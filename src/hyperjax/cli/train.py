@@ -351,7 +351,12 @@ def _train(ready: Prepared, args: argparse.Namespace, out_dir: str) -> int:
         )
         out.print(f"[bold]summary[/bold]: {s['params']:,} parameters; strategy {s['strategy']}; {where}")
         out.print(f"  loss {s['first_loss']:.4f} -> {s['final_loss']:.4f} over {len(result.losses)} steps")
-        out.print(f"  per-device memory of the compiled step: {s['memory_per_device_bytes'] / 2**20:.1f} MiB")
+        held = (  # a schedule of per-chunk programs is measured by the state it holds, not its activations
+            "held state (parameters, gradient accumulators, optimizer state; activations not measured)"
+            if run.staged
+            else "compiled step"
+        )
+        out.print(f"  per-device memory of the {held}: {s['memory_per_device_bytes'] / 2**20:.1f} MiB")
         out.print(f"  emulated step time: {s['emulated_step_time_s'] * 1e3:.1f} ms (median after compilation)")
         out.print(f"  loss curve: {out_dir}/loss.png")
         if result.expert_load is not None:

@@ -79,6 +79,8 @@ class InferenceEstimate:
       fixed_bytes: that stage's memory outside its layers' weights and caches (embeddings, head, activations).
       other_s: the decode step outside that stage's layers (the other stages', the head, the hand-overs between
         stages), so that with them the stage's layers make up ``decode_s_per_token``.
+      others: each other stage's ``(layers, fixed_bytes, peak bytes)``, in stage order: a placement must fit
+        them too.
     """
 
     run: Run
@@ -95,6 +97,7 @@ class InferenceEstimate:
     layers: tuple[ServeLayer, ...] = ()
     fixed_bytes: float = 0.0
     other_s: float = 0.0
+    others: tuple[tuple[tuple[ServeLayer, ...], float, float], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready data."""
@@ -164,9 +167,10 @@ def estimate_inference(run: Run) -> InferenceEstimate:
     prefill = step = kv_read = comm = 0.0
     fullest: dict[str, float] | None = None
     fullest_layers: list[ServeLayer] = []
+    per_stage: list[tuple[dict[str, float], list[ServeLayer]]] = []  # each stage's memory and layers
     n = len(run.stages)
     starts = chunk_starts(run)
-    for i, stage in enumerate(run.stages):
+    for stage in run.stages:
         axes, dp = stage.axes, stage.data_parallel
         if batch % dp:
             raise ConfigError(
@@ -181,7 +185,7 @@ def estimate_inference(run: Run) -> InferenceEstimate:
         layers: list[ServeLayer] = []
         stage_s = 0.0  # this stage's part of a decode step
         parts = [p for j, c in enumerate(stage.chunks) for p in part_models(m, stage, j, starts[c])]
-        for _, block, count, moe in parts:
+        for module, block, count, moe in parts:
             kw = dict(
                 axes=axes,
                 spans=spans,
@@ -194,6 +198,13 @@ def estimate_inference(run: Run) -> InferenceEstimate:
                 dispatcher=run.config.parallel.dispatcher,
                 context_impl=run.config.parallel.context_impl,
             )
+            if module == "encoder":  # once per image, over its patches, in the prefill: no cache, no decode
+                enc = price_layer(block, micro=local, **kw)
+                prefill += count * (enc.forward_s + enc.tensor_comm_s / 2 + enc.context_forward_s)
+                prefill += count * (enc.fsdp_gather_s if axes["fsdp"] > 1 else 0.0)
+                weights += count * enc.params * e
+                acts = max(acts, enc.activation_bytes.get("block_in", 0.0) * 6)
+                continue
             full = price_layer(dataclasses.replace(block, seq_len=prompt), micro=local, **kw)
             prefill += count * (
                 full.forward_s + full.tensor_comm_s / 2 + full.context_forward_s + 2 * full.exchange_s
@@ -241,8 +252,9 @@ def estimate_inference(run: Run) -> InferenceEstimate:
             stage_s += head
             prefill += head
             acts += local * m.vocab / tp * 4
-        if i + 1 < n:
-            span = boundary_span(hw, stage.first_device, run.stages[i + 1].first_device)
+        # each chunk hands its tokens to the next chunk's stage (interleaved: round the stages again)
+        for after in (run.stage_of(c + 1) for c in stage.chunks if c + 1 < run.chunks):
+            span = boundary_span(hw, stage.first_device, after.first_device)
             hop = collective_time("send", local * m.d_model * e, span, hw)
             stage_s += hop
             prefill += collective_time("send", local * prompt * m.d_model * e, span, hw)
@@ -250,9 +262,14 @@ def estimate_inference(run: Run) -> InferenceEstimate:
         step += stage_s
         memory = {"weights": weights, "kv_cache": kv, "activations": acts}
         memory["peak"] = sum(memory.values()) * hw.device.allocator_factor
+        per_stage.append((memory, layers))
         if fullest is None or memory["peak"] > fullest["peak"]:
             fullest, fullest_layers = memory, layers
     gib = {k: v / GIB for k, v in fullest.items()}
+    # memory outside a stage's layers' weights and caches (embeddings, head, activations)
+    outside = lambda mem, ls: (
+        mem["peak"] / hw.device.allocator_factor - sum(x.weight_bytes + x.kv_bytes_per_token * total for x in ls)
+    )
     return InferenceEstimate(
         run=run,
         batch=batch,
@@ -270,8 +287,8 @@ def estimate_inference(run: Run) -> InferenceEstimate:
             "communication": comm,
         },
         layers=tuple(fullest_layers),
-        fixed_bytes=fullest["peak"] / hw.device.allocator_factor
-        - sum(x.weight_bytes + x.kv_bytes_per_token * total for x in fullest_layers),
+        fixed_bytes=outside(fullest, fullest_layers),
         # the rest of the step: the other stages', the head and the hand-overs (a host fetch can run under them)
         other_s=max(step - sum(x.rest_s + x.kv_read_s(ctx, hw) for x in fullest_layers), 0.0),
+        others=tuple((tuple(ls), outside(mem, ls), mem["peak"]) for mem, ls in per_stage if mem is not fullest),
     )

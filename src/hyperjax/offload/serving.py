@@ -290,6 +290,22 @@ def serving_pass(est: InferenceEstimate, *, budget_bytes: float, block_tokens: i
     fits = priced is not None
     if priced is None:  # nothing fits: the smallest-peak placement, as training's pass reports
         priced = minimum_memory(problem)
+    # every other stage places its own layers by the same pass: the run fits only where each of them fits
+    # too, and a token waits for the fetches each stage's placement leaves exposed
+    extra = 0.0
+    for layers, fixed, peak in est.others if fits else ():
+        if peak <= budget_bytes:
+            continue
+        if not layers:  # nothing of its own to place
+            fits = False
+            break
+        view = dataclasses.replace(est, layers=layers, fixed_bytes=fixed)
+        other = serve_problem(view, context=context, budget_bytes=budget_bytes, prefetch=prefetch, block_tokens=block)
+        theirs = place(other, policy)
+        if theirs is None:
+            fits = False
+            break
+        extra += max(theirs.step_time_s - other.base_step_s, 0.0)
     host = priced.placement.on("host")
     return ServingPlacement(
         policy=word,
@@ -301,7 +317,7 @@ def serving_pass(est: InferenceEstimate, *, budget_bytes: float, block_tokens: i
         weights_host_gib=priced.moved_bytes.get("params", 0.0) / 2**30,
         kv_cache_host_gib=priced.moved_bytes.get("kv", 0.0) / 2**30,
         staging_gib=priced.staging_bytes / 2**30,
-        decode_s_per_token=priced.step_time_s,
+        decode_s_per_token=priced.step_time_s + extra,
         device_only_s_per_token=problem.base_step_s,
         weights_on_host=sum(g.endswith(".params") for g in host),
         kv_blocks_on_host=sum(".kv." in g for g in host),

@@ -43,7 +43,15 @@ def elastic_overrides(load: Callable[[Sequence[str]], Config], devices: int) -> 
     """
     sets = [f"emulate.devices={devices}"]
     reason = ""
+    paired = load([]).parallel.overlap == "fb-pair"
     for step in _ELASTIC_STEPS:
+        if paired and "parallel.overlap=none" in step:  # its state is saved as a one-stage pipeline's
+            reason = (
+                "parallel.overlap=fb-pair saves the run's state stage by stage, as a pipeline's, so it resumes "
+                "only with its forwards and backwards paired, which needs experts spread over devices "
+                "(parallel.expert > 1)"
+            )
+            break
         sets = [*sets, *step]
         try:
             # a mixture of experts' dispatcher, FP8 weight gathers: reset where the step turned their feature off

@@ -76,6 +76,15 @@ def resolve_rl(config: Config, devices: int | None = None, *, hardware: Hardware
     wave = r.rollout_batch or batch
     dp = _rollout_replicas(config, r.rollout.parallel, sizes[0])
     padded = -(-wave // dp) * dp  # all of an iteration's completions (null) are padded to the replicas
+    capacity = config.model.moe and config.model.moe.capacity_factor
+    if capacity is not None and padded != wave:
+        raise ConfigError(
+            f"model.moe.capacity_factor={capacity}: a wave's tokens compete for the experts' capacity, and the "
+            f"{batch} completions of an iteration padded to {padded} for the rollout's {dp} data-parallel replicas "
+            f"would route {padded - wave} copies of the last prompt beside them, so completions would change with "
+            f"the layout; set rl.rollout_batch to a multiple of {dp} (every layout then decodes the same waves), "
+            "or lay the rollout out over fewer replicas"
+        )
     serve = ServeConfig(batch=padded, prompt_len=prompt_len, new_tokens=r.max_new_tokens)
     # the rollout generates: FSDP's FP8 gathers, the learner's, are not its (it holds no FSDP shards)
     fp8 = base.train.fp8 and dataclasses.replace(base.train.fp8, all_gather=False)

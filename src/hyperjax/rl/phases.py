@@ -52,7 +52,9 @@ class Rollout:
 
     def generate(self, params: Any, prompts: np.ndarray, key: jax.Array) -> np.ndarray:
         """A completion of every prompt, in waves of :attr:`wave`; row ``i``'s tokens are drawn from
-        ``key`` folded with ``i``, so they do not depend on the waves or the layout."""
+        ``key`` folded with ``i``, so they do not depend on the layout, nor on the waves but under a mixture
+        of experts' capacity factor, where a wave's tokens compete for capacity (``rl.rollout_batch`` then
+        decides them, alike on every layout)."""
         n = len(prompts)
         rows = np.arange(n, dtype=np.int32)
         pad = -n % self.wave  # the last wave filled with copies of the last prompt, their tokens dropped

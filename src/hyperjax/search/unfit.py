@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from hyperjax.config import Config
+from hyperjax.config.run import staged
 from hyperjax.cost import Estimate
 from hyperjax.errors import HyperjaxError
 from hyperjax.offload import offload_pass, with_offload
@@ -32,8 +33,8 @@ def nothing_fits(
     # the placement pass places a decoder's blocks: a vision-language model has none it can place
     can_offload = cfg.offload.policy in ("none", "manual") and cfg.model.vision is None
     hint = "Use more devices, a smaller model" + (" or offload.policy: auto." if can_offload else ".")
-    if cfg.offload.policy in ("auto", "greedy") and too_big:
-        lean = min(too_big, key=lambda oe: oe[1].memory_per_device_gib["peak"])
+    if cfg.offload.policy in ("auto", "greedy") and (one := placeable(too_big)):
+        lean = min(one, key=lambda oe: oe[1].memory_per_device_gib["peak"])
         offload = offload_pass(resolve(candidate(cfg, lean[0]), devices, hardware=hw))
         report |= {"leanest": plain(selected(cfg, lean[0])), "cannot_fit": offload.cannot_fit}
         report |= {"smallest_budget_gib": offload.smallest_budget_gib}
@@ -55,6 +56,15 @@ OFFLOAD_POOL = 10
 that the strategies it hands the pass, and the answers, are the same for any ``keep`` up to it."""
 
 
+def placeable(strategies: list[tuple[dict[str, Any], Estimate]]) -> list[tuple[dict[str, Any], Estimate]]:
+    """The strategies train applies a placement to: one SPMD program (:func:`hyperjax.train.prepare`). A
+    pipeline, or a stage whose forwards and backwards pair, would be an answer it refuses (predict still
+    prices offload there)."""
+    return [
+        (o, e) for o, e in strategies if not staged(o.get("parallel.pipeline", 1), o.get("parallel.overlap", "none"))
+    ]
+
+
 def add_offloaded(
     cfg: Config,
     devices: int,
@@ -62,12 +72,14 @@ def add_offloaded(
     too_big: list[tuple[dict[str, Any], Estimate]],
     ranked: list[Candidate],
 ) -> int:
-    """Give the fastest strategies that do not fit to the placement pass; add those it fits to ``ranked``."""
+    """Give the fastest strategies of one SPMD program that do not fit to the placement pass; add those it
+    fits to ``ranked``."""
     best = min((c.estimate.step_time_s for c in ranked), default=float("inf"))
     added = 0
-    tries = sorted(too_big, key=lambda oe: oe[1].step_time_s)[:OFFLOAD_TRIES]
-    if too_big and not ranked:  # nothing fits as it is: the leanest is the likeliest to fit with offload
-        leanest = min(too_big, key=lambda oe: oe[1].memory_per_device_gib["peak"])
+    one = placeable(too_big)
+    tries = sorted(one, key=lambda oe: oe[1].step_time_s)[:OFFLOAD_TRIES]
+    if one and not ranked:  # nothing fits as it is: the leanest is the likeliest to fit with offload
+        leanest = min(one, key=lambda oe: oe[1].memory_per_device_gib["peak"])
         tries += [leanest] if all(leanest is not t for t in tries) else []
     for overrides, est in tries:
         if est.step_time_s >= best:

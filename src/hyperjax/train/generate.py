@@ -194,9 +194,12 @@ def check_generable(run: Run) -> None:
         )
     if split is not None:
         key, value, off = split
+        p = run.config.parallel
+        # experts over the tensor axis need each of its devices to hold its own tokens: both go together
+        also = " --set parallel.expert_tensor=null" if key == "sequence_parallel" and p.expert_tensor == 1 else ""
         raise ConfigError(
             f"generate decodes one token at a time, which parallel.{key}={value} cannot split over "
-            f"devices; set --set parallel.{key}={off} (a checkpoint trained with it still loads: "
+            f"devices; set --set parallel.{key}={off}{also} (a checkpoint trained with it still loads: "
             "checkpoints are read into the layout generate runs)"
         )
     if run.processes != 1:
@@ -260,7 +263,12 @@ def generate_on_mesh(
     parameters already on their shardings stay where they are.
 
     A batch the data-parallel axes do not divide is padded with copies of its last prompt, whose tokens are
-    dropped; a sequence's tokens depend only on its own prompt, so the others are unchanged.
+    dropped; a sequence's tokens depend only on its own prompt, so the others are unchanged. Under a mixture
+    of experts' capacity factor the batch's tokens compete for capacity, so such a batch is refused.
+
+    Raises:
+      ConfigError: a layout generation does not run (:func:`check_generable`), a KV cache too large for the
+        devices, or a padded batch under a capacity factor.
     """
     check_generable(run)
     graphdef, state = nnx.split(model)
@@ -275,6 +283,14 @@ def generate_on_mesh(
     b = len(prompt)
     lengths = [prompt.shape[1]] * b if lengths is None else list(lengths)
     extra = -b % split
+    capacity = run.config.model.moe and run.config.model.moe.capacity_factor
+    if extra and capacity is not None:
+        raise ConfigError(
+            f"model.moe.capacity_factor={capacity}: a batch's tokens compete for the experts' capacity, and the "
+            f"{b} prompt(s) padded to {b + extra} for the {split} data-parallel replicas would route {extra} "
+            f"copies of the last prompt beside them, so the tokens would change with the layout; give a multiple of "
+            f"{split} prompts, or a layout of fewer data x fsdp x expert replicas"
+        )
     prompt = np.concatenate([prompt, np.repeat(prompt[-1:], extra, axis=0)])
     lengths = lengths + lengths[-1:] * extra
     check_cache(run, (mesh, strategy), b, len(prompt), max(lengths), max_new_tokens)

@@ -37,7 +37,9 @@ class RunResult:
     Attributes:
       losses: the loss of every step, in order.
       step_times_s: wall time of every step on the emulated devices (the first includes compilation).
-      memory_per_device: bytes per device of the compiled step (arguments + outputs + temporaries - aliased).
+      memory_per_device: bytes per device of the compiled step (arguments + outputs + temporaries - aliased);
+        for a schedule of per-chunk programs (``Run.staged``), of the fullest stage's parameters, gradient
+        accumulators and optimizer state.
       params: model parameters.
       expert_load: a mixture of experts' routed copies per expert in the last step, one row per MoE layer
         (``None`` for a dense model).
