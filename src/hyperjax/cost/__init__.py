@@ -4,7 +4,7 @@ from hyperjax.cost.attention import core_time
 from hyperjax.cost.collectives import KINDS, collective_time
 from hyperjax.cost.compute import gemm_time, grouped_gemm_time, stream_time
 from hyperjax.cost.counts import count_params, model_flops_per_sequence, model_tensors
-from hyperjax.cost.estimate import Estimate, estimate, memory_budget
+from hyperjax.cost.estimate import MEMORY_TERMS, Estimate, estimate, memory_budget
 from hyperjax.cost.inference import InferenceEstimate, ServeLayer, estimate_inference
 from hyperjax.cost.layer import LayerCost, price_layer
 from hyperjax.cost.memory import (
@@ -27,6 +27,7 @@ from hyperjax.cost.unpriced import unpriced_overrides
 
 __all__ = [
     "KINDS",
+    "MEMORY_TERMS",
     "ChunkCost",
     "Estimate",
     "InferenceEstimate",

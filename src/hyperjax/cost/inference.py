@@ -165,8 +165,6 @@ def estimate_inference(run: Run) -> InferenceEstimate:
     e = 2 if run.dtype == "bfloat16" else 4
     ctx = prompt + new_tokens / 2
     prefill = step = kv_read = comm = 0.0
-    fullest: dict[str, float] | None = None
-    fullest_layers: list[ServeLayer] = []
     per_stage: list[tuple[dict[str, float], list[ServeLayer]]] = []  # each stage's memory and layers
     n = len(run.stages)
     starts = chunk_starts(run)
@@ -263,8 +261,7 @@ def estimate_inference(run: Run) -> InferenceEstimate:
         memory = {"weights": weights, "kv_cache": kv, "activations": acts}
         memory["peak"] = sum(memory.values()) * hw.device.allocator_factor
         per_stage.append((memory, layers))
-        if fullest is None or memory["peak"] > fullest["peak"]:
-            fullest, fullest_layers = memory, layers
+    fullest, fullest_layers = max(per_stage, key=lambda held: held[0]["peak"])  # the first of the fullest
     gib = {k: v / GIB for k, v in fullest.items()}
     # memory outside a stage's layers' weights and caches (embeddings, head, activations)
     outside = lambda mem, ls: (

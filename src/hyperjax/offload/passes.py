@@ -8,7 +8,7 @@ import itertools
 from typing import Any
 
 from hyperjax.config import Config, Run, check_run
-from hyperjax.cost import Estimate, estimate
+from hyperjax.cost import MEMORY_TERMS, Estimate, estimate
 from hyperjax.errors import ConfigError
 from hyperjax.offload.placement import Placement, from_patterns, from_recompute
 from hyperjax.offload.problem import GIB, Priced, Problem, build_problem, evaluate
@@ -158,7 +158,7 @@ def _other_stages(est: Estimate, hardware: Hardware, budget: float, prefetch: in
         try:
             problem = build_problem(est, hardware=hardware, budget_bytes=budget, prefetch=prefetch, stage=i)
         except ConfigError:  # no decoder blocks to place: what it holds stays on the device
-            term = max(("params", "optimizer", "gradients", "activations"), key=stage.memory.__getitem__)
+            term = max(MEMORY_TERMS, key=stage.memory.__getitem__)
             found = (f"stage {i}'s {term} (it holds no decoder block to place)", stage.memory["peak"])
         else:
             term, smallest = describe_infeasible(problem)

@@ -7,7 +7,7 @@ from typing import Any
 
 from hyperjax.config import Config
 from hyperjax.config.run import staged
-from hyperjax.cost import Estimate
+from hyperjax.cost import MEMORY_TERMS, Estimate
 from hyperjax.errors import HyperjaxError
 from hyperjax.offload import offload_pass, with_offload
 from hyperjax.resolver import resolve
@@ -27,7 +27,7 @@ def nothing_fits(
 ) -> NothingFits:
     overrides, est = leanest
     mem = est.memory_per_device_gib
-    term = max(("params", "optimizer", "gradients", "activations"), key=mem.__getitem__)
+    term = max(MEMORY_TERMS, key=mem.__getitem__)
     report = {"fits": False, "priced": priced, "fitting": 0, "budget_gib": budget_gib}
     report |= {"leanest": plain(selected(cfg, overrides)), "leanest_peak_gib": mem["peak"], "cannot_fit": term}
     # the placement pass places a decoder's blocks: a vision-language model has none it can place
