@@ -254,6 +254,25 @@ def test_a_vision_encoder_runs_once_in_the_prefill_and_holds_no_cache():
     assert est[1].prefill_s < est[24].prefill_s < est[96].prefill_s
 
 
+def test_image_tokens_are_prefilled_and_cached_with_the_prompt():
+    """A vision-language model's image tokens prefix every prompt in the language model: the prefill runs over
+    them and the cache holds them. Before, the cache and the prefill counted the text prompt alone."""
+    path = ROOT / "configs" / "vlm-8b-cm384.yaml"
+    sets = ["serve.prompt_len=512", "serve.new_tokens=512"]
+    est = {
+        size: estimate_inference(
+            hyperjax.resolve(hyperjax.load_config(path, [*sets, f"model.vision.image_size={size}"]))
+        )
+        for size in (14, 336)  # 1 and 576 image tokens
+    }
+    assert [e.image_tokens for e in est.values()] == [1, 576]
+    assert est[336].cached_tokens == 576 + 512 + 512
+    ratio = est[336].kv_cache_gib_per_device / est[14].kv_cache_gib_per_device
+    assert ratio == pytest.approx((576 + 1024) / (1 + 1024))
+    assert est[336].prefill_s > 1.4 * est[14].prefill_s  # the language model prefills 1,088 tokens, not 513
+    assert est[336].to_dict()["image_tokens"] == 576
+
+
 def test_a_token_crosses_every_chunk_boundary_of_an_interleaved_pipeline():
     """Virtual stages put consecutive chunks on consecutive stages round the pipeline: a token crosses
     chunks - 1 boundaries, not stages - 1, each a hand-over of its hidden state."""

@@ -19,6 +19,7 @@ from hyperjax.offload import (
     greedy,
     offload_pass,
     solve_exact,
+    with_offload,
 )
 from hyperjax.offload.problem import GIB
 from hyperjax.offload.solve import ceil_gib, minimum_memory
@@ -306,3 +307,53 @@ def test_every_pipeline_stage_must_fit_not_only_the_fullest():
     assert plan.smallest_budget_gib == ceil_gib(last.peak_bytes)  # rounded up to three figures
     roomy = offload_pass(resolve(config(**sets, **{"offload.device_memory_gib": plan.smallest_budget_gib})))
     assert roomy.fits
+
+
+PIPELINE = {
+    "model.family": "llama", "model.layers": 32, "model.d_model": 1024, "model.d_ff": 4096,
+    "model.vocab": 128000, "model.seq_len": 4096, "model.tie_embeddings": "false",
+    "model.attention_kernel": "flash", "train.dtype": "bfloat16", "train.global_batch": 32,
+    "parallel.tensor": 1, "parallel.pipeline": 2, "parallel.stage_devices": "[4,4]",
+    "parallel.stage_layers": "[20,12]", "offload.policy": "greedy", "offload.device_memory_gib": 12,
+}  # fmt: skip
+
+
+def test_every_stage_over_the_budget_places_its_own_blocks_and_the_slowest_sets_the_step():
+    """Both stages of this pipeline hold more than 12 GiB: the first (20 blocks) is the fullest, and the last
+    (12 blocks and the logits) must put more of its own on the host for its peak, which costs it more time.
+    The step is the slowest stage's. Before, only the fullest stage's placement was priced."""
+    result = offload_pass(resolve(config(**PIPELINE)))
+    assert result.fits and result.base.fullest == 0
+    [(stage, last)] = result.others
+    assert stage == 1 and last.fits and last.peak_bytes <= 12 * GIB < result.base.stages[1].memory["peak"]
+    assert last.step_time_s > result.priced.step_time_s  # the last stage's placement is the slower
+    step = with_offload(result)
+    assert result.pace is last and step.step_time_s == last.step_time_s
+    stretch = result.problem.stretch
+    assert step.breakdown_s["exposed_host_transfer"] == pytest.approx(stretch * last.exposed_transfer_s)
+    out = result.to_dict()
+    assert out["step_time_s"] == last.step_time_s and out["stages"][0]["stage"] == 1
+    assert out["stages"][0]["peak_gib"] == last.peak_bytes / GIB
+    # the same stage priced alone: its own problem, solved by the run's policy
+    alone = greedy(build_problem(result.base, hardware=HW, budget_bytes=12 * GIB, prefetch=1, stage=1))
+    assert alone.step_time_s == pytest.approx(last.step_time_s)
+
+
+def test_a_manual_placement_over_the_budget_is_refused_as_such_when_another_would_fit():
+    """``offload.manual`` names a placement; where it is over the budget but another placement fits, the error
+    says so and points to offload.policy: auto. Before, it said no placement fits and asked for a budget smaller
+    than the one given."""
+    sets = {"offload.policy": "manual", "offload.manual": "{layers.0.act.*: host}"}
+    result = offload_pass(resolve(config(**sets)))
+    peak = result.priced.peak_bytes / GIB
+    budget = peak / 2
+    tight = offload_pass(resolve(config(**sets, **{"offload.device_memory_gib": budget})))
+    assert not tight.fits and tight.placeable and tight.smallest_budget_gib <= budget
+    assert tight.cannot_fit.startswith("offload.policy=manual's placement")
+    message = str(tight.error())
+    assert "offload.policy: auto" in message and f"{tight.smallest_budget_gib:g} GiB" in message
+    assert "no placement fits" not in message
+    # a budget no placement meets keeps the old answer: what cannot leave the device
+    none_fits = offload_pass(resolve(config(**sets, **{"offload.device_memory_gib": 1e-4})))
+    assert not none_fits.fits and not none_fits.placeable and "no placement fits" in str(none_fits.error())
+    assert none_fits.smallest_budget_gib > 1e-4

@@ -198,9 +198,10 @@ def print_inference(est: InferenceEstimate, *, placed: bool = False) -> None:
     """The readable form of a serving estimate (``placed``: under the serving offload pass's placement)."""
     out = console()
     run = est.run
+    image = f" after {est.image_tokens} image tokens" if est.image_tokens else ""
     out.print(
         f"[bold]serving predicted on {run.hardware.name}[/bold]: {run.devices} devices; {est.batch} sequences of "
-        f"{est.prompt_len} prompt tokens, {est.new_tokens} new tokens each",
+        f"{est.prompt_len} prompt tokens{image}, {est.new_tokens} new tokens each",
         soft_wrap=True,
     )
     out.print(f"  strategy: {run.describe(serving=True)}", soft_wrap=True)
@@ -246,7 +247,12 @@ def print_offload(plan: OffloadResult) -> None:
     for row in p.placement.rows(plan.problem.layers):
         table.add_row(*row)
     out.print(table)
-    verdict = "fits" if plan.fits else f"[red]does not fit[/red]: {plan.cannot_fit} cannot leave the device"
+    if plan.fits:
+        verdict = "fits"
+    elif plan.placeable:
+        verdict = f"[red]does not fit[/red]: {plan.cannot_fit} is over it"
+    else:
+        verdict = f"[red]does not fit[/red]: {plan.cannot_fit} cannot leave the device"
     out.print(
         f"  peak {p.peak_bytes / 2**30:.3g} GiB per device of a {plan.budget_gib:.3g} GiB budget ({verdict}); "
         f"{p.host_bytes / 2**30:.3g} GiB on the host; host transfers {p.transfer_s * 1e3:.3g} ms a step, "
@@ -254,7 +260,22 @@ def print_offload(plan: OffloadResult) -> None:
     )
     if p.time_limited:
         out.print(f"  the exact pass stopped at its time limit: {proof(p.proved_gap)}", soft_wrap=True)
-    if not plan.fits:
+    for i, q in plan.others:  # every other stage over the budget places its own blocks
+        out.print(
+            f"  stage {i} places its own blocks: peak {q.peak_bytes / 2**30:.3g} GiB "
+            f"({'fits' if q.fits else 'does not fit'}), "
+            f"{q.host_bytes / 2**30:.3g} GiB on the host, {q.exposed_transfer_s * 1e3:.3g} ms of transfers exposed, "
+            f"recomputation {q.recompute_s * 1e3:.3g} ms; step {q.step_time_s:.4g} s",
+            soft_wrap=True,
+        )
+    if len(plan.others):
+        out.print(f"  the step is the slowest stage's: {plan.pace.step_time_s:.4g} s")
+    if plan.placeable:
+        out.print(
+            f"  a placement fits with a peak of {plan.smallest_budget_gib:g} GiB: put more on the host in "
+            "offload.manual, or set offload.policy: auto"
+        )
+    elif not plan.fits:
         out.print(f"  the smallest budget any placement fits: {plan.smallest_budget_gib:g} GiB")
 
 

@@ -68,6 +68,8 @@ class InferenceEstimate:
     Attributes:
       run: the resolved run it prices.
       batch, prompt_len, new_tokens: what is served.
+      image_tokens: a vision-language model's image tokens (its encoder's patches), which prefix each prompt
+        in the language model: they are prefilled and cached with it.
       prefill_s: the prompt's forward pass.
       decode_s_per_token: one decode step (a token of every sequence).
       tokens_per_s_per_device: generated tokens per second over every device.
@@ -98,6 +100,12 @@ class InferenceEstimate:
     fixed_bytes: float = 0.0
     other_s: float = 0.0
     others: tuple[tuple[tuple[ServeLayer, ...], float, float], ...] = ()
+    image_tokens: int = 0
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens a sequence's cache holds at its fullest: image tokens, the prompt and every new token."""
+        return self.image_tokens + self.prompt_len + self.new_tokens
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready data."""
@@ -111,6 +119,7 @@ class InferenceEstimate:
             "batch": self.batch,
             "prompt_len": self.prompt_len,
             "new_tokens": self.new_tokens,
+            "image_tokens": self.image_tokens,
             "decode_breakdown_s": self.decode_breakdown_s,
             "run": self.run.to_dict(),
         }
@@ -155,7 +164,8 @@ def estimate_inference(run: Run) -> InferenceEstimate:
             "none of it; set serve.new_tokens"
         )
     new_tokens = serve.new_tokens or m.seq_len - prompt
-    total = prompt + new_tokens
+    image = m.vision.patches if m.vision is not None else 0  # image tokens prefix the language model's prompt
+    total = image + prompt + new_tokens
     if m.positions == "learned" and total > m.seq_len:
         raise ConfigError(
             f"serve.prompt_len={prompt} + serve.new_tokens={new_tokens} = {total} tokens, but learned "
@@ -163,7 +173,7 @@ def estimate_inference(run: Run) -> InferenceEstimate:
         )
     batch = serve.batch or math.lcm(*(stage.data_parallel for stage in run.stages))
     e = 2 if run.dtype == "bfloat16" else 4
-    ctx = prompt + new_tokens / 2
+    ctx = image + prompt + new_tokens / 2
     prefill = step = kv_read = comm = 0.0
     per_stage: list[tuple[dict[str, float], list[ServeLayer]]] = []  # each stage's memory and layers
     n = len(run.stages)
@@ -203,7 +213,7 @@ def estimate_inference(run: Run) -> InferenceEstimate:
                 weights += count * enc.params * e
                 acts = max(acts, enc.activation_bytes.get("block_in", 0.0) * 6)
                 continue
-            full = price_layer(dataclasses.replace(block, seq_len=prompt), micro=local, **kw)
+            full = price_layer(dataclasses.replace(block, seq_len=image + prompt), micro=local, **kw)
             prefill += count * (
                 full.forward_s + full.tensor_comm_s / 2 + full.context_forward_s + 2 * full.exchange_s
             ) + count * (full.fsdp_gather_s if axes["fsdp"] > 1 else 0.0)
@@ -250,13 +260,17 @@ def estimate_inference(run: Run) -> InferenceEstimate:
             stage_s += head
             prefill += head
             acts += local * m.vocab / tp * 4
-        # each chunk hands its tokens to the next chunk's stage (interleaved: round the stages again)
+        # each chunk hands its tokens to the next chunk's stage (interleaved: round the stages again); an
+        # encoder alone hands its image tokens over once, in the prefill
+        encoder_only = stage.modules == ("encoder",)
         for after in (run.stage_of(c + 1) for c in stage.chunks if c + 1 < run.chunks):
             span = boundary_span(hw, stage.first_device, after.first_device)
-            hop = collective_time("send", local * m.d_model * e, span, hw)
-            stage_s += hop
-            prefill += collective_time("send", local * prompt * m.d_model * e, span, hw)
-            comm += hop
+            sent = image if encoder_only else image + prompt
+            prefill += collective_time("send", local * sent * m.d_model * e, span, hw)
+            if not encoder_only:
+                hop = collective_time("send", local * m.d_model * e, span, hw)
+                stage_s += hop
+                comm += hop
         step += stage_s
         memory = {"weights": weights, "kv_cache": kv, "activations": acts}
         memory["peak"] = sum(memory.values()) * hw.device.allocator_factor
@@ -272,6 +286,7 @@ def estimate_inference(run: Run) -> InferenceEstimate:
         batch=batch,
         prompt_len=prompt,
         new_tokens=new_tokens,
+        image_tokens=image,
         prefill_s=prefill,
         decode_s_per_token=step,
         tokens_per_s_per_device=batch / step / run.devices,

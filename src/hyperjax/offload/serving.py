@@ -277,7 +277,7 @@ def serving_pass(est: InferenceEstimate, *, budget_bytes: float, block_tokens: i
             "greedy pass; offload.manual names training's groups. Set offload.policy: auto or greedy"
         )
     policy: Policy = "exact" if word == "auto" else "greedy"
-    context = est.prompt_len + est.new_tokens
+    context = est.cached_tokens
     prefetch = est.run.config.offload.prefetch
     if prefetch < 1:
         raise ConfigError(
