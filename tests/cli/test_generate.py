@@ -233,3 +233,16 @@ def test_an_unreadable_checkpoint_exits_2_with_a_fix_for_generate(capsys, checkp
     # the run kept its last step alone: nothing earlier to read (was advice for train: "train without --resume")
     assert "write the checkpoint again (hyperjax train, or import-hf), then run generate" in err
     assert "--resume" not in err
+
+
+def test_a_checkpoint_that_lost_its_metadata_is_called_damaged_not_another_models(capsys, checkpoint, tmp_path):
+    import shutil
+
+    broken = tmp_path / "ck"
+    shutil.copytree(checkpoint, broken)
+    (broken / "3" / "state" / "_METADATA").unlink()
+    args = ["generate", QUICK, *SMALL, "--checkpoint-dir", str(broken), "--prompt", "In", "--max-new-tokens", "2"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "lists no tensors: its metadata (orbax's _METADATA) is missing or empty" in err, err
+    assert "written for another model" not in err and "Traceback" not in err

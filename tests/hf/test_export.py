@@ -1,6 +1,7 @@
 """``export-hf`` of models trained here: transformers loads the folder as the same model (equal logits);
 a model no Hugging Face type describes exits 2 naming what differs."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,10 @@ def test_a_trained_model_exports_to_transformers_with_equal_logits(tmp_path, fam
     export = ["export-hf", QUICK, *sets, "--checkpoint-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")]
     assert main(export) == 0
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    # no source config: no special tokens, rather than the type's defaults (GPT-2's 50256 lies past this vocabulary)
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert [written[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")] == [None, None, None]
+    assert (theirs.config.bos_token_id, theirs.config.eos_token_id) == (None, None)
     tokens = np.arange(40, dtype=np.int32).reshape(2, 20) * 3
     run = resolve(load_config(QUICK, [*sets[1::2], "emulate.devices=1", "parallel.tensor=1"]))
     ours = np.asarray(restored_model(run, tmp_path / "ck")[0](jax.numpy.asarray(tokens)))

@@ -54,9 +54,22 @@ def write(folder, **changes):
           "decoder_sparse_step": 0}, "decoder_sparse_step=0 must be at least 1"),
         ({"num_attention_heads": 0}, "num_attention_heads=0 must be at least 1"),
         ({"hidden_size": "64"}, "hidden_size='64' has the wrong type: expected an integer, got str"),
+        # the base inside rope_parameters is checked, not read by float() or replaced where it is 0
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": "abc"}},
+         "rope_parameters.rope_theta='abc' must be a number > 0"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, "rope_parameters.rope_theta=0 must be"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": True}}, "rope_parameters.rope_theta=True must"),
+        ({"rope_scaling": {"rope_type": "linear", "rope_theta": [1]}}, "rope_scaling.rope_theta=[1] must be"),
+        # a scaling's required keys are not filled with guesses (transformers refuses them too)
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}}, "rope_type 'linear' lacks factor"),
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}},
+         "rope_type 'llama3' lacks low_freq_factor, high_freq_factor"),
+        ({"rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 512}},
+         "rope_scaling of rope_type 'yarn' lacks factor"),
     ],
     ids=["model-type", "sliding", "rope-type", "act", "bias-mix", "qwen3-bias", "layer-types", "qwen-slides", "unknown",
-         "shape", "sparse-layers", "sparse-step-0", "no-heads", "string"],
+         "shape", "sparse-layers", "sparse-step-0", "no-heads", "string", "theta-string", "theta-0", "theta-bool",
+         "theta-list", "linear-no-factor", "llama3-no-freq", "yarn-no-factor"],
 )  # fmt: skip
 def test_a_field_hyperjax_cannot_honour_exits_2_naming_it(capsys, tmp_path, changes, message):
     folder = write(tmp_path / "hf", **changes)
@@ -241,6 +254,15 @@ def test_out_may_not_replace_the_model_folder(capsys, tmp_path):
         assert main(["import-hf", str(folder), "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert f"--out {str(out)!r} cannot be written (" in err and "Traceback" not in err
+    mine = tmp_path / "mine"  # a folder with a config.yaml and files no import writes is not replaced either
+    (mine / "ck").mkdir(parents=True)
+    (mine / "config.yaml").write_text("model: {}\n")
+    (mine / "NOTES.md").write_text("keep")
+    (mine / "ck" / "keep.bin").write_text("keep")
+    assert main(["import-hf", str(folder), "--out", str(mine)]) == 2
+    err = capsys.readouterr().err
+    assert "holds NOTES.md, ck/, which this command does not write" in err, err
+    assert (mine / "NOTES.md").read_text() == (mine / "ck" / "keep.bin").read_text() == "keep"
     again = tmp_path / "again"  # an earlier import's folder is replaced whole
     for _ in range(2):
         assert main(["import-hf", str(folder), "--out", str(again)]) == 0
@@ -253,6 +275,14 @@ def test_a_bad_index_exits_2(capsys, tmp_path):
     assert main(["import-hf", str(folder), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "weight_map must map tensor names to file names" in err and "Traceback" not in err
+
+
+def test_an_index_of_no_tensors_exits_2_naming_it(capsys, tmp_path):
+    folder = write(tmp_path / "hf")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    assert main(["import-hf", str(folder), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "model.safetensors.index.json': weight_map lists no tensors" in err and "Traceback" not in err
 
 
 def test_weights_not_stored_as_floats_exit_2_naming_the_tensor(capsys, tmp_path):

@@ -115,14 +115,17 @@ def test_import_then_export_round_trips_bit_for_bit(imported, tmp_path, arch):
     )
 
 
-def test_sharded_export_writes_an_index_transformers_loads(imported, tmp_path):
+def test_sharded_export_writes_an_index_transformers_loads(imported, tmp_path, capsys):
     import transformers
 
     model, _, folder = imported("mixtral")
-    args = ["export-hf", str(folder / "config.yaml"), "--checkpoint-dir", str(folder / "checkpoint")]
+    args = ["export-hf", str(folder / "config.yaml"), "--checkpoint-dir", str(folder / "checkpoint"), "--json"]
+    capsys.readouterr()
     assert main([*args, "--out", str(tmp_path / "out"), "--max-shard-gib", str(20_000 / 2**30)]) == 0
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 3
+    listed = json.loads(capsys.readouterr().out)["files"]  # every file written, the index too
+    assert sorted(listed) == sorted(p.name for p in (tmp_path / "out").iterdir())
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     close(logits(back, TOKENS), logits(model, TOKENS))
     # and the shards import again, read through their index
@@ -301,3 +304,28 @@ def test_an_untied_gpt2_imports_and_exports_with_transformers_logits(tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert back.config.tie_word_embeddings is False
     close(logits(back, TOKENS), logits(model, TOKENS))
+
+
+def test_a_tied_config_beside_a_stored_head_of_its_own_exits_2(imported, tmp_path, capsys):
+    """``tie_word_embeddings: true`` with a stored ``lm_head.weight`` that differs from the embedding:
+    transformers leaves them untied, so dropping the head would give other logits. A head equal to the
+    embedding is the tied model's copy and imports."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    _, hf, _ = imported("llama")
+    tied = tmp_path / "tied"
+    shutil.copytree(hf, tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    args = ["import-hf", str(tied), "--out", str(tmp_path / "out"), "--set", "model.seq_len=64"]
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "tie_word_embeddings true, but the stored 'lm_head.weight' differs from 'model.embed_tokens.weight'" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+    tensors = load_file(tied / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    save_file(tensors, str(tied / "model.safetensors"), metadata={"format": "pt"})
+    assert main(args) == 0

@@ -199,9 +199,17 @@ def _rope(field: _Fields) -> tuple[float, dict[str, Any] | None]:
     scaling = field.get("rope_scaling", None, kind=dict)
     theta = field.get("rope_theta", 10000.0, kind=(int, float))
     merged = {**(scaling or {}), **(params or {})}
-    theta = float(merged.pop("rope_theta", None) or theta)
-    kind = merged.pop("rope_type", merged.pop("type", "default"))
     key = "rope_parameters" if params else "rope_scaling"
+    inner = merged.pop("rope_theta", None)
+    if inner is not None:  # transformers 5 keeps the base inside rope_parameters
+        if isinstance(inner, bool) or not isinstance(inner, (int, float)) or not inner > 0:
+            raise ConfigError(
+                f"{field.where}: {key}.rope_theta={inner!r} must be a number > 0 (the rotary base frequency, "
+                "10000 in most models)"
+            )
+        theta = inner
+    theta = float(theta)
+    kind = merged.pop("rope_type", merged.pop("type", "default"))
     if kind == "default":
         return theta, None
     if kind not in ("linear", "llama3", "yarn"):
@@ -219,6 +227,13 @@ def _rope(field: _Fields) -> tuple[float, dict[str, Any] | None]:
         "mscale": "mscale",
         "mscale_all_dim": "mscale_all_dim",
     }
+    required = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ("factor",)}
+    missing = [k for k in required[kind] if merged.get(k) is None]
+    if missing:  # as transformers refuses it: a default here would be a guess at the model
+        raise ConfigError(
+            f"{field.where}: {key} of rope_type {kind!r} lacks {', '.join(missing)}, which that scaling needs "
+            "(transformers refuses it too); give them as the model was trained"
+        )
     out: dict[str, Any] = {"type": kind}
     for hf_key, ours in names.items():
         if merged.get(hf_key) is not None:
@@ -233,8 +248,6 @@ def _rope(field: _Fields) -> tuple[float, dict[str, Any] | None]:
         raise ConfigError(f"{field.where}: {key}.{k}={merged[k]!r} is not supported for rope_type {kind!r}")
     if kind != "linear" and "original_max_position" not in out:  # as transformers reads a config lacking it
         out["original_max_position"] = field.get("max_position_embeddings", ROPE_SEQ_LEN)
-    if kind == "yarn" and "factor" not in out:
-        out["factor"] = field.get("max_position_embeddings", ROPE_SEQ_LEN) / out["original_max_position"]
     return theta, out
 
 

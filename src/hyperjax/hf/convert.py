@@ -136,7 +136,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, sets: list[str]) -> Imported:
       ConfigError: an unsupported ``config.json`` (the field is named), or weights of another model.
     """
     hf_dir, out = model_folder(hf_dir), Path(out)
-    check_out(out, {"HF_DIR": hf_dir}, marker="config.yaml")
+    check_out(out, {"HF_DIR": hf_dir}, marker="config.yaml", writes=imported)
     raw, cfg = imported_config(hf_dir, sets)
     run = resolve(cfg)
     hf = read_hf_config(hf_dir)
@@ -249,7 +249,7 @@ def export_hf(
     copied = [n for n in TOKENIZER_FILES if src is not None and (src / n).is_file()]
     written: list[str] = []
 
-    config.update(token_ids(src) if src is not None else {})
+    config.update(token_ids(src) if src is not None else dict.fromkeys(TOKEN_IDS))
 
     def write(tmp: Path) -> None:
         config["torch_dtype"] = dtype
@@ -278,9 +278,19 @@ def source_config(folder: Path) -> tuple[Path, dict[str, Any]] | None:
 
 def token_ids(folder: Path) -> dict[str, Any]:
     """The special tokens' ids (:data:`TOKEN_IDS`) of the config :func:`source_config` finds in ``folder``, as
-    it gives them (transformers keeps an id outside the vocabulary too, with a warning)."""
+    it gives them (transformers keeps an id outside the vocabulary too, with a warning); with no such config
+    (a model trained here), each null, so that ``transformers`` does not take its type's defaults (GPT-2's
+    50256, Llama's 1 and 2), which name tokens the model was never taught."""
     found = source_config(folder)
-    return {} if found is None else {k: found[1][k] for k in TOKEN_IDS if found[1].get(k) is not None}
+    if found is None:
+        return dict.fromkeys(TOKEN_IDS)
+    return {k: found[1][k] for k in TOKEN_IDS if found[1].get(k) is not None}
+
+
+def imported(name: str) -> bool:
+    """Whether import-hf writes an entry of this name (a folder's with a trailing ``/``): ``config.yaml``, the
+    source's ``config.json`` as it was, the checkpoint folder and the tokenizer's files."""
+    return name in ("config.yaml", SOURCE_CONFIG, "checkpoint/", *TOKENIZER_FILES)
 
 
 def exported(name: str) -> bool:

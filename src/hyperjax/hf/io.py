@@ -110,6 +110,8 @@ class Stored:
                 raise ConfigError(f"{str(index)!r} is not a safetensors index ({e})") from None
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise ConfigError(f"{str(index)!r}: weight_map must map tensor names to file names")
+            if not weight_map:
+                raise ConfigError(f"{str(index)!r}: weight_map lists no tensors; the index is not this model's")
             if (self.folder / SINGLE).is_file() and set(weight_map.values()) != {SINGLE}:  # which is meant?
                 raise ConfigError(
                     f"{str(self.folder)!r} holds both {SINGLE} and {INDEX}; transformers loads {SINGLE}, the index "
@@ -119,7 +121,7 @@ class Stored:
             weight_map = None
         else:
             raise ConfigError(f"{str(self.folder)!r} holds no {SINGLE} and no {INDEX}")
-        files = sorted(set(weight_map.values())) if weight_map else [SINGLE]
+        files = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE]
         self._files = {}
         for name in files:
             try:
@@ -165,14 +167,43 @@ class Stored:
         self._files.clear()
 
 
+TABLES = ("embed_tokens.weight", "wte.weight")
+"""How the token embedding's name ends, by family (llama-like, GPT-2)."""
+
+TIED_ROWS = 8192
+"""Rows of a stored head compared with the embedding at a time."""
+
+
+def _check_tied_head(stored: Stored, table: str) -> None:
+    """A tied model's stored ``lm_head.weight`` is its embedding ``table``, as ``transformers`` ties them only
+    then.
+
+    Raises:
+      ConfigError: the two differ in shape or in any element.
+    """
+    head, shape = "lm_head.weight", stored.shape(table)
+    differs = stored.shape(head) != shape
+    for start in range(0, shape[0], TIED_ROWS) if not differs else ():
+        rows = (slice(start, min(start + TIED_ROWS, shape[0])), slice(None))
+        if not np.array_equal(stored.fetch(head, rows), stored.fetch(table, rows)):
+            differs = True
+            break
+    if differs:
+        raise ConfigError(
+            f"{str(stored.folder)!r}: config.json has tie_word_embeddings true, but the stored {head!r} differs from "
+            f"{table!r} (transformers then leaves them untied); set tie_word_embeddings to false to import the head "
+            f"as stored, or remove {head!r} if the model shares its embedding"
+        )
+
+
 def check_stored(m: ModelConfig, stored: Stored, *, extra_layers: int = 0) -> None:
     """Every tensor ``m`` needs is stored at its shape, and nothing else is stored but buffers, a tied
     model's copy of its head, and the ``extra_layers`` layers after the model's own (DeepSeek-V3's
     multi-token-prediction module, which ``transformers`` leaves unloaded too).
 
     Raises:
-      ConfigError: a missing tensor, one not stored as floats, one of another shape (both shapes named), or one
-        the model lacks.
+      ConfigError: a missing tensor, one not stored as floats, one of another shape (both shapes named), one
+        the model lacks, or a tied model's stored head that is not its embedding.
     """
     want = stored_shapes(m)
     where = str(stored.folder)
@@ -194,6 +225,8 @@ def check_stored(m: ModelConfig, stored: Stored, *, extra_layers: int = 0) -> No
                 f"{list(shape)}; {hint}"
             )
     used = {stored.find(n) for n in want}
+    if m.tie_embeddings and "lm_head.weight" not in want and stored.find("lm_head.weight") is not None:
+        _check_tied_head(stored, next(n for n in want if n.endswith(TABLES)))
     skipped = tuple(f"model.layers.{i}." for i in range(m.layers, m.layers + extra_layers))
     extra = sorted(
         n
@@ -236,7 +269,7 @@ def export_weights(
 ) -> list[str]:
     """Write ``params`` (paths as :func:`hyperjax.hf.names.views` gives them) as safetensors into folder
     ``out`` (which must exist): one file, or shards of at most ``max_shard_bytes`` with an index. Returns
-    the files written."""
+    the files written (the shards', then the index)."""
     from safetensors.numpy import save_file
 
     shapes = stored_shapes(m)
@@ -262,6 +295,7 @@ def export_weights(
         weight_map.update(dict.fromkeys(names, file))
     if len(files) > 1:
         write_json(out / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        files.append(INDEX)
     return files
 
 
@@ -336,8 +370,8 @@ def check_out(
     delete them; nor lie inside ``managed`` (an option and the checkpoint folder it names, whose step folders
     training keeps and deletes). An existing ``--out`` must be a folder this command wrote before (holding
     ``marker``, its ``config.yaml`` or ``config.json``, and, where ``writes`` is given, no entry it does not
-    name: a downloaded model's licence, readme or ``original/`` weights are not this command's) or an empty
-    one: any other folder, or a file, is not replaced.
+    name, a folder's name given with a trailing ``/``: a downloaded model's licence, readme or ``original/``
+    weights are not this command's) or an empty one: any other folder, or a file, is not replaced.
 
     Raises:
       ConfigError: naming the option and both paths.
@@ -373,7 +407,7 @@ def check_out(
         )
     if writes is not None and target.is_dir():
         other = sorted(
-            e.name + ("/" if e.is_dir() else "") for e in target.iterdir() if e.is_dir() or not writes(e.name)
+            name for name in (e.name + ("/" if e.is_dir() else "") for e in target.iterdir()) if not writes(name)
         )
         if other:
             shown = ", ".join(other[:4]) + (f" and {len(other) - 4} more" if len(other) > 4 else "")

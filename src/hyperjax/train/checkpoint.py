@@ -319,6 +319,11 @@ def _check_shapes(abstract: Any, saved: Any, where: str, verb: str = "resume") -
     found = {_path(k): v for k, v in jax.tree_util.tree_leaves_with_path(saved, is_leaf=lambda x: hasattr(x, "shape"))}
     # rl.init_checkpoint names the checkpoint read; the other commands read --checkpoint-dir
     other = f"point {verb} at a checkpoint of this model" if verb.startswith("rl.") else "use a new --checkpoint-dir"
+    if not found and expected:  # no model has no tensors: the step's listing of them is gone
+        raise ConfigError(
+            f"{where} lists no tensors: its metadata (orbax's _METADATA) is missing or empty, so the checkpoint is "
+            f"damaged, whichever model wrote it; restore the folder from a copy, or {other}"
+        )
     params_only = found and all(p.startswith("params/") for p in found)
     for path, want in sorted(expected.items(), key=lambda kv: not kv[0].startswith("params/")):
         if path not in found and params_only and not path.startswith("params/"):
