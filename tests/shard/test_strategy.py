@@ -336,3 +336,43 @@ def test_constrain_on_a_mesh_of_explicit_axes_reshards():
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x) * 2)
     with pytest.raises(ShardingError, match=r"Explicit axes.*jax.set_mesh"):
         jax.jit(lambda x: s.constrain(x, ("batch", "mlp"), mesh=explicit))(x)
+
+
+def test_constrain_with_an_abstract_mesh_needs_its_devices(mesh):
+    """An AbstractMesh names no devices: under jit with none set it was applied to a step compiled for one
+    device (silently unsharded), and outside jit JAX raised its own TypeError. Where the devices are known (set
+    around the call, or the array already on them) it constrains."""
+    s = Strategy(rules={"a": "tensor"})
+    x = jnp.ones((8, 4))
+    for call in (lambda: jax.jit(lambda y: s.constrain(y, ("a", None), mesh=mesh.abstract_mesh))(x),
+                 lambda: s.constrain(x, ("a", None), mesh=mesh.abstract_mesh)):  # fmt: skip
+        with pytest.raises(ShardingError, match=r"mesh= is an AbstractMesh .* names no devices.*jax.set_mesh"):
+            call()
+    with jax.set_mesh(mesh):
+        out = jax.jit(lambda y: s.constrain(y, ("a", None), mesh=mesh.abstract_mesh))(x)
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("tensor", None)), 2)
+    on = jax.device_put(x, NamedSharding(mesh, P()))
+    assert s.constrain(on, ("a", None), mesh=mesh.abstract_mesh).sharding.spec == P("tensor", None)
+
+
+def test_constrain_inside_shard_map_uses_its_mesh_and_refuses_its_manual_axes(mesh):
+    """Inside a shard_map the axes it maps are manual: a constraint over the others takes the shard_map's mesh
+    (JAX's ValueError before, given mesh=), one over a manual axis is refused by name; a list is no array."""
+    s = Strategy(rules={"a": "tensor"})
+    x = jnp.arange(32.0).reshape(8, 4)
+    mapped = jax.shard_map(
+        lambda y: s.constrain(y * 2, (None, "a"), mesh=mesh),
+        mesh=mesh, in_specs=P("data"), out_specs=P("data"), axis_names={"data"},
+    )  # fmt: skip
+    np.testing.assert_array_equal(jax.jit(mapped)(x), np.asarray(x) * 2)
+    every = jax.shard_map(lambda y: s.constrain(y, ("a", None)), mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    with jax.set_mesh(mesh), pytest.raises(ShardingError, match=r"mesh axes \['tensor'\] are manual"):
+        jax.jit(every)(x)
+    with pytest.raises(ShardingError, match="x is a list, not an array"):
+        s.constrain([[1.0] * 4] * 8, ("a", None), mesh=mesh)
+
+
+def test_a_numpy_integer_zero_stage_is_taken_as_its_value():
+    assert Strategy(rules={}, zero_stage=np.int64(1)) == Strategy(rules={}, zero_stage=1)
+    with pytest.raises(ShardingError, match="zero_stage=True must be 0, 1 or 2"):
+        Strategy(rules={}, zero_stage=True)

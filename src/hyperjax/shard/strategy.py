@@ -77,6 +77,7 @@ class Strategy:
         object.__setattr__(self, "rules", MappingProxyType(rules))
         object.__setattr__(self, "params", MappingProxyType(params))
         object.__setattr__(self, "zero_axes", zero_axes)
+        object.__setattr__(self, "zero_stage", int(self.zero_stage))  # a NumPy integer kept as Python's
 
     def _key(self) -> tuple:
         # rules in any order; params in theirs, since the first pattern that matches wins
@@ -369,6 +370,9 @@ class Strategy:
             none is set.
         """
         one_per_dimension(logical_axes)
+        what = f"x in constrain(x, {tuple(logical_axes)!r})"
+        if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+            raise ShardingError(f"{what}: x is a {type(x).__name__}, not an array; pass a jax.Array (jnp.asarray(x))")
         if mesh is None:
             mesh = context_mesh(x)
             if mesh is None:
@@ -377,8 +381,15 @@ class Strategy:
                     "with `with jax.set_mesh(mesh):`"
                 )
         check_mesh(mesh)
-        what = f"x in constrain(x, {tuple(logical_axes)!r})"
+        mesh = _reachable(what, x, mesh)
         spec = self._check(what, np.shape(x), tuple(logical_axes), mesh)
+        manual = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == jax.sharding.AxisType.Manual}
+        inside = sorted({a for e in spec for a in entry_axes(e)} & manual)
+        if inside:
+            raise ShardingError(
+                f"{what} asks for {spec}, but inside this shard_map mesh axes {inside} are manual (each device holds "
+                "its own block): constrain only over the other axes, or constrain outside the shard_map"
+            )
         if jax.sharding.AxisType.Explicit in mesh.axis_types:  # the layout is the array's type: change it
             if isinstance(x, jax.core.Tracer) and jax.sharding.get_abstract_mesh().empty:
                 raise ShardingError(
@@ -387,7 +398,44 @@ class Strategy:
                     "the mesh with hyperjax.make_mesh (Auto axes)"
                 )
             return jax.sharding.reshard(x, NamedSharding(mesh, spec))
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        try:
+            return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        except (ValueError, TypeError) as e:  # what the checks above do not foresee, named as this call's
+            first = str(e).strip().splitlines()[0]
+            raise ShardingError(
+                f"{what} as {spec} over the mesh {dict(mesh.shape)}: JAX refuses it ({first})"
+            ) from None
+
+
+def _reachable(
+    what: str, x: Any, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh
+) -> jax.sharding.Mesh | jax.sharding.AbstractMesh:
+    """The mesh a constraint on ``x`` over ``mesh`` is applied with: inside ``shard_map``, the context's, whose
+    mapped axes are manual; an abstract mesh only where devices are known (set around the call, or ``x`` already
+    on them).
+
+    Raises:
+      ShardingError: ``mesh`` is not the ``shard_map``'s, or an abstract mesh names no devices here.
+    """
+    context = jax.sharding.get_abstract_mesh()
+    manual = not context.empty and jax.sharding.AxisType.Manual in context.axis_types
+    if manual:
+        if dict(context.shape) != dict(mesh.shape):
+            raise ShardingError(
+                f"{what}: mesh {dict(mesh.shape)} is not the mesh of the shard_map around the call "
+                f"{dict(context.shape)}; pass that mesh, or none"
+            )
+        return context
+    if isinstance(mesh, jax.sharding.Mesh) or not context.empty:
+        return mesh
+    held = getattr(x, "sharding", None)
+    if not isinstance(x, jax.core.Tracer) and isinstance(held, NamedSharding) and held.mesh.abstract_mesh == mesh:
+        return held.mesh  # x is on the mesh's devices already
+    raise ShardingError(
+        f"{what}: mesh= is an AbstractMesh {dict(mesh.shape)}, which names no devices, and none is set around the "
+        "call (under jit the constraint would be honoured only if the inputs happened to lie on the mesh, and the "
+        "step could run on one device); pass the concrete Mesh, or call inside `with jax.set_mesh(mesh):`"
+    )
 
 
 def _rebuilt(cls: type[Strategy], fields: dict[str, Any], derived: frozenset[str]) -> Strategy:
