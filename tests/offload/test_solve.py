@@ -357,3 +357,16 @@ def test_a_manual_placement_over_the_budget_is_refused_as_such_when_another_woul
     none_fits = offload_pass(resolve(config(**sets, **{"offload.device_memory_gib": 1e-4})))
     assert not none_fits.fits and not none_fits.placeable and "no placement fits" in str(none_fits.error())
     assert none_fits.smallest_budget_gib > 1e-4
+
+
+def test_a_manual_placement_applies_to_every_stage_over_the_budget_by_its_own_block_numbers():
+    """In a pipeline, offload.manual's patterns place each stage's own blocks, numbered from 0: a pattern past
+    the last stage's 12 blocks is refused naming that stage (before, it was reported as a stage holding no
+    decoder block); patterns every stage has place them all, and the slowest stage sets the step."""
+    sets = {**PIPELINE, "offload.policy": "manual"}
+    with pytest.raises(ConfigError, match=r"pipeline stage 1 \(12 blocks, numbered from 0 .*'layers.15.act.\*'"):
+        offload_pass(resolve(config(**sets, **{"offload.manual": "{layers.15.act.*: host}"})))
+    result = offload_pass(resolve(config(**sets, **{"offload.manual": "{layers.*.act.*: host}"})))
+    [(stage, last)] = result.others
+    assert stage == 1 and last.placement.on("host")
+    assert result.pace.step_time_s == max(result.priced.step_time_s, last.step_time_s)

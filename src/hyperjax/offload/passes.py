@@ -11,7 +11,7 @@ from hyperjax.config import Config, Run, check_run
 from hyperjax.cost import MEMORY_TERMS, Estimate, estimate
 from hyperjax.errors import ConfigError
 from hyperjax.offload.placement import Placement, from_patterns, from_recompute
-from hyperjax.offload.problem import GIB, Priced, Problem, build_problem, evaluate
+from hyperjax.offload.problem import GIB, Priced, Problem, build_problem, decoder_blocks, evaluate
 from hyperjax.offload.solve import ceil_gib, describe_infeasible, greedy, minimum_memory, solve_exact
 from hyperjax.topology import Hardware
 
@@ -209,12 +209,17 @@ def _other_stages(
     for i, stage in enumerate(est.stages):
         if i == est.fullest or stage.memory["peak"] <= budget:
             continue
-        try:
-            priced, problem = _place(run, est, budget, stage=i)
-        except ConfigError:  # no decoder blocks to place: what it holds stays on the device
+        if not decoder_blocks(est, stage):  # nothing of its own to place: what it holds stays on the device
             term = max(MEMORY_TERMS, key=stage.memory.__getitem__)
             found = (f"stage {i}'s {term} (it holds no decoder block to place)", stage.memory["peak"])
         else:
+            try:
+                priced, problem = _place(run, est, budget, stage=i)
+            except ConfigError as e:  # offload.manual's patterns, read against this stage's own blocks
+                raise ConfigError(
+                    f"pipeline stage {i} ({len(decoder_blocks(est, stage))} blocks, numbered from 0 as each stage's "
+                    f"are) is over the budget and places its own blocks by offload.manual: {e}"
+                ) from None
             placed.append((i, priced))
             if priced.fits:
                 continue
