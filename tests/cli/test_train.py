@@ -349,3 +349,11 @@ def test_a_pipelines_summary_says_its_memory_is_the_state_it_holds(capsys, tmp_p
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "per-device memory of the held state (parameters, gradient accumulators, optimizer state" in out
+
+
+def test_a_batch_the_machine_cannot_hold_exits_2_before_any_device(tmp_path, capsys):
+    args = ["train", QUICK, "--set", "train.global_batch=1000000000", "--out-dir", str(tmp_path / "o")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "train.global_batch=1000000000: a step's 129,000,000,000 tokens take about" in err, err
+    assert "Traceback" not in err

@@ -97,6 +97,15 @@ def test_captions_need_the_image():
             "parallel.expert_tensor=1: experts on an mpmd submesh split over its tensor axis",
         ),
         (["parallel.sequence_parallel=true", f"mpmd.submeshes={UNSPLIT}"], "an mpmd.submeshes item with tensor > 1"),
+        # an item's own checks name the item (before: "mpmd.submeshes[].tensor", and "parallel.data")
+        (
+            ["mpmd.submeshes=[{modules: [encoder], devices: 2}, {modules: [language_model], devices: 6, tensor: 0}]"],
+            r"^mpmd.submeshes\[1\].tensor=0 must be a positive integer",
+        ),
+        (
+            ["mpmd.submeshes=[{modules: [encoder], devices: 2}, {modules: [language_model], devices: 6, tensor: 4}]"],
+            r"do not divide the 6 devices, so mpmd.submeshes\[1\].data cannot take the rest",
+        ),
     ],
 )
 def test_invalid_mpmd_names_the_key(sets, match):

@@ -147,3 +147,14 @@ def test_predict_prices_where_state_waits(capsys):
     alone = predicted(capsys, *COLOCATED, "--set", "rl.kl_coef=0")
     assert alone["score_s"] == pytest.approx(plain["score_s"] / 2)  # no reference to score
     assert alone["rl"]["reference"] is None
+
+
+def test_more_sequences_than_the_machine_holds_exit_2_before_any_device(tmp_path, capsys):
+    """An iteration's token windows are host arrays: far more than memory holds was a NumPy MemoryError from
+    inside the loop (and an empty metrics file); now it is refused naming the keys, nothing written."""
+    metrics = tmp_path / "m.jsonl"
+    args = ["train", str(GRPO), "--set", "rl.prompts_per_step=100000000000", "--out-dir", str(tmp_path / "o")]
+    assert main([*args, "--metrics-out", str(metrics)]) == 2
+    err = capsys.readouterr().err
+    assert "rl.prompts_per_step=100000000000 x rl.group_size=8: a step's" in err and "Traceback" not in err
+    assert not metrics.exists()

@@ -115,6 +115,15 @@ def test_missing_devices_are_what_the_other_phase_leaves():
         (["rl.offload_optimizer=true"], r"rl.offload_optimizer=true frees the learner's devices"),
         (["train.global_batch=16"], r"train.global_batch=16: .* 8 x 8 = 64 sequences a step; drop train.global_batch"),
         (["train.global_batch=32"], r"train.global_batch=32: .* = 64 sequences"),  # given, though it is the default
+        # training's settings the rollout never reads (before, accepted and shown, with no effect on the price)
+        *(
+            ([f"rl.rollout.parallel.{k}"], rf"^rl.rollout.parallel.{k.split('=')[0]}=.* is a training setting")
+            for k in ("zero_stage=1", "gradient_buckets=true", "dp_overlap=none", "overlap=two-microbatch")
+        ),
+        # a phase's own checks name the phase's keys (before: "rl.rollout or rl.learner.devices", "parallel.tensor")
+        (["rl.rollout.devices=0"], r"^rl.rollout.devices=0 must be a positive integer or null"),
+        (["rl.learner.parallel.data=0"], r"^rl.learner.parallel.data=0 must be a positive integer or null"),
+        (["rl.rollout.parallel.zero_stage=3"], r"^rl.rollout.parallel.zero_stage=3 .* set rl.rollout.parallel.fsdp"),
     ],
 )
 def test_bad_rl_section_names_the_key(sets, pattern):

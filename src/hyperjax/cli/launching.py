@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from hyperjax.config import Run
 from hyperjax.emulate import Cluster, Exit, free_port, plan_processes, run_job, start_devices
 from hyperjax.errors import EmulationError
 
@@ -131,3 +132,46 @@ def spawn(*, devices: int, processes: int, child_args: Sequence[str]) -> Exit:
         str(processes),
     ]
     return run_job([[*common, "--process-id", str(i)] for i in range(processes)])
+
+
+def check_state_fits(run: Run, local: int) -> None:
+    """The parameters, gradients and optimizer state of this machine's ``local`` devices fit its memory (each
+    device's share as the cost model counts it, the fullest stage's for every device: a bound from above).
+
+    Raises:
+      EmulationError: both sizes, and what to do instead.
+    """
+    from hyperjax.cost import estimate
+    from hyperjax.emulate import machine_memory
+
+    gib = estimate(run).memory_per_device_gib
+    need = sum(gib[k] for k in ("params", "gradients", "optimizer")) * 2**30 * local
+    if need > machine_memory():
+        raise EmulationError(
+            f"training this model on {local} emulated devices holds about {need / 2**30:,.0f} GiB "
+            f"of parameters, gradients and optimizer state ({need / local / 2**30:.2f} GiB a device), more than this "
+            f"machine's {machine_memory() / 2**30:.0f} GiB of memory; train a smaller model here (--set "
+            "model.layers=..., model.d_model=...), or price this one with hyperjax predict / plan"
+        )
+
+
+BATCH_BYTES_PER_TOKEN = 16
+"""Host bytes a step's token windows take per token while they are cut (int64) and split into inputs and
+targets (int32)."""
+
+
+def check_batch_memory(tokens: int, what: str) -> None:
+    """A step's ``tokens`` (``what`` sets how many) fit this machine's memory as host token arrays.
+
+    Raises:
+      EmulationError: the bytes, the machine's memory and the fix.
+    """
+    from hyperjax.emulate import machine_memory
+
+    need, have = tokens * BATCH_BYTES_PER_TOKEN, machine_memory()
+    if need > have:
+        raise EmulationError(
+            f"{what}: a step's {tokens:,} tokens take about {need / 2**30:,.0f} GiB as host arrays, more than this "
+            f"machine's {have / 2**30:.0f} GiB of memory; train with fewer sequences a step here, or price this run "
+            "with hyperjax predict / plan"
+        )

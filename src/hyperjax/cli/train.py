@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from hyperjax.cli.display import check_folder, check_writable, console
-from hyperjax.cli.launching import add_join_arguments, check_joined_processes, joining, run_on_devices
+from hyperjax.cli.launching import (
+    add_join_arguments,
+    check_batch_memory,
+    check_joined_processes,
+    check_state_fits,
+    joining,
+    run_on_devices,
+)
 from hyperjax.cli.options import add_command, add_config_arguments, config_from_args, path
 from hyperjax.config import Run, load_config
 from hyperjax.errors import ConfigError, EmulationError
@@ -107,7 +114,9 @@ def run(args: argparse.Namespace) -> int:
         return _print_run(run, json_out=args.json)
     if run.processes is None:
         raise EmulationError(f"{run.emulation_limit}; hyperjax predict still prices this run")
-    _check_state_fits(run, run.devices if args.num_processes is None else run.devices // args.num_processes)
+    check_state_fits(run, run.devices if args.num_processes is None else run.devices // args.num_processes)
+    t = run.config.train
+    check_batch_memory(t.global_batch * (run.config.model.seq_len + 1), f"train.global_batch={t.global_batch}")
     if args.profile:  # before any process starts
         check_profiled(run)
     if args.explain and run.pipelined:  # each stage places its own layers on its own submesh
@@ -162,27 +171,6 @@ def run(args: argparse.Namespace) -> int:
             work=lambda: _train(ready, args, out_dir),
         )
     return _supervise(args, run, sets, child)
-
-
-def _check_state_fits(run: Run, local: int) -> None:
-    """The parameters, gradients and optimizer state of this machine's ``local`` devices fit its memory (each
-    device's share as the cost model counts it, the fullest stage's for every device: a bound from above).
-
-    Raises:
-      EmulationError: both sizes, and what to do instead.
-    """
-    from hyperjax.cost import estimate
-    from hyperjax.emulate import machine_memory
-
-    gib = estimate(run).memory_per_device_gib
-    need = sum(gib[k] for k in ("params", "gradients", "optimizer")) * 2**30 * local
-    if need > machine_memory():
-        raise EmulationError(
-            f"training this model on {local} emulated devices holds about {need / 2**30:,.0f} GiB "
-            f"of parameters, gradients and optimizer state ({need / local / 2**30:.2f} GiB a device), more than this "
-            f"machine's {machine_memory() / 2**30:.0f} GiB of memory; train a smaller model here (--set "
-            "model.layers=..., model.d_model=...), or price this one with hyperjax predict / plan"
-        )
 
 
 def _check_flags(args: argparse.Namespace) -> None:

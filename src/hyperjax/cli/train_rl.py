@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from hyperjax.cli.display import check_folder, check_writable, console
-from hyperjax.cli.launching import run_on_devices
+from hyperjax.cli.launching import check_batch_memory, run_on_devices
 from hyperjax.config import Config, RLRun, TrainConfig
 from hyperjax.errors import ConfigError, EmulationError
 from hyperjax.resolver import resolve_rl
@@ -66,6 +66,11 @@ def run(args: argparse.Namespace, cfg: Config) -> int:
         return _print_plan(rl, json_out=args.json)
     if rl.processes is None:
         raise EmulationError(f"{rl.emulation_limit}; hyperjax predict still prices this run")
+    r = cfg.rl  # an iteration's sequences, each a whole window of model.seq_len tokens
+    check_batch_memory(
+        r.prompts_per_step * r.group_size * (cfg.model.seq_len + 1),
+        f"rl.prompts_per_step={r.prompts_per_step} x rl.group_size={r.group_size}",
+    )
     out_dir = args.out_dir or str(Path("runs") / Path(args.config).stem)
     if args.metrics_out:
         check_writable(args.metrics_out, "--metrics-out")

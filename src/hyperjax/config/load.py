@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -204,7 +205,22 @@ def build(cls: type, raw: Any, prefix: str = "") -> Any:
             kwargs[key] = tuple(build(items[0], v, f"{prefix}{key}[{i}].") for i, v in enumerate(value))
         else:
             kwargs[key] = _coerce(value, hint_type, f"{prefix}{key}")
-    return cls(**kwargs)
+    generic = SECTIONS.get(cls.__name__)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:  # a section checked by itself names its keys as it does everywhere: say where it is
+        if generic is None or not prefix or prefix == f"{generic}.":
+            raise
+        raise type(e)(re.sub(rf"(?<![\w.\-]){re.escape(generic)}\.", lambda _: prefix, str(e))) from None
+
+
+SECTIONS = {
+    "ParallelConfig": "parallel",
+    "PhaseConfig": "rl.rollout or rl.learner",
+    "SubmeshConfig": "mpmd.submeshes[]",
+}
+"""How a section that appears in more than one place names its keys in its own checks (``parallel.tensor`` for
+``rl.learner.parallel.tensor`` too): :func:`build` puts the key's real place in their stead."""
 
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:

@@ -155,6 +155,10 @@ MODIFIERS: dict[str, str] = {
 stage spans that axis over more than one device, a key has nothing to act on: the resolver refuses it
 (:func:`idle_modifiers`), and a planner's candidate without the feature resets it."""
 
+TRAINING_ONLY = ("zero_stage", "dp_overlap", "tp_overlap", "fsdp_unit", "fsdp_reshard", "gradient_buckets", "overlap")
+"""The ``parallel.*`` keys of training alone (the optimizer's sharding, the gradient reduction, what overlaps
+the backward): generation and serving read none of them."""
+
 FEATURES = {"fsdp": "FSDP", "context": "context parallelism", "tensor": "tensor parallelism"}
 """What each axis of :data:`MODIFIERS` carries, as an error names it."""
 

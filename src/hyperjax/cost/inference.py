@@ -30,6 +30,7 @@ import math
 from typing import Any
 
 from hyperjax.config import ModelConfig, Run
+from hyperjax.config.parallel import TRAINING_ONLY as PARALLEL_TRAINING_ONLY
 from hyperjax.cost.collectives import collective_time
 from hyperjax.cost.compute import gemm_time, stream_time
 from hyperjax.cost.estimate import GIB, memory_budget
@@ -127,8 +128,7 @@ class InferenceEstimate:
 
 _TRAIN_ONLY = """steps lr warmup_steps min_lr_ratio weight_decay beta1 beta2 grad_clip grad_dtype optimizer_state
     elementwise cross_entropy fp8 recompute recompute_modules checkpoint_every keep_checkpoints"""
-_PARALLEL_ONLY = "zero_stage dp_overlap tp_overlap fsdp_unit fsdp_reshard gradient_buckets overlap"
-TRAINING_ONLY = tuple([f"train.{k}" for k in _TRAIN_ONLY.split()] + [f"parallel.{k}" for k in _PARALLEL_ONLY.split()])
+TRAINING_ONLY = tuple([f"train.{k}" for k in _TRAIN_ONLY.split()] + [f"parallel.{k}" for k in PARALLEL_TRAINING_ONLY])
 """Config keys of training that :func:`estimate_inference` does not read (the optimizer, the backward, the
 recomputation, the gradient reduction; its products in the compute dtype, its collectives not overlapped):
 ``predict --inference`` refuses them given with ``--set``. The training batch keys are not among them: the run

@@ -13,7 +13,7 @@ import dataclasses
 import re
 
 from hyperjax.config import Config, EmulateConfig, ParallelConfig, RLRun, Run, ServeConfig
-from hyperjax.config.parallel import FEATURES, MODIFIERS, modifier_value, set_modifiers
+from hyperjax.config.parallel import FEATURES, MODIFIERS, TRAINING_ONLY, modifier_value, set_modifiers
 from hyperjax.emulate import plan_processes
 from hyperjax.errors import ConfigError, EmulationError, HyperjaxError, expect, positive_int
 from hyperjax.resolver.resolve import DEFAULT_DEVICES, resolve
@@ -193,13 +193,21 @@ def _named(e: HyperjaxError, name: str) -> HyperjaxError:
 
 
 def check_rollout_modifiers(p: ParallelConfig) -> None:
-    """The rollout sets no key of :data:`~hyperjax.config.parallel.MODIFIERS`: each says how training runs a
-    feature, and generation reads none of them (its collectives are not overlapped, its weights not gathered
-    by FSDP's schedule, its sequence not split)."""
+    """The rollout sets no key of :data:`~hyperjax.config.parallel.MODIFIERS` nor another of training's
+    (:data:`~hyperjax.config.parallel.TRAINING_ONLY`): each says how training runs a feature, and generation
+    reads none of them (its collectives are not overlapped, its weights not gathered by FSDP's schedule, its
+    sequence not split, it has no optimizer or gradients)."""
     for key, value in set_modifiers(p).items():
         raise ConfigError(
             f"rl.rollout.parallel.{key}={modifier_value(value)} says how training runs {FEATURES[MODIFIERS[key]]}, "
             f"but the rollout only generates, which reads none of these settings; remove rl.rollout.parallel.{key}"
+        )
+    unset = ParallelConfig()
+    for key in (k for k in TRAINING_ONLY if k not in MODIFIERS and getattr(p, k) != getattr(unset, k)):
+        raise ConfigError(
+            f"rl.rollout.parallel.{key}={modifier_value(getattr(p, key))} is a training setting (how a training step "
+            "shards its optimizer, reduces its gradients or overlaps its work), but the rollout only generates, "
+            f"which reads none of them: it would have no effect; remove rl.rollout.parallel.{key}"
         )
 
 

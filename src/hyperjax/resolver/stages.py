@@ -8,6 +8,7 @@ balanced by training FLOPs per device); two submeshes for a vision-language mode
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 
 from hyperjax.config import Config, ModelConfig, ModuleName, Stage
@@ -229,12 +230,16 @@ def mpmd_stages(cfg: Config, devices: int, rows: int) -> tuple[Stage, ...]:
         label = sub.name or sub.modules[0]
         try:
             axes = mesh_axes_for(devices=n, data=sub.data, fsdp=sub.fsdp, tensor=sub.tensor)
-        except ShardingError as e:
-            raise ShardingError(f"mpmd submesh {label!r} ({n} devices): {e}") from None
+        except ShardingError as e:  # the submesh's own keys, not the run's
+            said = re.sub(r"(?<![\w.])parallel\.", f"mpmd.submeshes[{c}].", str(e))
+            raise ShardingError(f"mpmd submesh {label!r} ({n} devices): {said}") from None
         if rows % (axes["data"] * axes["fsdp"]):
+            replicas = axes["data"] * axes["fsdp"]
             raise ConfigError(
                 f"mpmd submesh {label!r}: micro-batches of {rows} sequences (train.global_batch / "
-                f"train.microbatches) do not split over its {axes['data'] * axes['fsdp']} data-parallel replicas"
+                f"train.microbatches) do not split over its {replicas} data-parallel replicas (data x fsdp); "
+                f"give mpmd.submeshes[{c}] a data x fsdp that divides {rows}, or a train.global_batch / "
+                f"train.microbatches that {replicas} divides"
             )
         layers = m.vision.layers if sub.modules == ("encoder",) else m.layers
         stages.append(
