@@ -158,3 +158,25 @@ def test_more_sequences_than_the_machine_holds_exit_2_before_any_device(tmp_path
     err = capsys.readouterr().err
     assert "rl.prompts_per_step=100000000000 x rl.group_size=8: a step's" in err and "Traceback" not in err
     assert not metrics.exists()
+
+
+@pytest.mark.slow  # an iteration of learning
+def test_without_a_reference_kl_reads_the_drift_of_the_iterations_updates(tmp_path):
+    """With kl_coef 0 no reference is kept: the recorded kl is the last update's against the iteration's start
+    (it was the first update's, against the same weights: 0 always)."""
+    metrics = tmp_path / "m.jsonl"
+    args = ["train", GRPO, "--steps", "1", "--set", "rl.kl_coef=0", "--set", "rl.updates=3"]
+    assert main([*args, "--metrics-out", str(metrics), "--out-dir", str(tmp_path / "o")]) == 0
+    [record] = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert record["kl"] > 1e-7
+
+
+@pytest.mark.slow  # a rollout before the reward fails
+def test_a_reward_that_fails_leaves_no_metrics_file(tmp_path, monkeypatch, capsys):
+    (tmp_path / "short.py").write_text("def wrong(p, c):\n    return [0.0] * (len(c) - 1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    metrics = tmp_path / "m.jsonl"
+    args = ["train", GRPO, "--steps", "2", "--set", "rl.reward=short:wrong", "--out-dir", str(tmp_path / "o")]
+    assert main([*args, "--metrics-out", str(metrics)]) == 2
+    assert "returned 63 values for 64 completions" in capsys.readouterr().err
+    assert not metrics.exists()

@@ -137,7 +137,7 @@ def train_rl(
     if r.offload_optimizer:
         learner.park()
     first_handover = time.perf_counter() - start
-    sink = open(metrics_out, "w") if metrics_out else None  # noqa: SIM115 (closed below)
+    sink = None  # opened with the first record: a run that fails before one leaves no empty file
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if r.max_staleness else None
     records: list[dict[str, Any]] = []
     last: list[str] = []
@@ -185,7 +185,9 @@ def train_rl(
                 "iteration": i + 1,
                 "reward_mean": float(rewards.mean()),
                 "reward_std": float(rewards.std()),
-                "kl": float(measured[0]["kl"]),
+                # against the reference, before this iteration's updates; without one (kl_coef 0), the drift
+                # from the iteration's start that its earlier updates made
+                "kl": float(measured[0 if learner.reference is not None else -1]["kl"]),
                 "clip_fraction": float(np.mean([m["clip_fraction"] for m in measured])),
                 "loss": float(np.mean([m["loss"] for m in measured])),
                 "grad_norm": float(measured[-1]["grad_norm"]),
@@ -196,7 +198,8 @@ def train_rl(
                 "tokens": int(completions.size),
             }
             records.append(record)
-            if sink is not None:
+            if metrics_out:
+                sink = sink or open(metrics_out, "w")  # noqa: SIM115 (closed below)
                 sink.write(json.dumps(record) + "\n")
                 sink.flush()
             log.write(  # every iteration: iterations are few, each a rollout and a learning step
