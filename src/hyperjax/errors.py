@@ -8,6 +8,7 @@ the command-line interface prints it without a traceback and exits with status 2
 from __future__ import annotations
 
 import numbers
+import re
 from typing import Any
 
 
@@ -75,3 +76,9 @@ def positive_int(value: Any, what: str, error: type[HyperjaxError] = ConfigError
 def integral(value: object) -> bool:
     """Whether ``value`` is an integer (a Python or NumPy one), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def rekeyed(message: str, section: str, place: str) -> str:
+    """``message`` with the keys it names under ``section`` (``parallel.tensor``) named where they really are,
+    under ``place`` (``rl.learner.parallel.``: its trailing dot included)."""
+    return re.sub(rf"(?<![\w.\-]){re.escape(section)}\.", lambda _: place, message)

@@ -268,7 +268,7 @@ def print_offload(plan: OffloadResult) -> None:
             f"recomputation {q.recompute_s * 1e3:.3g} ms; step {q.step_time_s:.4g} s",
             soft_wrap=True,
         )
-    if len(plan.others):
+    if plan.others:
         out.print(f"  the step is the slowest stage's: {plan.pace.step_time_s:.4g} s")
     if plan.placeable:
         out.print(

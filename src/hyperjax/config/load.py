@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import re
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -25,7 +24,7 @@ from hyperjax.config.checks import field_hints, hint_options, literal_options, t
 from hyperjax.config.hf_fields import in_file
 from hyperjax.config.model_parts import MoEConfig
 from hyperjax.config.sections import Config
-from hyperjax.errors import ConfigError, article
+from hyperjax.errors import ConfigError, article, rekeyed
 from hyperjax.files import parse_yaml, read_yaml
 
 
@@ -211,7 +210,7 @@ def build(cls: type, raw: Any, prefix: str = "") -> Any:
     except ConfigError as e:  # a section checked by itself names its keys as it does everywhere: say where it is
         if generic is None or not prefix or prefix == f"{generic}.":
             raise
-        raise type(e)(re.sub(rf"(?<![\w.\-]){re.escape(generic)}\.", lambda _: prefix, str(e))) from None
+        raise type(e)(rekeyed(str(e), generic, prefix)) from None
 
 
 SECTIONS = {

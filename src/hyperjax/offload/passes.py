@@ -209,7 +209,8 @@ def _other_stages(
     for i, stage in enumerate(est.stages):
         if i == est.fullest or stage.memory["peak"] <= budget:
             continue
-        if not decoder_blocks(est, stage):  # nothing of its own to place: what it holds stays on the device
+        blocks = len(decoder_blocks(est, stage))
+        if not blocks:  # nothing of its own to place: what it holds stays on the device
             term = max(MEMORY_TERMS, key=stage.memory.__getitem__)
             found = (f"stage {i}'s {term} (it holds no decoder block to place)", stage.memory["peak"])
         else:
@@ -217,7 +218,7 @@ def _other_stages(
                 priced, problem = _place(run, est, budget, stage=i)
             except ConfigError as e:  # offload.manual's patterns, read against this stage's own blocks
                 raise ConfigError(
-                    f"pipeline stage {i} ({len(decoder_blocks(est, stage))} blocks, numbered from 0 as each stage's "
+                    f"pipeline stage {i} ({blocks} blocks, numbered from 0 as each stage's "
                     f"are) is over the budget and places its own blocks by offload.manual: {e}"
                 ) from None
             placed.append((i, priced))

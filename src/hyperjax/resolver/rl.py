@@ -10,12 +10,11 @@ learner's is the model laid out by ``rl.learner.parallel`` on its devices, train
 from __future__ import annotations
 
 import dataclasses
-import re
 
 from hyperjax.config import Config, EmulateConfig, ParallelConfig, RLRun, Run, ServeConfig
 from hyperjax.config.parallel import FEATURES, MODIFIERS, TRAINING_ONLY, modifier_value, set_modifiers
 from hyperjax.emulate import plan_processes
-from hyperjax.errors import ConfigError, EmulationError, HyperjaxError, expect, positive_int
+from hyperjax.errors import ConfigError, EmulationError, HyperjaxError, expect, positive_int, rekeyed
 from hyperjax.resolver.resolve import DEFAULT_DEVICES, resolve
 from hyperjax.topology import Hardware, load_hardware
 
@@ -186,7 +185,7 @@ def phase_config(base: Config, name: str, parallel: ParallelConfig, devices: int
 
 def _named(e: HyperjaxError, name: str) -> HyperjaxError:
     """``e`` with the phase's keys for the run's (``parallel.tensor`` as ``rl.<name>.parallel.tensor``)."""
-    message = re.sub(r"(?<![\w.])parallel\.", f"rl.{name}.parallel.", str(e))
+    message = rekeyed(str(e), "parallel", f"rl.{name}.parallel.")
     message = message.replace("emulate.devices", f"rl.{name}.devices")
     message = message.replace("train.global_batch", "rl.prompts_per_step x rl.group_size (train.global_batch)")
     return type(e)(f"rl.{name}: {message}")

@@ -8,13 +8,12 @@ balanced by training FLOPs per device); two submeshes for a vision-language mode
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Sequence
 
 from hyperjax.config import Config, ModelConfig, ModuleName, Stage
 from hyperjax.config.parallel import mpmd_replaced
 from hyperjax.cost.counts import embed_flops_per_token, head_flops_per_token, layer_flops_per_token, module_flops
-from hyperjax.errors import ConfigError, ShardingError
+from hyperjax.errors import ConfigError, ShardingError, rekeyed
 from hyperjax.shard import mesh_axes_for
 
 MODULES: tuple[ModuleName, ...] = ("encoder", "language_model")
@@ -231,7 +230,7 @@ def mpmd_stages(cfg: Config, devices: int, rows: int) -> tuple[Stage, ...]:
         try:
             axes = mesh_axes_for(devices=n, data=sub.data, fsdp=sub.fsdp, tensor=sub.tensor)
         except ShardingError as e:  # the submesh's own keys, not the run's
-            said = re.sub(r"(?<![\w.])parallel\.", f"mpmd.submeshes[{c}].", str(e))
+            said = rekeyed(str(e), "parallel", f"mpmd.submeshes[{c}].")
             raise ShardingError(f"mpmd submesh {label!r} ({n} devices): {said}") from None
         if rows % (axes["data"] * axes["fsdp"]):
             replicas = axes["data"] * axes["fsdp"]

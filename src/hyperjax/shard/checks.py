@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 
-from hyperjax.errors import ShardingError
+from hyperjax.errors import ShardingError, integral
 from hyperjax.shard.metadata import LogicalAxes, unreadable
 
 
@@ -52,7 +51,7 @@ def checked_fields(
                 "e.g. ('embed', 'mlp') or ('mlp',)"
             )
         params[pattern] = tuple(axes)
-    if isinstance(zero_stage, bool) or not isinstance(zero_stage, numbers.Integral) or zero_stage not in (0, 1, 2):
+    if not integral(zero_stage) or zero_stage not in (0, 1, 2):
         raise ShardingError(
             f"zero_stage={zero_stage!r} must be 0, 1 or 2 (stage 3 is FSDP: shard 'embed' over an axis)"
         )
