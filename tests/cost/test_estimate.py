@@ -121,10 +121,11 @@ def test_tpu_and_torchtitan_rows_within_their_stated_error():
 
 
 def test_the_tpu_v6e_rows_within_their_stated_error():
-    """MaxText's TPU v6e recipes (added rows, not calibrated on; docs: 15.6 % mean, worst 26.3 %, every row
-    predicted fast), priced as predict prices them: the recipes that offload the queries, keys and values run
-    that placement, whose re-forward skips their products."""
-    errors = {}
+    """MaxText's TPU v6e recipes (added rows, not calibrated on; docs: 15.9 % mean, worst 30.5 %, every row
+    predicted fast), priced as predict prices them: the recipes that offload each block's input (and the
+    queries, keys and values) run that placement, whose re-forward skips the products of what it fetches
+    and, as a rematerialised JAX block's does, the MLP's output product."""
+    errors, fitting = {}, []
     for path in sorted((ROOT / "benchmarks/validation/tpu-v6e").glob("*.yaml")):
         cfg, doc = run(path)
         r = resolve(cfg)
@@ -135,8 +136,11 @@ def test_the_tpu_v6e_rows_within_their_stated_error():
             assert placed.step_time_s < est.step_time_s, doc["id"]
             est = placed
         errors[doc["id"]] = est.step_time_s / doc["measured"]["step_time_s"] - 1
+        fitting += [doc["id"]] if est.fits else []
     assert len(errors) == 14 and max(errors.values()) < 0
-    assert sum(map(abs, errors.values())) / 14 <= 0.165 and max(map(abs, errors.values())) <= 0.27
+    # they ran: with their block inputs on the host these two fit 32 GB (the others' logits do not, docs)
+    assert {"maxtext-v6e-llama3.1-405b-8k-2x256", "maxtext-v6e-mistral-7b-8k-8"} <= set(fitting)
+    assert sum(map(abs, errors.values())) / 14 <= 0.165 and max(map(abs, errors.values())) <= 0.31
 
 
 def test_fp8_and_torchtitan_rows_ran_and_are_priced_within_their_stated_error():

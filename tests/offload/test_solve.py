@@ -75,7 +75,7 @@ def test_exact_is_optimal_against_brute_force_on_one_layer(fraction):
     top = evaluate(full, Placement(())).peak_bytes
     low = minimum_memory(full).peak_bytes
     problem = dataclasses.replace(full, budget_bytes=low + fraction * (top - low))
-    best = brute_force(problem)  # 3^5 x 2^3 = 1944 placements
+    best = brute_force(problem)  # 3^5 x 2^4 = 3888 placements
     exact = solve_exact(problem)
     assert best is not None and exact is not None and exact.fits
     assert exact.step_time_s == pytest.approx(best.step_time_s, rel=1e-9, abs=1e-12)
@@ -242,7 +242,7 @@ def test_placement_is_a_value(tmp_path):
     p.save(path)
     assert Placement.load(path) == p
     assert hash(p) == hash(Placement.load(path))
-    assert p.rows(3)[0] == ("0", "device", "host", "device", "device", "device", "device", "device", "device", "device")
+    assert p.rows(3)[0] == ("0", "device", "host", *["device"] * 8)  # params, optimizer, gradients, 7 activations
     assert from_recompute("selective", 2).block(1)["attn_core"] == "recompute"
 
 
@@ -252,11 +252,39 @@ def test_placement_is_a_value(tmp_path):
         ({"layers.*.weights": "host"}, "names no tensor group"),
         ({"layers.*.params": "recompute"}, "takes one of"),
         ({"layers.9.params": "host"}, "names no tensor group"),
+        ({"layers.*.act.block_in": "recompute"}, "block's input is where its recomputation starts"),
+        ({"layers.1.act.block_out": "host"}, "names no tensor group"),
     ],
 )
 def test_bad_manual_placements_name_the_key(patterns, message):
     with pytest.raises(ConfigError, match=message):
         from_patterns(patterns, 4)
+
+
+def test_a_block_input_goes_to_the_host_or_stays_never_recomputed():
+    """A block's input (MaxText's decoder_layer_input) is a placeable group: on the host it leaves the device
+    for every micro-batch in flight, written after the block's forward and read before its backward; it has
+    no recompute option, and a wildcard recomputing a block's activations leaves it where it was."""
+    cfg = config(**{"model.layers": 3, "parallel.tensor": 1, "train.micro_batch": 2})
+    problem = problem_of(cfg, math.inf)
+    assert set(problem.groups["layers.1.act.block_in"]) == {"device", "host"}
+    assert not any("block" in term for term in problem.fixed_terms)  # no longer a term that cannot leave
+    everything = from_patterns({"layers.*.act.*": "recompute"}, 3)
+    assert everything["layers.1.act.block_in"] == "device" and everything["layers.1.act.qkv"] == "recompute"
+    est = estimate(dataclasses.replace(resolve(cfg), recompute="none"))
+    layer = next(p.layer for p in est.stages[0].parts if p.module == "decoder")
+    held = est.stages[0].in_flight * layer.activation_bytes["block_in"]
+    on_device, on_host = (
+        evaluate(problem, from_patterns({"layers.*.act.*": "recompute", **extra}, 3))
+        for extra in ({}, {"layers.*.act.block_in": "host"})
+    )
+    staged = 2 * layer.activation_bytes["block_in"]  # prefetch 1: two layers' inputs in a staging buffer
+    assert on_device.phase_bytes[0] - on_host.phase_bytes[0] == pytest.approx(
+        HW.device.allocator_factor * (3 * held - staged)
+    )
+    assert on_host.host_bytes == pytest.approx(3 * held)
+    xfer = layer.activation_bytes["block_in"] / HW.host.bandwidth + HW.host.latency
+    assert on_host.transfer_s == pytest.approx(2 * 3 * est.run.microbatches * xfer)  # out and back, each layer
 
 
 def test_host_memory_bounds_what_goes_to_the_host():

@@ -1,15 +1,20 @@
 """A placement applied on the emulated mesh: the same losses, and host-placed state in pinned_host."""
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
 
 from hyperjax import load_config, resolve
 from hyperjax.cli.main import main
 from hyperjax.models import build_model
-from hyperjax.offload import block_policies
+from hyperjax.offload import block_policies, from_patterns
 from hyperjax.offload.apply import layer_of
 from hyperjax.train import prepare
 from hyperjax.train.programs import build_program
@@ -88,6 +93,7 @@ def test_manual_activation_offload_and_recompute_keep_the_losses(reference, tmp_
         "layers.1.act.attn_core": "recompute",
         "layers.2.act.norms": "recompute",
         "layers.0.params": "host",
+        "layers.3.act.block_in": "host",
     }
     path = tmp_path / "manual.yaml"
     cfg = QUICKSTART.read_text() + "offload: " + json.dumps({"policy": "manual", "manual": manual}) + "\n"
@@ -97,8 +103,8 @@ def test_manual_activation_offload_and_recompute_keep_the_losses(reference, tmp_
     placement = plan.offload.placement
     assert placement["layers.3.act.qkv"] == "host" and placement["layers.2.act.norms"] == "recompute"
     model = build_model(cfg.model, seed=cfg.train.seed, policies=block_policies(placement, cfg.model.layers))
-    assert model.policies[1] == (("norms", "attn_out", "mlp_act"), ("qkv", "mlp_hidden"))  # attn_core recomputed
-    assert model.policies[3] == (("norms", "attn_core", "attn_out", "mlp_act"), ("qkv", "mlp_hidden"))
+    assert model.policies[1] == (("block_in", "norms", "attn_out", "mlp_act"), ("qkv", "mlp_hidden"))  # core recomputed
+    assert model.policies[3] == (("norms", "attn_core", "attn_out", "mlp_act"), ("block_in", "qkv", "mlp_hidden"))
     program = build_program(plan, model)
     step, state = program.advance, program.state
     losses = []
@@ -106,6 +112,30 @@ def test_manual_activation_offload_and_recompute_keep_the_losses(reference, tmp_
         state, metrics = step(state, i)
         losses.append(float(metrics["loss"]))
     assert losses == pytest.approx(reference, rel=1e-4)
+
+
+def block_inputs_kept(patterns):
+    """``(on the device, on the host)``: how many block inputs the backward keeps, by its saved residuals."""
+    cfg = load_config(QUICKSTART, [])
+    m = cfg.model
+    model = build_model(m, seed=0, policies=block_policies(from_patterns(patterns, m.layers), m.layers))
+    graph, state = nnx.split(model)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(lambda s, t: nnx.merge(graph, s)(t).sum(), state, jnp.zeros((2, m.seq_len), jnp.int32))
+    lines = out.getvalue().splitlines()
+    return (
+        sum("named 'block_in'" in line for line in lines),
+        sum(line.startswith(f"f32<host>[2,{m.seq_len},{m.d_model}]") for line in lines),
+    )
+
+
+def test_a_block_input_placed_on_the_host_leaves_the_device():
+    layers = load_config(QUICKSTART, []).model.layers
+    assert block_inputs_kept({"layers.*.act.*": "recompute"}) == (layers, 0)  # the boundary, kept on the device
+    # the backward reads every block's input from its host copy, and no device copy is kept
+    assert block_inputs_kept({"layers.*.act.*": "recompute", "layers.*.act.block_in": "host"}) == (0, layers)
+    assert block_inputs_kept({"layers.*.act.*": "recompute", "layers.1.act.block_in": "host"}) == (layers - 1, 1)
 
 
 def test_train_refuses_a_budget_nothing_fits(capsys):

@@ -22,7 +22,7 @@ from hyperjax.cli.options import (
     refuse_sets,
     without_training,
 )
-from hyperjax.config import ACTIVATIONS, Config
+from hyperjax.config import Config
 from hyperjax.cost import Estimate, check_traceable, estimate, memory_budget, unpriced_overrides, write_trace
 from hyperjax.cost.inference import TRAINING_ONLY, InferenceEstimate, estimate_inference
 from hyperjax.cost.rl import RLEstimate, estimate_rl
@@ -35,7 +35,7 @@ from hyperjax.offload import (
     with_offload,
     with_serving,
 )
-from hyperjax.offload.placement import KINDS
+from hyperjax.offload.placement import KINDS, PLACED_ACTIVATIONS
 from hyperjax.resolver import resolve, resolve_rl
 from hyperjax.rl.rewards import check_reward
 
@@ -241,8 +241,8 @@ def print_offload(plan: OffloadResult) -> None:
     """The placement table of an offload pass's result and its price."""
     out = console()
     p = plan.priced
-    table = Table(title=f"offload placement ({plan.policy}), per layer")
-    for col in ("layers", *KINDS, *(f"act.{a}" for a in ACTIVATIONS)):
+    table = Table(title=f"offload placement ({plan.policy}), per layer; activations (act.NAME) by name")
+    for col in ("layers", *KINDS, *PLACED_ACTIVATIONS):
         table.add_column(col)
     for row in p.placement.rows(plan.problem.layers):
         table.add_row(*row)

@@ -102,7 +102,8 @@ Activation = Literal["norms", "qkv", "attn_core", "attn_out", "mlp_hidden", "mlp
 the norms' inputs and outputs, the queries, keys and values, the attention core's probabilities (its
 softmax statistics with a fused kernel), the output projection's input, the MLP's input projections'
 outputs (with a mixture of experts' dispatched rows and expert outputs) and its activation function's
-output. The block input (``block_in``) is the rematerialisation boundary and always stays on the device.
+output. The block input (``block_in``) is the rematerialisation boundary: never recomputed, it is placed on
+the device or the host only (:mod:`hyperjax.offload.placement`).
 Megatron-Core's ``--recompute-modules`` map onto them: ``core_attn`` is ``attn_core``, ``layernorm`` is
 ``norms``, ``moe_act`` and the MLP's activation are ``mlp_act``, ``mla_up_proj`` is ``qkv``."""
 

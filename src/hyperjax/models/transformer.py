@@ -23,7 +23,8 @@ from hyperjax.shard.strategy import entry_axes
 
 BlockPolicy = tuple[tuple[str, ...], tuple[str, ...]] | None
 """What a block keeps for backward, by checkpoint name: ``(on the device, on the host (pinned_host))``;
-the names in neither are recomputed. ``None``: no rematerialisation at all."""
+the names in neither are recomputed, but for the block's input (``block_in``), which stays on the device
+unless offloaded. ``None``: no rematerialisation at all."""
 
 
 def recompute_policy(recompute: Recompute, modules: tuple[Activation, ...] | None = None) -> BlockPolicy:
@@ -131,6 +132,9 @@ class Block(nnx.Module):
         return self.mlp(h, constrain) if self.sparse else (self.mlp(h, constrain), None)
 
     def __call__(self, x: jax.Array, constrain: Constrain) -> tuple[jax.Array, RouterStats | None]:
+        # the input, named so that a rematerialisation policy can send it to the host: the backward then
+        # reads that copy, and nothing on the device holds the input between the passes
+        x = checkpoint_name(x, "block_in")
         if self.parallel:
             # one normalised input for both branches, gathered once over a sequence-parallel axis
             h = constrain(checkpoint_name(self.norm(x, constrain), "norms"), ("batch", "seq", "act_embed"))

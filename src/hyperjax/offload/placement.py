@@ -4,7 +4,9 @@ Tensor groups are named by path: ``layers.{i}.params``, ``layers.{i}.optimizer``
 mixed precision, master weights), ``layers.{i}.gradients``, and ``layers.{i}.act.{name}`` for each
 activation the models tag with ``checkpoint_name`` and keep for backward. Each group is on ``device``,
 on ``host`` (memory kind ``pinned_host``, prefetched before use) or, for activations, ``recompute``d
-in backward. Groups a placement does not name stay on the device.
+in backward. The block input (``layers.{i}.act.block_in``, the rematerialisation boundary: MaxText's
+``decoder_layer_input``) is on the device or the host, never recomputed. Groups a placement does not name
+stay on the device.
 """
 
 from __future__ import annotations
@@ -21,27 +23,31 @@ from hyperjax.errors import ConfigError
 
 OPTIONS: tuple[OffloadOption, ...] = choices(OffloadOption)
 KINDS = ("params", "optimizer", "gradients")
+BLOCK_INPUT = "block_in"
+PLACED_ACTIVATIONS: tuple[str, ...] = (BLOCK_INPUT, *ACTIVATIONS)
+"""A block's activation groups: its input (kept or sent to the host, the boundary a recomputation starts
+from) and the activations it can also recompute."""
 _GROUP = re.compile(r"layers\.(\d+)\.(params|optimizer|gradients|kv\.\d+|act\.(\w+))$")
 
 
 def group_names(layers: int) -> list[str]:
     """Every placeable tensor group of a stack of ``layers`` blocks, in layer order."""
-    return [f"layers.{i}.{k}" for i in range(layers) for k in (*KINDS, *(f"act.{a}" for a in ACTIVATIONS))]
+    return [f"layers.{i}.{k}" for i in range(layers) for k in (*KINDS, *(f"act.{a}" for a in PLACED_ACTIVATIONS))]
 
 
 def options_of(group: str) -> tuple[str, ...]:
     """The placements group ``group`` can take."""
-    return OPTIONS if ".act." in group else OPTIONS[:2]
+    return OPTIONS if ".act." in group and not group.endswith(f".act.{BLOCK_INPUT}") else OPTIONS[:2]
 
 
 def parse_group(group: str) -> tuple[int, str]:
     """``(layer, kind)`` of a group name, where kind is ``params``, ``optimizer``, ``gradients``, ``act.NAME``
     or (serving) ``kv.BLOCK``."""
     match = _GROUP.fullmatch(group)
-    if match is None or (match.group(3) is not None and match.group(3) not in ACTIVATIONS):
+    if match is None or (match.group(3) is not None and match.group(3) not in PLACED_ACTIVATIONS):
         raise ConfigError(
             f"offload: {group!r} is not a tensor group; groups are layers.N.params, layers.N.optimizer, "
-            f"layers.N.gradients and layers.N.act.NAME with NAME one of {ACTIVATIONS}"
+            f"layers.N.gradients and layers.N.act.NAME with NAME one of {PLACED_ACTIVATIONS}"
         )
     return int(match.group(1)), match.group(2)
 
@@ -72,8 +78,8 @@ class Placement:
         return [g for g, o in self.choices if o == option]
 
     def block(self, layer: int) -> dict[str, str]:
-        """``{activation name: option}`` for one block."""
-        return {a: self[f"layers.{layer}.act.{a}"] for a in ACTIVATIONS}
+        """``{activation name: option}`` for one block (its input, ``block_in``, first)."""
+        return {a: self[f"layers.{layer}.act.{a}"] for a in PLACED_ACTIVATIONS}
 
     def to_dict(self) -> dict[str, str]:
         """``{group: option}`` for every group not on the device."""
@@ -124,10 +130,16 @@ def from_patterns(patterns: Mapping[str, str], layers: int, base: Placement | No
                 f"offload.manual[{pattern!r}] names no tensor group of this {layers}-layer model; groups look "
                 f"like layers.0.params, layers.*.optimizer, layers.*.act.attn_core"
             )
-        for g in matched:
-            if option not in options_of(g):
-                raise ConfigError(f"offload.manual[{pattern!r}]={option!r}: {g} takes one of {options_of(g)}")
-            choice[g] = option
+        # a wildcard over a block's activations recomputes all but the input, where a recomputation starts
+        takes = [g for g in matched if option in options_of(g)]
+        refused = [g for g in matched if option not in options_of(g)]
+        if refused and (not takes or not all(g.endswith(f".act.{BLOCK_INPUT}") for g in refused)):
+            g = refused[0]
+            raise ConfigError(
+                f"offload.manual[{pattern!r}]={option!r}: {g} takes one of {options_of(g)}"
+                + (" (a block's input is where its recomputation starts)" if g.endswith(BLOCK_INPUT) else "")
+            )
+        choice |= dict.fromkeys(takes, option)
     return Placement.of(choice)
 
 

@@ -29,10 +29,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hyperjax.config import ACTIVATIONS
 from hyperjax.cost import Estimate, LayerCost, StageCost, chunk_starts, state_bytes
 from hyperjax.errors import ConfigError
-from hyperjax.offload.placement import Placement, parse_group
+from hyperjax.offload.placement import BLOCK_INPUT, PLACED_ACTIVATIONS, Placement, parse_group
 from hyperjax.topology import Hardware
 
 GIB = 2**30
@@ -68,7 +67,7 @@ class Problem:
       groups: ``{group: {option: Choice}}`` in layer order.
       windows: ``(name, compute seconds)`` over which host transfers overlap.
       buffers: ``{buffer: (phase index, bytes)}``.
-      fixed: device bytes per phase that no placement moves (embeddings, the head, block inputs, logits).
+      fixed: device bytes per phase that no placement moves (embeddings, the head, logits).
       fixed_terms: those bytes by what they are, for error messages.
       base_step_s: the step with everything on the device and nothing recomputed.
       budget_bytes: the device-memory budget.
@@ -203,8 +202,8 @@ def build_problem(
                 host_bytes=o,
             ),
         }
-        for a in ACTIVATIONS:
-            nbytes, rec = layer.activation_bytes[a], layer.recompute_by_name_s[a]
+        for a in PLACED_ACTIVATIONS:
+            nbytes = layer.activation_bytes[a]
             kept = acts_in_flight * nbytes
             t = m * xfer(nbytes)
             groups[f"layers.{i}.act.{a}"] = {
@@ -215,26 +214,30 @@ def build_problem(
                     buffers=(f"activations {a}",),
                     host_bytes=kept,
                 ),
-                "recompute": Choice(memory=(0.0, 0.0), seconds=m * rec, capacity=((bwd(i), m * rec),)),
             }
+            if a != BLOCK_INPUT:  # the input is where a recomputation starts
+                rec = m * layer.recompute_by_name_s[a]
+                groups[f"layers.{i}.act.{a}"]["recompute"] = Choice(
+                    memory=(0.0, 0.0), seconds=rec, capacity=((bwd(i), rec),)
+                )
     largest = lambda f: max(f(layer) for layer in blocks)  # staging buffers hold the largest layer's
     k = min(prefetch, n)  # a depth past the stage's layers stages no more of them
     buffers = {
         "params": (0, (k + 1) * largest(lambda x: x.param_transfer_bytes)),
         "gradients": (0, 2 * max(g for _, g, _ in state)),
-        **{f"activations {a}": (0, (k + 1) * largest(lambda x, a=a: x.activation_bytes[a])) for a in ACTIVATIONS},
+        **{
+            f"activations {a}": (0, (k + 1) * largest(lambda x, a=a: x.activation_bytes[a])) for a in PLACED_ACTIVATIONS
+        },
         "optimizer stream": (1, 2 * max(sum(s) for s in state)),
     }
     mem = stage.memory
-    block_in = acts_in_flight * sum(layer.activation_bytes["block_in"] for layer in blocks)
-    acts_layers = acts_in_flight * sum(layer.activation_bytes[a] for layer in blocks for a in ACTIVATIONS)
+    acts_layers = acts_in_flight * sum(layer.activation_bytes[a] for layer in blocks for a in PLACED_ACTIVATIONS)
     outside = {  # what the layers' groups leave of the stage's memory terms
         "embeddings and head (parameters, gradients, optimizer state)": mem["params"]
         + mem["gradients"]
         + mem["optimizer"]
         - sum(sum(s) for s in state),
-        f"block inputs (layers.*.act.block_in, {acts_in_flight} micro-batches in flight)": block_in,
-        "logits and loss": mem["activations"] - acts_layers - block_in,
+        "logits and loss": mem["activations"] - acts_layers,
     }
     fixed_backward = sum(outside.values())
     fixed_optimizer = outside["embeddings and head (parameters, gradients, optimizer state)"]
