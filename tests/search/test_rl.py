@@ -129,6 +129,19 @@ def test_plan_holds_a_phases_devices_and_degrees_set_on_the_command_line(capsys,
             ["rl.rollout.parallel.tensor=3"],
             r"has rl.rollout.parallel.tensor=3 \(the last one tried: rl.rollout: .* not divisible .*\); drop them",
         ),
+        # held rollout degrees no split can lay out: named first, by the model's size or the device counts tried
+        # (before, the last split's refusal was shown, which named the learner's devices)
+        (
+            ["rl.rollout.parallel.tensor=8", "rl.rollout.parallel.data=1"],
+            r"^no split of 8 devices gives the rollout a layout with rl.rollout.parallel.data=1, "
+            r"rl.rollout.parallel.tensor=8: rl.rollout.parallel.tensor=8 splits the heads, and the model has "
+            r"model.heads=4; drop them",
+        ),
+        (
+            ["rl.rollout.parallel.data=8"],
+            r"rl.rollout.parallel.data = 8 must divide the rollout's devices, searched on 1, 2, 3, 4, 5, 6, 7 \(the "
+            r"learner keeps the rest of the 8\); drop them",
+        ),
         # a held learner degree no split can lay out: named first, with the sizes it must divide
         (
             ["rl.learner.parallel.tensor=3"],

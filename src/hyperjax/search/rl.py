@@ -228,11 +228,13 @@ def plan_rl(
     check_learner_split(cfg.rl.learner.parallel)
     for name in ("rollout", "learner"):  # what a held degree asks of the model (experts to spread), named
         phase_config(base, name, getattr(cfg.rl, name).parallel)
+    tried = held_split(cfg, devices, held)
+    if rollout_held and not any(_holds(layout, n, rollout_held) for n in tried for layout in rollout_layouts(cfg, n)):
+        raise _rollout_degree_refused(cfg, devices, tried, rollout_held, ", ".join(f"{k}={v}" for k, v in held.items()))
     found: list[RLEstimate] = []
     priced = 0
     refused: HyperjaxError | None = None  # the last reason a candidate did not resolve
     learners_refused: dict[int, HyperjaxError] = {}  # by the learner's devices: no layout of one program there
-    tried = held_split(cfg, devices, held)
     for n_rollout in tried:
         n_learner = devices if cfg.rl.placement == "colocated" else devices - n_rollout
         try:  # one program, accumulating micro-batches
@@ -250,11 +252,9 @@ def plan_rl(
         for learner in learners:
             best: RLEstimate | None = None
             for layout in rollout_layouts(cfg, n_rollout):
-                replicas = n_rollout // layout["parallel.tensor"]  # data x expert
-                degrees = {"tensor": layout["parallel.tensor"], "expert": layout["parallel.expert"]}
-                degrees["data"] = replicas // degrees["expert"]
-                if any(degrees[k] != v for k, v in rollout_held.items()):
+                if not _holds(layout, n_rollout, rollout_held):
                     continue
+                replicas = n_rollout // layout["parallel.tensor"]  # data x expert
                 for wave in waves(cfg, replicas):
                     fitted = False
                     for waits in residences(cfg):
@@ -305,6 +305,41 @@ def plan_rl(
         )
     found.sort(key=lambda e: e.iteration_s)
     return RLSearch(best=found[:keep], splits=len(tried), priced=priced, seconds=time.perf_counter() - start)
+
+
+def _holds(layout: Mapping[str, int], devices: int, held: Mapping[str, Any]) -> bool:
+    """Whether a rollout ``layout`` on ``devices`` devices has the ``held`` degrees (data over the rest)."""
+    degrees = {"tensor": layout["parallel.tensor"], "expert": layout["parallel.expert"]}
+    degrees["data"] = devices // degrees["tensor"] // degrees["expert"]
+    return all(degrees[k] == v for k, v in held.items())
+
+
+def _rollout_degree_refused(
+    cfg: Config, devices: int, tried: list[int], held: Mapping[str, Any], named: str
+) -> ConfigError:
+    """The refusal of held rollout degrees (``held``) that no rollout layout on the device counts ``tried`` has:
+    what the model bounds them by, else the device counts they must make up (``named``: every held setting)."""
+    m = cfg.model
+    tensor, expert = held.get("tensor"), held.get("expert")
+    if isinstance(tensor, int) and tensor > m.heads:
+        why = f"rl.rollout.parallel.tensor={tensor} splits the heads, and the model has model.heads={m.heads}"
+    elif isinstance(expert, int) and m.moe is not None and m.moe.experts % expert:
+        why = f"rl.rollout.parallel.expert={expert} must divide model.moe.experts={m.moe.experts}"
+    else:
+        keys = [k for k in ROLLOUT_HELD if isinstance(held.get(k), int)]
+        product = math.prod(held[k] for k in keys)
+        counts = ", ".join(map(str, tried))
+        whole = len(keys) == len(ROLLOUT_HELD)
+        why = (
+            f"{' x '.join(f'rl.rollout.parallel.{k}' for k in keys)} = {product} "
+            + ("must be" if whole else "must divide")
+            + f" the rollout's devices, searched on {counts}"
+            + ("" if cfg.rl.placement == "colocated" else f" (the learner keeps the rest of the {devices})")
+        )
+    return ConfigError(
+        f"no split of {devices} devices gives the rollout a layout with {named}: {why}; drop them to search them "
+        "all, or give values among those the search tries (hyperjax plan --json lists each candidate's layouts)"
+    )
 
 
 def _learner_degree_refused(
