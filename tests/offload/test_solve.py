@@ -362,6 +362,10 @@ def test_every_stage_over_the_budget_places_its_own_blocks_and_the_slowest_sets_
     out = result.to_dict()
     assert out["step_time_s"] == last.step_time_s and out["stages"][0]["stage"] == 1
     assert out["stages"][0]["peak_gib"] == last.peak_bytes / GIB
+    # each stage is written with the fullest's figures, under the same keys
+    shared = set(out) - {"policy", "budget_gib", "proved_gap", "time_limited", "stages"}
+    assert set(out["stages"][0]) - {"stage"} == shared
+    assert out["stages"][0]["transfer_s"] == last.transfer_s and out["transfer_s"] == result.priced.transfer_s
     # the same stage priced alone: its own problem, solved by the run's policy
     alone = greedy(build_problem(result.base, hardware=HW, budget_bytes=12 * GIB, prefetch=1, stage=1))
     assert alone.step_time_s == pytest.approx(last.step_time_s)

@@ -253,19 +253,15 @@ def print_offload(plan: OffloadResult) -> None:
         verdict = f"[red]does not fit[/red]: {plan.cannot_fit} is over it"
     else:
         verdict = f"[red]does not fit[/red]: {plan.cannot_fit} cannot leave the device"
-    out.print(
-        f"  peak {p.peak_bytes / 2**30:.3g} GiB per device of a {plan.budget_gib:.3g} GiB budget ({verdict}); "
-        f"{p.host_bytes / 2**30:.3g} GiB on the host; host transfers {p.transfer_s * 1e3:.3g} ms a step, "
-        f"{p.exposed_transfer_s * 1e3:.3g} ms of it exposed; recomputation {p.recompute_s * 1e3:.3g} ms"
-    )
+    budget = f"{plan.budget_gib:.3g} GiB budget ({verdict})"
+    out.print(f"  peak {p.peak_bytes / 2**30:.3g} GiB per device of a {budget}; {p.price()}")
     if p.time_limited:
         out.print(f"  the exact pass stopped at its time limit: {proof(p.proved_gap)}", soft_wrap=True)
     for i, q in plan.others:  # every other stage over the budget places its own blocks
+        verdict = "fits" if q.fits else "does not fit"
         out.print(
-            f"  stage {i} places its own blocks: peak {q.peak_bytes / 2**30:.3g} GiB "
-            f"({'fits' if q.fits else 'does not fit'}), "
-            f"{q.host_bytes / 2**30:.3g} GiB on the host, {q.exposed_transfer_s * 1e3:.3g} ms of transfers exposed, "
-            f"recomputation {q.recompute_s * 1e3:.3g} ms; step {q.step_time_s:.4g} s",
+            f"  stage {i} places its own blocks: peak {q.peak_bytes / 2**30:.3g} GiB ({verdict}); {q.price()}; "
+            f"step {q.step_time_s:.4g} s",
             soft_wrap=True,
         )
     if plan.others:

@@ -59,34 +59,12 @@ class OffloadResult:
     def to_dict(self) -> dict[str, Any]:
         """The ``"offload"`` object of ``--json``."""
         p = self.priced
-        out: dict[str, Any] = {
-            "policy": self.policy,
-            "placement": p.placement.to_dict(),
-            "host_gib_per_device": p.host_bytes / GIB,
-            "transfer_s": p.transfer_s,
-            "exposed_transfer_s": p.exposed_transfer_s,
-            "recompute_s": p.recompute_s,
-            "step_time_s": self.pace.step_time_s,
-            "peak_gib": p.peak_bytes / GIB,
-            "budget_gib": self.budget_gib,
-            "fits": self.fits,
-        }
+        out: dict[str, Any] = {"policy": self.policy, **p.to_dict()}
+        out |= {"step_time_s": self.pace.step_time_s, "budget_gib": self.budget_gib, "fits": self.fits}
         if self.policy == "auto":  # the exact pass: how close to the fastest it proved its placement
             out |= {"proved_gap": p.proved_gap, "time_limited": p.time_limited}
         if self.others:  # the other stages' own placements
-            out["stages"] = [
-                {
-                    "stage": i,
-                    "placement": q.placement.to_dict(),
-                    "host_gib_per_device": q.host_bytes / GIB,
-                    "exposed_transfer_s": q.exposed_transfer_s,
-                    "recompute_s": q.recompute_s,
-                    "step_time_s": q.step_time_s,
-                    "peak_gib": q.peak_bytes / GIB,
-                    "fits": q.fits,
-                }
-                for i, q in self.others
-            ]
+            out["stages"] = [{"stage": i, **q.to_dict()} for i, q in self.others]
         if not self.fits:
             out |= {"cannot_fit": self.cannot_fit, "smallest_budget_gib": self.smallest_budget_gib}
         return out

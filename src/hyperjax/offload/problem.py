@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -110,6 +111,26 @@ class Priced:
     staging_bytes: float = 0.0
     proved_gap: float | None = None
     time_limited: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """The placement and its price as ``--json`` writes them (a pipeline's every stage alike)."""
+        return {
+            "placement": self.placement.to_dict(),
+            "host_gib_per_device": self.host_bytes / GIB,
+            "transfer_s": self.transfer_s,
+            "exposed_transfer_s": self.exposed_transfer_s,
+            "recompute_s": self.recompute_s,
+            "step_time_s": self.step_time_s,
+            "peak_gib": self.peak_bytes / GIB,
+            "fits": self.fits,
+        }
+
+    def price(self) -> str:
+        """What the placement costs, in words: host memory, transfers (and what of them is exposed), recomputation."""
+        return (
+            f"{self.host_bytes / GIB:.3g} GiB on the host; host transfers {self.transfer_s * 1e3:.3g} ms a step, "
+            f"{self.exposed_transfer_s * 1e3:.3g} ms of it exposed; recomputation {self.recompute_s * 1e3:.3g} ms"
+        )
 
 
 def build_problem(
