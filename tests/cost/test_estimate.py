@@ -109,7 +109,7 @@ def test_the_expert_parallel_overlap_ab_rows():
 
 
 def test_tpu_and_torchtitan_rows_within_their_stated_error():
-    """MaxText's TPU v5e rows (docs: 6.7 % mean, all fit in 16 GB) and torchtitan's memory (2.7 % mean, worst
+    """MaxText's TPU v5e rows (docs: 6.5 % mean, all fit in 16 GB) and torchtitan's memory (2.7 % mean, worst
     5.5 %): this holds the model to what the docs print."""
     tpu = priced("tpu")
     assert all(est.fits for _, est in tpu)  # these runs really ran
@@ -121,10 +121,10 @@ def test_tpu_and_torchtitan_rows_within_their_stated_error():
 
 
 def test_the_tpu_v6e_rows_within_their_stated_error():
-    """MaxText's TPU v6e recipes (added rows, not calibrated on; docs: 15.9 % mean, worst 30.5 %, every row
-    predicted fast), priced as predict prices them: the recipes that offload each block's input (and the
-    queries, keys and values) run that placement, whose re-forward skips the products of what it fetches
-    and, as a rematerialised JAX block's does, the MLP's output product."""
+    """MaxText's TPU v6e recipes (added rows, not calibrated on; docs: 6.8 % mean, worst 21.9 %), priced as
+    predict prices them: the recipes that offload each block's input (and the queries, keys and values) run
+    that placement, whose re-forward skips the products of what it fetches and, as a rematerialised JAX
+    block's does, the MLP's output product."""
     errors, fitting = {}, []
     for path in sorted((ROOT / "benchmarks/validation/tpu-v6e").glob("*.yaml")):
         cfg, doc = run(path)
@@ -133,14 +133,14 @@ def test_the_tpu_v6e_rows_within_their_stated_error():
         est = estimate(r)
         if r.offload != "none":
             placed = with_offload(offload_pass(r))
-            assert placed.step_time_s < est.step_time_s, doc["id"]
+            assert placed.step_time_s <= est.step_time_s * (1 + 1e-9), doc["id"]  # fetched, not re-run
             est = placed
         errors[doc["id"]] = est.step_time_s / doc["measured"]["step_time_s"] - 1
         fitting += [doc["id"]] if est.fits else []
-    assert len(errors) == 14 and max(errors.values()) < 0
+    assert len(errors) == 14
     # they ran: with their block inputs on the host these two fit 32 GB (the others' logits do not, docs)
     assert {"maxtext-v6e-llama3.1-405b-8k-2x256", "maxtext-v6e-mistral-7b-8k-8"} <= set(fitting)
-    assert sum(map(abs, errors.values())) / 14 <= 0.165 and max(map(abs, errors.values())) <= 0.31
+    assert sum(map(abs, errors.values())) / 14 <= 0.075 and max(map(abs, errors.values())) <= 0.23
 
 
 def test_fp8_and_torchtitan_rows_ran_and_are_priced_within_their_stated_error():

@@ -121,6 +121,7 @@ CHANGED = {
     "train.cross_entropy": "eager",
     "train.fp8": "{recipe: tensorwise}",
     "train.recompute": "full",
+    "train.reforward": "whole",
     "train.recompute_modules": "[mlp_act]",
     "train.checkpoint_every": "3",
     "train.keep_checkpoints": "1",

@@ -51,19 +51,34 @@ def only(problem, keep):
     return dataclasses.replace(problem, groups=groups, fixed=tuple(fixed))
 
 
-@pytest.mark.parametrize(("recompute", "tensor"), [("none", 2), ("selective", 2), ("full", 1), ("none", 1)])
-def test_the_placement_of_train_recompute_prices_as_the_estimate(recompute, tensor):
+@pytest.mark.parametrize(
+    ("recompute", "tensor", "reforward"),
+    [
+        ("none", 2, "needed"),
+        ("selective", 2, "needed"),
+        ("full", 1, "needed"),
+        ("full", 1, "whole"),
+        ("none", 1, "needed"),
+    ],
+)
+def test_the_placement_of_train_recompute_prices_as_the_estimate(recompute, tensor, reforward):
     cfg = config(
-        **{"train.recompute": recompute, "parallel.tensor": tensor, "parallel.data": 4, "train.micro_batch": 2}
+        **{
+            "train.recompute": recompute,
+            "train.reforward": reforward,
+            "parallel.tensor": tensor,
+            "parallel.data": 4,
+            "train.micro_batch": 2,
+        }
     )
     est = estimate(resolve(cfg))
     priced = evaluate(problem_of(cfg, HW.device.hbm_bytes), from_recompute(recompute, cfg.model.layers))
     assert priced.peak_bytes == pytest.approx(est.memory_per_device_gib["peak"] * GIB, rel=1e-9)
-    # every activation recomputed by name re-runs all of the forward but the MLP's output product, which a
-    # framework's full recomputation re-runs too
+    # every activation recomputed by name re-runs all of the forward but the MLP's output product, as JAX's full
+    # recomputation does (train.reforward: needed); PyTorch's re-runs that product too (whole)
     tail = sum(p.layers * (p.layer.forward_s - sum(p.layer.recompute_by_name_s.values())) for p in est.stages[0].parts)
     assert tail > 0
-    expected = est.step_time_s - (est.run.microbatches * tail if recompute == "full" else 0.0)
+    expected = est.step_time_s - (est.run.microbatches * tail if reforward == "whole" else 0.0)
     assert priced.step_time_s == pytest.approx(expected, rel=1e-9)
     assert priced.transfer_s == 0.0 and priced.host_bytes == 0.0
 

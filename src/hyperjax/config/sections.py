@@ -29,6 +29,7 @@ from hyperjax.config.types import (
     OptimizerState,
     Placement,
     Recompute,
+    Reforward,
     Residence,
     RLAlgorithm,
     choices,
@@ -106,6 +107,7 @@ class TrainConfig:
     cross_entropy: CrossEntropy = "fused"  # the loss over the logits (priced): fused, jit or eager
     fp8: Fp8Config | None = None  # FP8 products of the blocks' linear layers (null: none); see Fp8Config
     recompute: Recompute = "none"  # activation recomputation per block: none, selective or full
+    reforward: Reforward = "needed"  # what a full recomputation re-runs (priced): needed (JAX's) or whole (PyTorch's)
     recompute_modules: tuple[Activation, ...] | None = None  # what selective recomputes; null: attn_core
     seed: int = 0  # parameter initialisation and data order
     data: DataSource = "text"  # text: the shipped corpus, byte-level; synthetic: a learnable token sequence

@@ -74,6 +74,13 @@ emulated step is compiled by XLA): fused into few kernels that read and write ea
 ``torch.compile``), or one kernel per operation through HBM, in float32 where the model upcasts (eager
 PyTorch: torchtitan's ``compile = false``)."""
 
+Reforward = Literal["needed", "whole"]
+"""What a full recomputation (``train.recompute: full``) re-runs in the backward (priced; the emulated step
+is JAX's): the forward ops whose outputs the backward reads, which is what JAX's rematerialisation keeps after
+dead-code elimination (every product but the MLP's output projection, and the collective after it); or the
+whole forward, as PyTorch's activation checkpointing re-runs a layer (Megatron's
+``--recompute-granularity full``)."""
+
 CrossEntropy = Literal["fused", "jit", "eager"]
 """How the loss's element-wise work over the logits runs (priced; the emulated step is compiled by XLA): one
 fused loss (XLA; Transformer Engine's cross-entropy kernels, Megatron's ``cross_entropy_fusion_impl: te``), a

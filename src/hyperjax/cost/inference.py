@@ -127,7 +127,7 @@ class InferenceEstimate:
 
 
 _TRAIN_ONLY = """steps lr warmup_steps min_lr_ratio weight_decay beta1 beta2 grad_clip grad_dtype optimizer_state
-    elementwise cross_entropy fp8 recompute recompute_modules checkpoint_every keep_checkpoints"""
+    elementwise cross_entropy fp8 recompute reforward recompute_modules checkpoint_every keep_checkpoints"""
 TRAINING_ONLY = tuple([f"train.{k}" for k in _TRAIN_ONLY.split()] + [f"parallel.{k}" for k in PARALLEL_TRAINING_ONLY])
 """Config keys of training that :func:`estimate_inference` does not read (the optimizer, the backward, the
 recomputation, the gradient reduction; its products in the compute dtype, its collectives not overlapped):

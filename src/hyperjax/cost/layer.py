@@ -37,6 +37,7 @@ from hyperjax.config import (
     Fp8Config,
     ModelConfig,
     Recompute,
+    Reforward,
     TpOverlap,
     recomputed,
 )
@@ -164,6 +165,7 @@ def price_layer(
     elementwise: Elementwise = "fused",
     dispatcher: Dispatcher = "deepep",
     context_impl: ContextImpl = "allgather",
+    reforward: Reforward = "needed",
 ) -> LayerCost:
     """Price one block of ``m`` for ``micro`` sequences on one device of a mesh with ``axes``.
 
@@ -192,6 +194,8 @@ def price_layer(
         (``train.elementwise``; :func:`eager_ratio`).
       dispatcher: how a mixture of experts' tokens reach their experts (``parallel.dispatcher``).
       context_impl: how context parallelism meets keys and values (``parallel.context_impl``).
+      reforward: what a full recomputation re-runs (``train.reforward``): the forward ops the backward
+        reads (JAX's), or the whole forward (PyTorch's).
     """
     return _price_layer(
         m,
@@ -212,6 +216,7 @@ def price_layer(
         elementwise,
         dispatcher,
         context_impl,
+        reforward,
     )
 
 
@@ -245,6 +250,7 @@ def _price_layer(
     elementwise: Elementwise,
     dispatcher: Dispatcher,
     context_impl: ContextImpl,
+    reforward: Reforward,
 ) -> LayerCost:
     axes, spans = dict(axes_items), dict(span_items)
     tp, cp, fsdp, ep = axes["tensor"], axes["context"], axes["fsdp"], axes.get("expert", 1)
@@ -319,10 +325,11 @@ def _price_layer(
     ew_core_fwd = 0.0 if flash else stream_time(2 * acts["attn_core"], ops=4, hardware=hardware)
     if elementwise == "eager":  # one kernel an operation, float32 where the model upcasts (measured ratio)
         ew_fwd *= eager_ratio(m)
-    regroup_fwd = regroup_bwd = 0.0
+    regroup_fwd = regroup_bwd = regroup_combine = 0.0
     if routed is not None:  # after the dispatch (its FP8 rows under train.fp8) and before the combine; backward
         move = functools.partial(regroup_move_time, m, routed, dispatcher, hardware=hardware)
-        regroup_fwd = move(bytes_per_element=1 if fp8 is not None else e) + move(bytes_per_element=e)
+        regroup_combine = move(bytes_per_element=e)
+        regroup_fwd = move(bytes_per_element=1 if fp8 is not None else e) + regroup_combine
         regroup_bwd = 2 * move(bytes_per_element=e)
     fwd = proj + core + ew_fwd + ew_core_fwd + cast_fwd + regroup_fwd
     bwd = 2 * proj + core_bwd + 2 * (ew_fwd + ew_core_fwd) + cast_bwd + regroup_bwd
@@ -343,20 +350,27 @@ def _price_layer(
     }
     gone = recomputed(recompute, modules)
     stored = kept["block_in"] + sum(kept[a] for a in ACTIVATIONS if a not in gone)
-    # a framework's full recomputation re-runs the whole forward (Megatron's, and a rematerialised JAX block)
-    extra = fwd if recompute == "full" else sum(by_name[a] for a in gone)
+    # PyTorch's full recomputation re-runs the whole forward (Megatron's); a rematerialised JAX block re-runs
+    # what its backward reads: all but the MLP's output product and, with routed experts, the combine and its
+    # regrouping (JAX drops them as dead code)
+    whole = recompute == "full" and reforward == "whole"
+    extra = fwd if whole else fwd - tail - regroup_combine if recompute == "full" else sum(by_name[a] for a in gone)
 
     act_bytes = micro * (s / cp) * m.d_model * e
-    passes = 2 + (1 if recompute == "full" else 0)  # forward, backward, re-forward
+    # the tensor-parallel collectives of the forward, the backward and a re-forward: the whole forward's, or
+    # (JAX's) all but the one after the MLP's output product, half an all-reduce's bytes with sequence parallelism
+    refwd = 0.0 if recompute != "full" else 1.0 if whole else (0.75 if sequence_parallel else 0.5)
     one_pass = 2 * collective_time("all_reduce", act_bytes, spans["tensor"], hardware)
+    passes = 2 + (1 if recompute == "full" else 0)  # forward, backward, re-forward
     # each pass's collectives against the products they can run beside: none; in the backward, the
     # weight-gradient products (bulk); in every pass, its own products, a first chunk exposed (pipelined).
     # What they hide behind runs slower by the share of the device the collective holds
     beside = {"none": (0.0, 0.0, 0.0), "bulk": (0.0, proj, 0.0), "pipelined": (proj, 2 * proj, proj)}[tp_overlap]
     tensor_comm, slowed = 0.0, []
-    for g in beside[:passes]:  # forward, backward, re-forward
-        hidden = min(one_pass * (1 - 1 / tp), g) if g > 0 and tp > 1 else 0.0
-        tensor_comm += one_pass - hidden
+    for g, share in zip(beside[:passes], (1.0, 1.0, refwd), strict=False):  # forward, backward, re-forward
+        collectives = share * one_pass
+        hidden = min(collectives * (1 - 1 / tp), g) if g > 0 and tp > 1 else 0.0
+        tensor_comm += collectives - hidden
         slowed.append(hidden * hardware.device.comm_compute_share)
     fwd += slowed[0]
     bwd += sum(slowed[1:])
@@ -380,7 +394,7 @@ def _price_layer(
     if routed is not None:  # dispatch and combine in each pass, the busiest device's receive deciding
         exchange = spans["+".join(routed.exchange)]
         one = exchange_time(m, routed, exchange, bytes_per_element=e, hardware=hardware, dispatcher=dispatcher)
-        expert_comm = 2 * passes * one
+        expert_comm = (2 * passes - (1 if recompute == "full" and not whole else 0)) * one  # JAX's: no combine
         if fp8 is not None:  # the forward's dispatch (and its recomputation) moves FP8 rows
             low_one = exchange_time(m, routed, exchange, bytes_per_element=1, hardware=hardware, dispatcher=dispatcher)
             expert_comm -= (passes - 1) * (one - low_one)

@@ -210,6 +210,7 @@ def stage_core(run: Run, stage: Stage, spans: Mapping[str, AxisSpan], p2p: AxisS
                 elementwise=run.config.train.elementwise,
                 dispatcher=run.config.parallel.dispatcher,
                 context_impl=run.config.parallel.context_impl,
+                reforward=run.config.train.reforward,
             )
             ends = module != "decoder" or c == last
             starts = module != "decoder" or c == 0

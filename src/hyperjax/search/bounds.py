@@ -100,6 +100,7 @@ def lower_bound(cfg: Config, overrides: dict[str, Any], hardware: Hardware, budg
                 elementwise=cfg.train.elementwise,
                 dispatcher=dispatcher,
                 context_impl=cfg.parallel.context_impl,
+                reforward=cfg.train.reforward,
             )
             for moe in kinds
         ]
