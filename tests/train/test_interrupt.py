@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from hyperjax.train.checkpoint import FINISHED, saved_steps
+from tests.tiers import SLOW
 
 CONFIG = """\
 hardware: cloudmatrix384
@@ -28,6 +29,7 @@ AS_IN_A_TERMINAL = (
 (CI's, say) ignores SIGINT, as would the run it starts (hyperjax keeps that), which would then train on."""
 
 
+@SLOW  # a training process started and interrupted: about 20 s
 def test_ctrl_c_stops_after_a_whole_step_with_its_checkpoint_written(tmp_path: Path):
     (tmp_path / "run.yaml").write_text(CONFIG)
     ck, out = tmp_path / "ck", tmp_path / "out"

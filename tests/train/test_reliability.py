@@ -20,6 +20,7 @@ from hyperjax.cli.main import main
 from hyperjax.errors import ConfigError
 from hyperjax.train import prepare
 from hyperjax.train.checkpoint import Checkpoints, saved_steps
+from tests.tiers import SLOW
 
 QUICK = str(Path(__file__).parents[2] / "configs" / "quickstart.yaml")
 # a smaller quickstart: 8 steps, a checkpoint every 2
@@ -43,6 +44,7 @@ def _losses(path: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
 
 
+@SLOW  # three runs and two resumes: about 20 s
 def test_resume_is_bitwise_on_the_same_mesh_and_close_on_another(tmp_path: Path):
     plan = resolve(_cfg())
     whole = train(plan, checkpoint_dir=str(tmp_path / "a"), log=None)
