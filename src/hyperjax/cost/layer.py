@@ -353,15 +353,21 @@ def _price_layer(
     # PyTorch's full recomputation re-runs the whole forward (Megatron's); a rematerialised JAX block re-runs
     # what its backward reads: all but the MLP's output product and, with routed experts, the combine and its
     # regrouping (JAX drops them as dead code)
-    whole = recompute == "full" and reforward == "whole"
-    extra = fwd if whole else fwd - tail - regroup_combine if recompute == "full" else sum(by_name[a] for a in gone)
+    full = recompute == "full"
+    jax_full = full and reforward == "needed"
+    if jax_full:
+        extra = fwd - tail - regroup_combine
+    elif full:
+        extra = fwd
+    else:
+        extra = sum(by_name[a] for a in gone)
 
     act_bytes = micro * (s / cp) * m.d_model * e
     # the tensor-parallel collectives of the forward, the backward and a re-forward: the whole forward's, or
     # (JAX's) all but the one after the MLP's output product, half an all-reduce's bytes with sequence parallelism
-    refwd = 0.0 if recompute != "full" else 1.0 if whole else (0.75 if sequence_parallel else 0.5)
+    refwd = (0.75 if sequence_parallel else 0.5) if jax_full else float(full)
     one_pass = 2 * collective_time("all_reduce", act_bytes, spans["tensor"], hardware)
-    passes = 2 + (1 if recompute == "full" else 0)  # forward, backward, re-forward
+    passes = 2 + full  # forward, backward, re-forward
     # each pass's collectives against the products they can run beside: none; in the backward, the
     # weight-gradient products (bulk); in every pass, its own products, a first chunk exposed (pipelined).
     # What they hide behind runs slower by the share of the device the collective holds
@@ -394,7 +400,7 @@ def _price_layer(
     if routed is not None:  # dispatch and combine in each pass, the busiest device's receive deciding
         exchange = spans["+".join(routed.exchange)]
         one = exchange_time(m, routed, exchange, bytes_per_element=e, hardware=hardware, dispatcher=dispatcher)
-        expert_comm = (2 * passes - (1 if recompute == "full" and not whole else 0)) * one  # JAX's: no combine
+        expert_comm = (2 * passes - jax_full) * one  # JAX's re-forward dispatches but does not combine
         if fp8 is not None:  # the forward's dispatch (and its recomputation) moves FP8 rows
             low_one = exchange_time(m, routed, exchange, bytes_per_element=1, hardware=hardware, dispatcher=dispatcher)
             expert_comm -= (passes - 1) * (one - low_one)

@@ -35,9 +35,14 @@ def group_names(layers: int) -> list[str]:
     return [f"layers.{i}.{k}" for i in range(layers) for k in (*KINDS, *(f"act.{a}" for a in PLACED_ACTIVATIONS))]
 
 
+def is_block_input(group: str) -> bool:
+    """Whether ``group`` is a block's input (``layers.N.act.block_in``)."""
+    return group.endswith(f".act.{BLOCK_INPUT}")
+
+
 def options_of(group: str) -> tuple[str, ...]:
     """The placements group ``group`` can take."""
-    return OPTIONS if ".act." in group and not group.endswith(f".act.{BLOCK_INPUT}") else OPTIONS[:2]
+    return OPTIONS if ".act." in group and not is_block_input(group) else OPTIONS[:2]
 
 
 def parse_group(group: str) -> tuple[int, str]:
@@ -133,11 +138,11 @@ def from_patterns(patterns: Mapping[str, str], layers: int, base: Placement | No
         # a wildcard over a block's activations recomputes all but the input, where a recomputation starts
         takes = [g for g in matched if option in options_of(g)]
         refused = [g for g in matched if option not in options_of(g)]
-        if refused and (not takes or not all(g.endswith(f".act.{BLOCK_INPUT}") for g in refused)):
+        if refused and (not takes or not all(map(is_block_input, refused))):
             g = refused[0]
             raise ConfigError(
                 f"offload.manual[{pattern!r}]={option!r}: {g} takes one of {options_of(g)}"
-                + (" (a block's input is where its recomputation starts)" if g.endswith(BLOCK_INPUT) else "")
+                + (" (a block's input is where its recomputation starts)" if is_block_input(g) else "")
             )
         choice |= dict.fromkeys(takes, option)
     return Placement.of(choice)

@@ -227,7 +227,7 @@ def build_problem(
             nbytes = layer.activation_bytes[a]
             kept = acts_in_flight * nbytes
             t = m * xfer(nbytes)
-            groups[f"layers.{i}.act.{a}"] = {
+            options = {
                 "device": Choice(memory=(kept, 0.0)),
                 "host": Choice(
                     memory=(0.0, 0.0),
@@ -238,9 +238,8 @@ def build_problem(
             }
             if a != BLOCK_INPUT:  # the input is where a recomputation starts
                 rec = m * layer.recompute_by_name_s[a]
-                groups[f"layers.{i}.act.{a}"]["recompute"] = Choice(
-                    memory=(0.0, 0.0), seconds=rec, capacity=((bwd(i), rec),)
-                )
+                options["recompute"] = Choice(memory=(0.0, 0.0), seconds=rec, capacity=((bwd(i), rec),))
+            groups[f"layers.{i}.act.{a}"] = options
     largest = lambda f: max(f(layer) for layer in blocks)  # staging buffers hold the largest layer's
     k = min(prefetch, n)  # a depth past the stage's layers stages no more of them
     buffers = {
