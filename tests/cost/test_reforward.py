@@ -1,25 +1,45 @@
-"""What a full recomputation re-runs: JAX's rematerialisation (hyperjax's own step) or PyTorch's re-forward."""
+"""What a recomputation re-runs: JAX's rematerialisation (hyperjax's own step) or PyTorch's re-forward."""
 
+import math
 from pathlib import Path
 
 import jax
+import jax.extend as jex
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 
 from hyperjax import estimate, load_config, resolve
+from hyperjax.cost.inventory import runtime_inventory
 from hyperjax.models import build_model
+from tests.parts import DEEPSEEK_PARTS
 
 ROOT = Path(__file__).parents[2]
 
 
+def gradient_jaxpr(cfg, recompute: str, modules=None, batch: int = 2):
+    """The jaxpr of the gradient of hyperjax's model of ``cfg`` under ``recompute`` (and ``modules``)."""
+    model = build_model(cfg.model, seed=0, recompute=recompute, recompute_modules=modules)
+    graph, state = nnx.split(model)
+    tokens = jnp.zeros((batch, cfg.model.seq_len), jnp.int32)
+    return jax.make_jaxpr(jax.grad(lambda s: nnx.merge(graph, s)(tokens).sum()))(state).jaxpr
+
+
 def products(cfg, recompute: str) -> int:
     """The products (``dot_general``) in the jaxpr of the gradient of hyperjax's model under ``recompute``."""
-    model = build_model(cfg.model, seed=0, recompute=recompute)
-    graph, state = nnx.split(model)
-    tokens = jnp.zeros((2, cfg.model.seq_len), jnp.int32)
-    grad = jax.grad(lambda s: nnx.merge(graph, s)(tokens).sum())
-    return str(jax.make_jaxpr(grad)(state)).count("dot_general")
+    return str(gradient_jaxpr(cfg, recompute)).count("dot_general")
+
+
+def product_flops(jaxpr) -> float:
+    """FLOPs of every product (``dot_general``) in ``jaxpr`` and the jaxprs inside it."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contracted, _), _ = eqn.params["dimension_numbers"]
+            lhs, out = eqn.invars[0].aval, eqn.outvars[0].aval
+            total += 2.0 * math.prod(out.shape) * math.prod(lhs.shape[i] for i in contracted)
+        total += sum(product_flops(inner) for inner in jex.core.jaxprs_in_params(eqn.params))
+    return total
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
@@ -55,3 +75,78 @@ def test_reforward_prices_jax_s_re_forward_or_pytorch_s_whole_one():
     assert forward_pass > 0
     assert b.tensor_comm_s - a.tensor_comm_s == pytest.approx(dropped * forward_pass)
     assert needed.step_time_s < whole.step_time_s
+
+
+ONE_DEVICE = ["emulate.devices=1", "parallel.tensor=1", "model.layers=2", "train.global_batch=2"]
+MLA = [p for p in DEEPSEEK_PARTS if p.startswith(("model.attention", "model.kv_", "model.q_", "model.rope_"))]
+SETTINGS = {  # name: (model, recompute, modules)
+    "gpt-full": (["model.family=gpt"], "full", None),
+    "llama-core": (["model.family=llama"], "selective", None),  # the attention core
+    "llama-act": (["model.family=llama"], "selective", ["mlp_act"]),
+    "parallel-full": (["model.family=gpt", "model.block=parallel"], "full", None),
+    "flash-out": (["model.family=llama", "model.attention_kernel=flash"], "selective", ["attn_out"]),
+    "mla-norms-act": ([*MLA, "model.family=llama"], "selective", ["norms", "mlp_act"]),
+    "gpt-qkv-norms": (["model.family=gpt"], "selective", ["qkv", "norms"]),
+    "llama-hidden": (["model.family=llama"], "selective", ["mlp_hidden"]),
+    "flash-full": (["model.family=gpt", "model.attention_kernel=flash"], "full", None),
+    "flash-act": (["model.family=llama", "model.attention_kernel=flash"], "selective", ["mlp_act"]),
+    "parallel-norms-core": (["model.family=llama", "model.block=parallel"], "selective", ["norms", "attn_core"]),
+    "mla-full": ([*MLA, "model.family=llama"], "full", None),
+    "mla-uncompressed-qkv": ([*MLA, "model.family=llama", "model.q_lora_rank=null"], "selective", ["qkv"]),
+}
+
+
+@pytest.mark.parametrize(("sets", "recompute", "modules"), SETTINGS.values(), ids=SETTINGS.keys())
+def test_the_inventory_counts_the_products_the_jaxpr_re_runs(sets, recompute, modules):
+    """``runtime_inventory`` counts the products hyperjax's step runs, the re-forward's among them, as the
+    jaxpr of its gradient holds them (XLA's CPU compiler drops the re-forward, so the compiled program cannot
+    say): what each recomputed activation needs, and nothing the backward does not read."""
+    extra = [f"train.recompute={recompute}"] + ([f"train.recompute_modules=[{','.join(modules)}]"] if modules else [])
+    cfg = load_config(ROOT / "configs/quickstart.yaml", [*ONE_DEVICE, *sets, *extra])
+    counted = runtime_inventory(resolve(cfg)).flops
+    assert product_flops(gradient_jaxpr(cfg, recompute, modules and tuple(modules))) == pytest.approx(counted, rel=1e-9)
+    plain = load_config(ROOT / "configs/quickstart.yaml", [*ONE_DEVICE, *sets])
+    assert counted > runtime_inventory(resolve(plain)).flops or modules == ["mlp_act"]
+
+
+@pytest.mark.parametrize("sets", [["model.family=llama"], [*MLA, "model.family=llama"]], ids=["mha", "mla"])
+def test_keeping_the_probabilities_and_latents_re_runs_no_product(sets):
+    """A block that recomputes only element-wise work (its MLP's activation) re-runs no product: the softmax's
+    derivative reads the kept probabilities (``attn_core``), and latent attention keeps its down-projections'
+    outputs, from which its norms and rotary key are rebuilt."""
+    cfg = load_config(ROOT / "configs/quickstart.yaml", [*ONE_DEVICE, *sets])
+    kept = product_flops(gradient_jaxpr(cfg, "selective", ("mlp_act",)))
+    assert kept == product_flops(gradient_jaxpr(cfg, "none"))
+    assert product_flops(gradient_jaxpr(cfg, "selective", ("mlp_act", "attn_core"))) > kept
+
+
+def test_a_parallel_block_re_forwards_neither_output_product_nor_their_collectives():
+    """In a parallel block the attention's output only joins the block's output, as the MLP's does: JAX's
+    re-forward drops both products and the tensor-parallel all-reduces after them."""
+    sets = ["emulate.devices=null", "train.recompute=full", "parallel.tensor=2", "model.family=llama"]
+    est = {
+        (block, r): estimate(
+            resolve(
+                load_config(ROOT / "configs/quickstart.yaml", [*sets, f"model.block={block}", f"train.reforward={r}"])
+            )
+        )
+        for block in ("sequential", "parallel")
+        for r in ("needed", "whole")
+    }
+    layer = {k: e.stages[0].parts[0].layer for k, e in est.items()}
+    for block in ("sequential", "parallel"):
+        a, b = layer[(block, "needed")], layer[(block, "whole")]
+        assert a.recompute_s == pytest.approx(sum(a.recompute_by_name_s.values()))
+        dropped = b.recompute_s - a.recompute_s
+        if block == "parallel":  # the attention's output product too
+            assert dropped == pytest.approx(
+                a.products_s["attn_out"]
+                + (layer[("sequential", "whole")].recompute_s - layer[("sequential", "needed")].recompute_s)
+            )
+    plain = estimate(
+        resolve(load_config(ROOT / "configs/quickstart.yaml", [*sets, "model.block=parallel", "train.recompute=none"]))
+    )
+    forward_pass = plain.stages[0].parts[0].layer.tensor_comm_s / 2
+    p = ("parallel", "needed")
+    assert layer[p].tensor_comm_s == pytest.approx(2 * forward_pass)  # forward and backward: no re-forward's
+    assert layer[("parallel", "whole")].tensor_comm_s == pytest.approx(3 * forward_pass)

@@ -77,7 +77,8 @@ PyTorch: torchtitan's ``compile = false``)."""
 Reforward = Literal["needed", "whole"]
 """What a full recomputation (``train.recompute: full``) re-runs in the backward (priced; the emulated step
 is JAX's): the forward ops whose outputs the backward reads, which is what JAX's rematerialisation keeps after
-dead-code elimination (every product but the MLP's output projection, and the collective after it); or the
+dead-code elimination (every product but the MLP's output projection, in a parallel block the attention's
+output projection too, and the collective after them); or the
 whole forward, as PyTorch's activation checkpointing re-runs a layer (Megatron's
 ``--recompute-granularity full``)."""
 

@@ -264,6 +264,15 @@ def block_products(m: ModelConfig, *, moe: bool = False) -> tuple[Product, ...]:
     return tuple(out)
 
 
+def is_tail(m: ModelConfig, p: Product) -> bool:
+    """``p`` (of :func:`block_products`) only adds into the block's output, which the block's backward pass
+    does not read: the MLP's output products, and in a parallel block the attention's output product too.
+    A rematerialised block's re-forward drops them."""
+    if p.group == "attn_out":
+        return m.block == "parallel"
+    return p.group == "mlp_hidden" and p.name.endswith("_out")
+
+
 def attention_flops_per_token(m: ModelConfig, seq: int | None = None) -> float:
     """Forward FLOPs of the attention core (scores and values over the full square) per token."""
     s = m.seq_len if seq is None else seq

@@ -51,8 +51,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hyperjax.config import ModelConfig, Run, recomputed
-from hyperjax.cost.counts import attention_flops_per_token, block_products, model_flops_per_sequence, model_tensors
+from hyperjax.config import Activation, ModelConfig, Recompute, Run, recomputed
+from hyperjax.cost.counts import (
+    attention_flops_per_token,
+    block_products,
+    is_tail,
+    model_flops_per_sequence,
+    model_tensors,
+)
 from hyperjax.models.moe import exchange_slots, expert_capacity  # the emulation sizes its buffers there
 
 
@@ -77,12 +83,15 @@ def runtime_inventory(run: Run) -> Inventory:
     s, h = m.seq_len, m.d_model
     experts = _experts(run)
     forward = model_flops_per_sequence(m) * t.global_batch / 3 - experts.routed_flops
-    core = attention_flops_per_token(m) * s * m.layers * t.global_batch  # attention scores and values
-    gone = recomputed(t.recompute, t.recompute_modules)
-    extra = forward if t.recompute == "full" else (core if "attn_core" in gone else 0.0)
-    flops = (3 * forward + extra) / devices + 3 * experts.emulated_flops
+    extra = (
+        s
+        * t.global_batch
+        * sum(reforward_flops_per_token(m, t.recompute, t.recompute_modules, moe=m.is_moe(i)) for i in range(m.layers))
+    )
+    flops = (3 * forward + extra) / devices + 3 * experts.emulated_flops + experts.reforward_flops
     # XLA's CPU compiler currently drops the rematerialisation (the compiled FLOPs and collectives equal
-    # the program without it); on accelerators the recomputed forward pass runs. Compare with care.
+    # the program without it); on accelerators the recomputed forward pass runs. Compare with care: the
+    # jaxpr holds it (tests/cost/test_reforward.py)
 
     tensors = model_tensors(m)
     sizes = [x.local_size(tensor=tp, expert=ep, expert_tensor=run.expert_tensor_split) for x in tensors]
@@ -143,6 +152,42 @@ def runtime_inventory(run: Run) -> Inventory:
     )
 
 
+def reforward_flops_per_token(
+    m: ModelConfig, recompute: Recompute, modules: tuple[Activation, ...] | None, *, moe: bool = False
+) -> float:
+    """Forward FLOPs per token that one block of hyperjax's step re-runs in its backward pass under
+    ``recompute`` (routed experts' products apart: :func:`_experts`), as JAX rematerialises it: what
+    rebuilds each activation the block does not keep, and nothing its backward does not read.
+
+    - ``full``: every product but those whose output only joins the block's output (:func:`is_tail`), which
+      no one in its backward reads; the attention core whole, the router;
+    - ``qkv``: the query, key and value products; ``mlp_hidden``: the MLP's input products; ``norms``: in a
+      sequential block the attention's output product (the mid-block residual is its sum); ``mlp_act``:
+      nothing but element-wise work;
+    - the attention core: ``attn_core`` the scores' product (the probabilities), ``attn_out`` the values'
+      product. The fused kernel's softmax keeps no named value, so under any policy its scores' product
+      re-runs, and with ``attn_out`` its values' product too.
+    """
+    if recompute == "none":
+        return 0.0
+    full = recompute == "full"
+    gone = recomputed(recompute, modules)
+    groups = {"qkv": "qkv" in gone, "attn_out": "norms" in gone and m.block == "sequential"}
+    total = 0.0
+    for p in block_products(m, moe=moe):
+        if p.name.startswith("experts_"):
+            continue
+        tail = is_tail(m, p)
+        again = (full and not tail) or groups.get(p.group, False) or (p.group == "mlp_hidden" and "mlp_hidden" in gone)
+        total += p.flops_per_token * again * (not tail)
+    s = m.seq_len
+    values = 2.0 * s * m.heads * m.head_dim
+    scores = attention_flops_per_token(m) - values
+    flash = m.attention_kernel == "flash"
+    total += scores * (full or "attn_core" in gone or flash) + values * (full or "attn_out" in gone)
+    return total
+
+
 @dataclasses.dataclass(frozen=True)
 class _Experts:
     """A mixture of experts' routed work on one device per step, as the emulation runs it."""
@@ -151,6 +196,7 @@ class _Experts:
     emulated_flops: float = 0.0  # forward FLOPs of the expert products as XLA:CPU runs them, one device
     exchanged_bytes: float = 0.0
     exchanges: int = 0
+    reforward_flops: float = 0.0  # of those expert products, the input ones a block re-runs in its backward
 
 
 def _experts(run: Run) -> _Experts:
@@ -169,11 +215,14 @@ def _experts(run: Run) -> _Experts:
     buffer = spread * exchange_slots(tokens, x, local, capacity)  # rows a device sends and receives
     products = [p for p in block_products(m, moe=True) if p.name.startswith("experts_")]
     per_row = sum(2.0 * p.n * p.k for p in products) / width  # every local expert, every row of the buffer
+    inputs = sum(2.0 * p.n * p.k for p in products if not p.name.endswith("_out")) / width
+    again = t.recompute == "full" or "mlp_hidden" in recomputed(t.recompute, t.recompute_modules)
     layers, micro = m.moe_layers, run.microbatches
     e = 4 if t.dtype == "float32" else 2
     return _Experts(
         routed_flops=layers * t.global_batch * m.seq_len * sum(p.flops_per_token for p in products),
         emulated_flops=layers * micro * local * buffer * per_row,
+        reforward_flops=layers * micro * local * buffer * inputs * again,
         exchanged_bytes=layers * micro * buffer * (4 * m.d_model * e + 4) if spread > 1 else 0.0,
         exchanges=layers * micro * 5 if spread > 1 else 0,
     )

@@ -44,7 +44,7 @@ from hyperjax.config import (
 from hyperjax.cost.attention import context_exchange, core_time
 from hyperjax.cost.collectives import collective_time
 from hyperjax.cost.compute import gemm_time, grouped_gemm_time, stream_time
-from hyperjax.cost.counts import Product, activation_units, block_products, block_tensors
+from hyperjax.cost.counts import Product, activation_units, block_products, block_tensors, is_tail
 from hyperjax.cost.fp8 import cast_passes, fp8_input_units, keeps_fp8_inputs
 from hyperjax.cost.routing import exchange_time, regroup_move_time, routing
 from hyperjax.topology import AxisSpan, Hardware
@@ -278,12 +278,16 @@ def _price_layer(
         return gemm_time(rows, n, k, bytes_per_element=b, dtype=dt, hardware=hardware)
 
     products = {"qkv": 0.0, "attn_out": 0.0, "mlp_hidden": 0.0}
-    low = tail = 0.0  # the FP8 products among them; the MLP's output products (what reads mlp_act)
+    # the FP8 products among them; those whose output only joins the block's (no backward reads it): the MLP's
+    # output products, and in a parallel block the attention's output product
+    low = tail = mlp_tail = 0.0
     for p in block_products(m, moe=moe):
         key = "mlp_hidden" if p.group == "router" else p.group
         products[key] += product(p)
         low += product(p) if fp8 is not None and p.group != "router" else 0.0
-        tail += product(p) if p.name.endswith("_out") and key == "mlp_hidden" else 0.0
+        if is_tail(m, p):
+            tail += product(p)
+            mlp_tail += product(p) if key == "mlp_hidden" else 0.0
     proj = sum(products.values())
     cast_fwd = cast_bwd = weight_cast = weights8 = 0.0
     amaxes = 0
@@ -335,23 +339,24 @@ def _price_layer(
     bwd = 2 * proj + core_bwd + 2 * (ew_fwd + ew_core_fwd) + cast_bwd + regroup_bwd
     ew_share = lambda name: ew_fwd * acts[name] / (replicated + split)
     # recomputing an activation re-runs the forward ops that produce it: the mid-block residual the norms
-    # keep needs the output projection; a materialized core is re-run whole for its probabilities (as
-    # Megatron's core_attn checkpoint does), its output coming with them; a fused core keeps no
-    # probabilities (its backward recomputes its scores anyway) and re-runs its forward for its output; the
+    # keep needs the output projection (a parallel block has none); a materialized core is re-run whole for
+    # its probabilities (as Megatron's core_attn checkpoint does), its output coming with them; a fused core
+    # keeps no probabilities (its backward recomputes its scores anyway) and re-runs its forward for its output; the
     # MLP's hidden needs its input products, its activation only the element-wise op. Together they are the
-    # forward but the MLP's output product, whose output the block's backward does not read
+    # forward but the products whose output the block's backward does not read (``tail``)
     by_name = {
-        "norms": ew_fwd * (acts["norms"] + acts["block_in"]) / (replicated + split) + products["attn_out"],
+        "norms": ew_fwd * (acts["norms"] + acts["block_in"]) / (replicated + split)
+        + (products["attn_out"] if m.block == "sequential" else 0.0),
         "qkv": products["qkv"] + ew_share("qkv") + cast_fwd,
         "attn_core": 0.0 if flash else core + ew_core_fwd,
         "attn_out": (core if flash else 0.0) + ew_share("attn_out"),
-        "mlp_hidden": products["mlp_hidden"] - tail + ew_share("mlp_hidden"),
+        "mlp_hidden": products["mlp_hidden"] - mlp_tail + ew_share("mlp_hidden"),
         "mlp_act": ew_share("mlp_act"),
     }
     gone = recomputed(recompute, modules)
     stored = kept["block_in"] + sum(kept[a] for a in ACTIVATIONS if a not in gone)
     # PyTorch's full recomputation re-runs the whole forward (Megatron's); a rematerialised JAX block re-runs
-    # what its backward reads: all but the MLP's output product and, with routed experts, the combine and its
+    # what its backward reads: all but the ``tail`` products and, with routed experts, the combine and its
     # regrouping (JAX drops them as dead code)
     full = recompute == "full"
     jax_full = full and reforward == "needed"
@@ -364,8 +369,11 @@ def _price_layer(
 
     act_bytes = micro * (s / cp) * m.d_model * e
     # the tensor-parallel collectives of the forward, the backward and a re-forward: the whole forward's, or
-    # (JAX's) all but the one after the MLP's output product, half an all-reduce's bytes with sequence parallelism
-    refwd = (0.75 if sequence_parallel else 0.5) if jax_full else float(full)
+    # (JAX's) all but those after the ``tail`` products: the MLP's (its reduce-scatter with sequence
+    # parallelism, half an all-reduce's bytes), and a parallel block's attention one too (its gather stays)
+    refwd = float(full)
+    if jax_full:
+        refwd = (0.25 if sequence_parallel else 0.0) if m.block == "parallel" else (0.75 if sequence_parallel else 0.5)
     one_pass = 2 * collective_time("all_reduce", act_bytes, spans["tensor"], hardware)
     passes = 2 + full  # forward, backward, re-forward
     # each pass's collectives against the products they can run beside: none; in the backward, the

@@ -211,8 +211,27 @@ def attention_core(
         positions = jnp.arange(t) if start is None else start + jnp.arange(t)
         visible = jnp.arange(k.shape[1])[None, None, :] <= positions[:, None, None]  # (query, group, key)
         scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
-    probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(v.dtype), "attn_core")
-    return grouped_values(probs, v)
+    return grouped_values(softmax_kept(scores, v.dtype), v)
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(1,))
+def softmax_kept(scores: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """The softmax of ``scores`` over their last axis, in ``dtype``: the attention core's probabilities, tagged
+    ``attn_core``, and the one value its derivative reads.
+
+    :func:`jax.nn.softmax`'s derivative reads a float32 output of its own, which no name tags: under a
+    rematerialisation policy that keeps ``attn_core`` the backward pass re-ran the scores' product to
+    rebuild it, in every block. Here the tagged probabilities are that value (in ``dtype``, as PyTorch's
+    softmax backward reads its 16-bit output), so keeping them re-runs nothing."""
+    return jax.nn.softmax(scores, axis=-1).astype(dtype)
+
+
+@softmax_kept.defjvp
+def _softmax_kept_jvp(dtype: jnp.dtype, primals: tuple[jax.Array], tangents: tuple[jax.Array]):
+    (scores,), (ds,) = primals, tangents
+    probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(dtype), "attn_core")
+    p = probs.astype(scores.dtype)
+    return probs, (p * (ds - jnp.sum(p * ds, axis=-1, keepdims=True))).astype(dtype)
 
 
 def grouped_scores(q: jax.Array, k: jax.Array) -> jax.Array:

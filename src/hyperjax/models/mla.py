@@ -53,12 +53,15 @@ class LatentAttention(nnx.Module):
         ``positions``: all a KV cache of latent attention holds are the latent and the rotary key."""
         dt, fp8 = x.dtype, {"fp8": self.fp8, "constrain": constrain}
         if self.compressed:
-            latent = self.q_norm(product("bsd,dr->bsr", x, use(self.q_down, constrain).astype(dt), **fp8), constrain)
-            q = product("bsr,rhk->bshk", checkpoint_name(latent, "qkv"), use(self.q_up, constrain).astype(dt), **fp8)
+            # the down-projections' outputs are what a block keeps (``qkv``): the norms and the rotary key
+            # are rebuilt from them element-wise, where keeping the normalised latents re-ran both products
+            down = checkpoint_name(product("bsd,dr->bsr", x, use(self.q_down, constrain).astype(dt), **fp8), "qkv")
+            latent = self.q_norm(down, constrain)
+            q = product("bsr,rhk->bshk", latent, use(self.q_up, constrain).astype(dt), **fp8)
         else:
             q = product("bsd,dhk->bshk", x, use(self.q_proj, constrain).astype(dt), **fp8)
-        kv = product("bsd,dr->bsr", x, use(self.kv_down, constrain).astype(dt), **fp8)
-        latent = checkpoint_name(self.kv_norm(kv[..., : self.rank], constrain), "qkv")
+        kv = checkpoint_name(product("bsd,dr->bsr", x, use(self.kv_down, constrain).astype(dt), **fp8), "qkv")
+        latent = self.kv_norm(kv[..., : self.rank], constrain)
         turn = lambda t: rope(t, positions, self.theta, self.scaling, interleave=self.interleave)
         k_rope = turn(kv[..., None, self.rank :])  # one rotary key for every head
         q = jnp.concatenate([q[..., : self.head_dim], turn(q[..., self.head_dim :])], -1)
