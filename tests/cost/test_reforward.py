@@ -150,3 +150,26 @@ def test_a_parallel_block_re_forwards_neither_output_product_nor_their_collectiv
     p = ("parallel", "needed")
     assert layer[p].tensor_comm_s == pytest.approx(2 * forward_pass)  # forward and backward: no re-forward's
     assert layer[("parallel", "whole")].tensor_comm_s == pytest.approx(3 * forward_pass)
+
+
+@pytest.mark.parametrize("sets", [["model.family=llama"], [*MLA, "model.family=llama"]], ids=["mha", "mla"])
+def test_a_materialized_core_re_runs_the_product_each_activation_needs(sets):
+    """JAX rebuilds a materialized core's probabilities from its scores' product and its output from its
+    values' product (the jaxpr counts above); Megatron's core_attn checkpoint re-runs the whole core for its
+    probabilities (``train.reforward: whole``). Either way the two together cost the core once."""
+    base = [*sets, "emulate.devices=null", "parallel.tensor=2", "train.recompute=selective"]
+    layer = {
+        r: estimate(resolve(load_config(ROOT / "configs/quickstart.yaml", [*base, f"train.reforward={r}"])))
+        .stages[0]
+        .parts[0]
+        .layer
+        for r in ("needed", "whole")
+    }
+    jax_s, torch_s = layer["needed"].recompute_by_name_s, layer["whole"].recompute_by_name_s
+    core = layer["needed"].core_s
+    m = load_config(ROOT / "configs/quickstart.yaml", sets).model
+    values = m.head_dim / (2 * m.head_dim + m.rope_head_dim) if m.attention == "mla" else 0.5
+    assert torch_s["attn_core"] - jax_s["attn_core"] == pytest.approx(values * core)
+    assert jax_s["attn_out"] - torch_s["attn_out"] == pytest.approx(values * core)
+    assert layer["needed"].recompute_s == pytest.approx(jax_s["attn_core"])
+    assert layer["needed"].recompute_s < layer["whole"].recompute_s

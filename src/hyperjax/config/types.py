@@ -75,12 +75,13 @@ emulated step is compiled by XLA): fused into few kernels that read and write ea
 PyTorch: torchtitan's ``compile = false``)."""
 
 Reforward = Literal["needed", "whole"]
-"""What a full recomputation (``train.recompute: full``) re-runs in the backward (priced; the emulated step
-is JAX's): the forward ops whose outputs the backward reads, which is what JAX's rematerialisation keeps after
-dead-code elimination (every product but the MLP's output projection, in a parallel block the attention's
-output projection too, and the collective after them); or the
-whole forward, as PyTorch's activation checkpointing re-runs a layer (Megatron's
-``--recompute-granularity full``)."""
+"""What a recomputation re-runs in the backward (priced; the emulated step is JAX's): the forward ops whose
+outputs the backward reads, which is what JAX's rematerialisation keeps after dead-code elimination (under
+``train.recompute: full`` every product but the MLP's output projection, in a parallel block the attention's
+output projection too, and the collective after them; a materialized attention core's probabilities its
+scores' product, its output its values' product); or the whole checkpointed region, as PyTorch's activation
+checkpointing re-runs it (the whole forward: Megatron's ``--recompute-granularity full``; a materialized core
+whole for its probabilities: its ``core_attn`` checkpoint)."""
 
 CrossEntropy = Literal["fused", "jit", "eager"]
 """How the loss's element-wise work over the logits runs (priced; the emulated step is compiled by XLA): one

@@ -281,6 +281,12 @@ def attention_flops_per_token(m: ModelConfig, seq: int | None = None) -> float:
     return 4.0 * s * m.heads * m.head_dim
 
 
+def scores_share(m: ModelConfig) -> float:
+    """The scores' product's share of the attention core's FLOPs (the values' product has the rest): half,
+    or with latent attention the scores over ``head_dim + rope_head_dim`` against values over ``head_dim``."""
+    return 1.0 - 2.0 * m.heads * m.head_dim / (attention_flops_per_token(m) / m.seq_len)
+
+
 def block_flops_per_token(m: ModelConfig, seq: int | None = None, *, moe: bool = False) -> float:
     """Training FLOPs (forward and backward, no recomputation) of one block per token of a ``seq``-long input."""
     return 3 * sum(p.flops_per_token for p in block_products(m, moe=moe)) + 3 * attention_flops_per_token(m, seq)

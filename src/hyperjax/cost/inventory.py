@@ -58,6 +58,7 @@ from hyperjax.cost.counts import (
     is_tail,
     model_flops_per_sequence,
     model_tensors,
+    scores_share,
 )
 from hyperjax.models.moe import exchange_slots, expert_capacity  # the emulation sizes its buffers there
 
@@ -180,9 +181,8 @@ def reforward_flops_per_token(
         tail = is_tail(m, p)
         again = (full and not tail) or groups.get(p.group, False) or (p.group == "mlp_hidden" and "mlp_hidden" in gone)
         total += p.flops_per_token * again * (not tail)
-    s = m.seq_len
-    values = 2.0 * s * m.heads * m.head_dim
-    scores = attention_flops_per_token(m) - values
+    scores = attention_flops_per_token(m) * scores_share(m)
+    values = attention_flops_per_token(m) - scores
     flash = m.attention_kernel == "flash"
     total += scores * (full or "attn_core" in gone or flash) + values * (full or "attn_out" in gone)
     return total

@@ -44,7 +44,14 @@ from hyperjax.config import (
 from hyperjax.cost.attention import context_exchange, core_time
 from hyperjax.cost.collectives import collective_time
 from hyperjax.cost.compute import gemm_time, grouped_gemm_time, stream_time
-from hyperjax.cost.counts import Product, activation_units, block_products, block_tensors, is_tail
+from hyperjax.cost.counts import (
+    Product,
+    activation_units,
+    block_products,
+    block_tensors,
+    is_tail,
+    scores_share,
+)
 from hyperjax.cost.fp8 import cast_passes, fp8_input_units, keeps_fp8_inputs
 from hyperjax.cost.routing import exchange_time, regroup_move_time, routing
 from hyperjax.topology import AxisSpan, Hardware
@@ -194,8 +201,9 @@ def price_layer(
         (``train.elementwise``; :func:`eager_ratio`).
       dispatcher: how a mixture of experts' tokens reach their experts (``parallel.dispatcher``).
       context_impl: how context parallelism meets keys and values (``parallel.context_impl``).
-      reforward: what a full recomputation re-runs (``train.reforward``): the forward ops the backward
-        reads (JAX's), or the whole forward (PyTorch's).
+      reforward: what a recomputation re-runs (``train.reforward``): the forward ops the backward reads
+        (JAX's), or the whole checkpointed region (PyTorch's: a full one the whole forward, a materialized
+        attention core's both products).
     """
     return _price_layer(
         m,
@@ -339,17 +347,19 @@ def _price_layer(
     bwd = 2 * proj + core_bwd + 2 * (ew_fwd + ew_core_fwd) + cast_bwd + regroup_bwd
     ew_share = lambda name: ew_fwd * acts[name] / (replicated + split)
     # recomputing an activation re-runs the forward ops that produce it: the mid-block residual the norms
-    # keep needs the output projection (a parallel block has none); a materialized core is re-run whole for
-    # its probabilities (as Megatron's core_attn checkpoint does), its output coming with them; a fused core
+    # keep needs the output projection (a parallel block has none); a materialized core's probabilities need
+    # its scores' product, its output its values' product (JAX's), or the core is re-run whole for its
+    # probabilities, its output coming with them (``whole``: Megatron's core_attn checkpoint); a fused core
     # keeps no probabilities (its backward recomputes its scores anyway) and re-runs its forward for its output; the
     # MLP's hidden needs its input products, its activation only the element-wise op. Together they are the
     # forward but the products whose output the block's backward does not read (``tail``)
+    scores = core * scores_share(m) if reforward == "needed" else core
     by_name = {
         "norms": ew_fwd * (acts["norms"] + acts["block_in"]) / (replicated + split)
         + (products["attn_out"] if m.block == "sequential" else 0.0),
         "qkv": products["qkv"] + ew_share("qkv") + cast_fwd,
-        "attn_core": 0.0 if flash else core + ew_core_fwd,
-        "attn_out": (core if flash else 0.0) + ew_share("attn_out"),
+        "attn_core": 0.0 if flash else scores + ew_core_fwd,
+        "attn_out": (core if flash else core - scores) + ew_share("attn_out"),
         "mlp_hidden": products["mlp_hidden"] - mlp_tail + ew_share("mlp_hidden"),
         "mlp_act": ew_share("mlp_act"),
     }
