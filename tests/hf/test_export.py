@@ -123,3 +123,45 @@ def test_a_setting_export_does_not_read_exits_2(capsys, tmp_path, key):
     err = capsys.readouterr().err
     assert f"--set {key.split('=')[0]}: export-hf does not read this setting" in err and "Traceback" not in err
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow  # a training run and two exports, about 15 s
+def test_a_float16_export_holds_the_weights_rounded_to_float16(tmp_path):
+    """``--dtype float16`` writes each weight as float32's export rounded to the nearest float16 (what
+    ``torch.Tensor.half`` gives), and says so in ``config.json``."""
+    import torch
+    import transformers
+
+    train = ["train", QUICK, *SMALL, "--steps", "2", "--out-dir", str(tmp_path / "o"), "--checkpoint-dir"]
+    assert main([*train, str(tmp_path / "ck")]) == 0
+    export = ["export-hf", QUICK, *SMALL, "--checkpoint-dir", str(tmp_path / "ck"), "--out"]
+    assert main([*export, str(tmp_path / "f32")]) == 0
+    assert main([*export, str(tmp_path / "f16"), "--dtype", "float16"]) == 0
+    assert json.loads((tmp_path / "f16" / "config.json").read_text())["torch_dtype"] == "float16"
+    load = lambda name: transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name, torch_dtype=torch.float32)
+    wide, half = load("f32").state_dict(), load("f16").state_dict()
+    assert wide.keys() == half.keys()
+    for name, w in wide.items():
+        assert torch.equal(half[name], w.half().float()), name
+    assert any(not torch.equal(half[n], w) for n, w in wide.items())  # float16 did round something
+
+
+def test_a_weight_past_float16_s_range_is_refused_by_name(tmp_path):
+    """A float32 weight beyond float16's 65,504 would be written as infinity: the export names the tensor and
+    its largest value instead, and writes nothing."""
+    from flax import nnx
+
+    from hyperjax import load_config
+    from hyperjax.errors import ConfigError
+    from hyperjax.hf.convert import _flatten
+    from hyperjax.hf.io import export_weights
+    from hyperjax.models import build_model
+
+    m = load_config(QUICK, ["model.layers=1"]).model
+    params = dict(_flatten(nnx.to_pure_dict(nnx.state(build_model(m), nnx.Param))))
+    params[("blocks", 0, "mlp", "w_in")] = np.asarray(params[("blocks", 0, "mlp", "w_in")]).copy()
+    params[("blocks", 0, "mlp", "w_in")][3, 5] = 70000.0
+    with pytest.raises(ConfigError, match=r"tensor 'transformer.h.0.mlp.c_fc.weight' \[256, 1024\] holds 70000"):
+        export_weights(m, params, tmp_path, max_shard_bytes=1 << 30, dtype="float16")
+    assert not list(tmp_path.iterdir())
+    assert export_weights(m, params, tmp_path, max_shard_bytes=1 << 30, dtype="bfloat16") == ["model.safetensors"]

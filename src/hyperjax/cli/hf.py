@@ -85,7 +85,9 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
         help="the folder to write: new, empty, or an earlier export's (replaced whole)",
     )
     p.add_argument("--max-shard-gib", type=float, default=5.0, metavar="G", help="largest safetensors file (5)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="stored dtype (float32)")
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="stored dtype (float32)"
+    )
     p.add_argument("--devices", type=int, metavar="N", help="restore onto N devices (emulate.devices)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run_export)

@@ -291,7 +291,7 @@ def export_weights(
         for path, view in views(m):  # every parameter with a tensor in this file, one at a time
             if not wanted.isdisjoint(view.names):
                 view.write(np.asarray(jax.device_get(params[path]), dtype=np.float32), tensors)
-        save_file({k: tensors[k].astype(cast) for k in names}, str(out / file), metadata={"format": "pt"})
+        save_file({k: _cast(tensors[k], cast, k) for k in names}, str(out / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, file))
     if len(files) > 1:
         write_json(out / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
@@ -300,13 +300,28 @@ def export_weights(
 
 
 def _dtype(name: str) -> np.dtype:
-    if name == "float32":
-        return np.dtype(np.float32)
+    if name in ("float32", "float16"):
+        return np.dtype(name)
     if name == "bfloat16":
         import ml_dtypes
 
         return np.dtype(ml_dtypes.bfloat16)
-    raise ConfigError(f"--dtype {name!r} is not float32 or bfloat16")
+    raise ConfigError(f"--dtype {name!r} is not float32, bfloat16 or float16")
+
+
+def _cast(x: np.ndarray, dtype: np.dtype, name: str) -> np.ndarray:
+    """``x`` stored as ``dtype``; a float32 value past ``dtype``'s range (float16's 65,504) is refused by
+    tensor name rather than written as infinity."""
+    import ml_dtypes  # its finfo knows bfloat16 too
+
+    limit = float(ml_dtypes.finfo(dtype).max)
+    largest = float(np.abs(x).max(initial=0.0))
+    if largest > limit:
+        raise ConfigError(
+            f"export-hf --dtype {dtype.name}: tensor {name!r} {list(x.shape)} holds {largest:.6g}, past "
+            f"{dtype.name}'s largest value {limit:g}; export with --dtype bfloat16 (float32's range) or float32"
+        )
+    return x.astype(dtype)
 
 
 def replace_folder(build: Callable[[Path], None], target: Path) -> None:
