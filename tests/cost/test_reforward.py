@@ -22,12 +22,23 @@ def gradient_jaxpr(cfg, recompute: str, modules=None, batch: int = 2):
     model = build_model(cfg.model, seed=0, recompute=recompute, recompute_modules=modules)
     graph, state = nnx.split(model)
     tokens = jnp.zeros((batch, cfg.model.seq_len), jnp.int32)
-    return jax.make_jaxpr(jax.grad(lambda s: nnx.merge(graph, s)(tokens).sum()))(state).jaxpr
+
+    def loss(s):
+        out = nnx.merge(graph, s)(tokens)
+        return (out[0] if isinstance(out, tuple) else out).sum()  # a mixture of experts adds its router's stats
+
+    return jax.make_jaxpr(jax.grad(loss))(state).jaxpr
 
 
 def products(cfg, recompute: str) -> int:
     """The products (``dot_general``) in the jaxpr of the gradient of hyperjax's model under ``recompute``."""
     return str(gradient_jaxpr(cfg, recompute)).count("dot_general")
+
+
+def grouped_products(jaxpr) -> int:
+    """The grouped products (``ragged_dot_general``: routed experts) in ``jaxpr`` and the jaxprs inside it."""
+    own = sum(eqn.primitive.name == "ragged_dot_general" for eqn in jaxpr.eqns)
+    return own + sum(grouped_products(j) for eqn in jaxpr.eqns for j in jex.core.jaxprs_in_params(eqn.params))
 
 
 def product_flops(jaxpr) -> float:
@@ -173,3 +184,52 @@ def test_a_materialized_core_re_runs_the_product_each_activation_needs(sets):
     assert jax_s["attn_out"] - torch_s["attn_out"] == pytest.approx(values * core)
     assert layer["needed"].recompute_s == pytest.approx(jax_s["attn_core"])
     assert layer["needed"].recompute_s < layer["whole"].recompute_s
+
+
+MOE_ONE_DEVICE = [
+    "emulate.devices=1",
+    "parallel.expert=1",
+    "parallel.tensor=1",
+    "model.layers=2",
+    "train.global_batch=2",
+]
+
+
+@pytest.mark.parametrize(
+    ("recompute", "modules", "again"),
+    [("selective", ("mlp_act",), 0), ("selective", None, 0), ("selective", ("mlp_hidden",), 3), ("full", None, 3)],
+    ids=["act", "core", "hidden", "full"],
+)
+def test_a_mixture_of_experts_re_runs_its_experts_only_where_their_outputs_are_not_kept(recompute, modules, again):
+    """The routing weights' gradient reads the router's scores and each routed copy's output: a block keeps
+    them with the MLP's hidden (``mlp_hidden``), so a policy that keeps that re-runs neither the router's
+    product nor an expert product (nor the exchange back); one that recomputes it re-runs all three expert
+    products. ``runtime_inventory`` counts the same (the experts' products as XLA:CPU expands them, apart)."""
+    from hyperjax.cost.inventory import _experts
+
+    extra = [f"train.recompute={recompute}"] + ([f"train.recompute_modules=[{','.join(modules)}]"] if modules else [])
+    cfg = load_config(ROOT / "configs/moe-tiny.yaml", [*MOE_ONE_DEVICE, *extra])
+    jaxpr, plain = gradient_jaxpr(cfg, recompute, modules), gradient_jaxpr(cfg, "none")
+    moe_layers = cfg.model.moe_layers
+    assert grouped_products(jaxpr) - grouped_products(plain) == again * moe_layers  # swiglu: in, gate, out
+    run = resolve(cfg)
+    experts = _experts(run)
+    assert (experts.reforward_flops > 0) == (again > 0)
+    # the rest re-run: attention, router, shared experts (the combine's weighting, a product the inventory
+    # leaves out, runs once either way)
+    counted = runtime_inventory(run).flops - experts.reforward_flops
+    plain_counted = runtime_inventory(resolve(load_config(ROOT / "configs/moe-tiny.yaml", MOE_ONE_DEVICE))).flops
+    assert product_flops(jaxpr) - product_flops(plain) == pytest.approx(counted - plain_counted, rel=1e-9, abs=1)
+
+
+def test_jax_s_re_forward_of_routed_experts_runs_the_combine_too():
+    """The routing weights' gradient reads the routed copies' outputs back home, so JAX's re-forward runs the
+    experts' output product and the exchange back, as PyTorch's whole re-forward does."""
+    sets = ["emulate.devices=null", "parallel.expert=2", "train.recompute=full"]
+    layer = {}
+    for r in ("needed", "whole"):
+        est = estimate(resolve(load_config(ROOT / "configs/moe-tiny.yaml", [*sets, f"train.reforward={r}"])))
+        layer[r] = next(p.layer for p in est.stages[0].parts if p.moe)
+    assert layer["needed"].expert_comm_s == pytest.approx(layer["whole"].expert_comm_s)
+    assert layer["needed"].expert_comm_s == pytest.approx(6 * layer["needed"].exchange_s)  # three passes
+    assert layer["needed"].recompute_s < layer["whole"].recompute_s  # the shared expert's output product

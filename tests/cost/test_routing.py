@@ -127,19 +127,19 @@ def test_the_all_to_all_dispatcher_regroups_its_copies_by_local_expert_each_way(
 @pytest.mark.parametrize("split", [True, False])
 def test_the_regrouping_follows_the_copies_a_device_holds_under_tensor_parallelism(split):
     """Experts split over the tensor axis: every tensor rank holds the group's copies; experts spread over it
-    (``parallel.expert_tensor: 1``): each rank its own share. A full recomputation re-runs the forward's two
-    where it re-runs the whole forward (PyTorch's), and the dispatch's alone where it re-runs what the backward
-    reads (JAX's: the combine's output is not read)."""
+    (``parallel.expert_tensor: 1``): each rank its own share. A full recomputation re-runs the forward's two,
+    whether it re-runs the whole forward (PyTorch's) or what the backward reads (JAX's: the routing weights'
+    gradient reads the copies' outputs the combine brings back)."""
     nccl, route, m, hw = _moe_layer("alltoall", 4, tensor=2, expert_tensor=split)
     deepep, *_ = _moe_layer("deepep", 4, tensor=2, expert_tensor=split)
     move = stream_time(2 * route.busiest * m.d_model * 2, ops=1, hardware=hw)
     assert route.busiest == (2048 * 4 if split else 2048 * 4 / 2)
     assert nccl.forward_s - deepep.forward_s == pytest.approx(2 * move)
-    for reforward, moves in (("whole", 2), ("needed", 1)):
+    for reforward, moves in (("whole", 2), ("needed", 2)):
         full = _moe_layer("alltoall", 4, tensor=2, expert_tensor=split, recompute="full", reforward=reforward)[0]
         full_deepep = _moe_layer("deepep", 4, tensor=2, expert_tensor=split, recompute="full", reforward=reforward)[0]
         assert full.recompute_s - full_deepep.recompute_s == pytest.approx(moves * move)
-        # the exchanges: dispatch and combine in the forward and the backward, and a re-forward's dispatch alone
+        # the exchanges: dispatch and combine in the forward, the backward and the re-forward
         assert full.expert_comm_s == pytest.approx((4 + moves) * full.exchange_s)
 
 

@@ -266,11 +266,12 @@ def block_products(m: ModelConfig, *, moe: bool = False) -> tuple[Product, ...]:
 
 def is_tail(m: ModelConfig, p: Product) -> bool:
     """``p`` (of :func:`block_products`) only adds into the block's output, which the block's backward pass
-    does not read: the MLP's output products, and in a parallel block the attention's output product too.
-    A rematerialised block's re-forward drops them."""
+    does not read: the MLP's output products (a shared expert's), and in a parallel block the attention's
+    output product too. A rematerialised block's re-forward drops them. Routed experts' outputs are not among
+    them: the routing weights' gradient reads them."""
     if p.group == "attn_out":
         return m.block == "parallel"
-    return p.group == "mlp_hidden" and p.name.endswith("_out")
+    return p.group == "mlp_hidden" and p.name.endswith("_out") and not p.name.startswith("experts_")
 
 
 def attention_flops_per_token(m: ModelConfig, seq: int | None = None) -> float:

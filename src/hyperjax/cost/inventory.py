@@ -162,7 +162,9 @@ def reforward_flops_per_token(
 
     - ``full``: every product but those whose output only joins the block's output (:func:`is_tail`), which
       no one in its backward reads; the attention core whole, the router;
-    - ``qkv``: the query, key and value products; ``mlp_hidden``: the MLP's input products; ``norms``: in a
+    - ``qkv``: the query, key and value products; ``mlp_hidden``: the MLP's input products (a mixture of
+      experts keeps its router's scores and its routed copies' outputs there too: the router's product and,
+      apart, every expert product); ``norms``: in a
       sequential block the attention's output product (the mid-block residual is its sum); ``mlp_act``:
       nothing but element-wise work;
     - the attention core: ``attn_core`` the scores' product (the probabilities), ``attn_out`` the values'
@@ -179,7 +181,8 @@ def reforward_flops_per_token(
         if p.name.startswith("experts_"):
             continue
         tail = is_tail(m, p)
-        again = (full and not tail) or groups.get(p.group, False) or (p.group == "mlp_hidden" and "mlp_hidden" in gone)
+        hidden = p.group in ("mlp_hidden", "router") and "mlp_hidden" in gone  # the router's scores are kept there
+        again = (full and not tail) or groups.get(p.group, False) or hidden
         total += p.flops_per_token * again * (not tail)
     scores = attention_flops_per_token(m) * scores_share(m)
     values = attention_flops_per_token(m) - scores
@@ -196,7 +199,7 @@ class _Experts:
     emulated_flops: float = 0.0  # forward FLOPs of the expert products as XLA:CPU runs them, one device
     exchanged_bytes: float = 0.0
     exchanges: int = 0
-    reforward_flops: float = 0.0  # of those expert products, the input ones a block re-runs in its backward
+    reforward_flops: float = 0.0  # those expert products again, where a block re-runs them in its backward
 
 
 def _experts(run: Run) -> _Experts:
@@ -215,14 +218,14 @@ def _experts(run: Run) -> _Experts:
     buffer = spread * exchange_slots(tokens, x, local, capacity)  # rows a device sends and receives
     products = [p for p in block_products(m, moe=True) if p.name.startswith("experts_")]
     per_row = sum(2.0 * p.n * p.k for p in products) / width  # every local expert, every row of the buffer
-    inputs = sum(2.0 * p.n * p.k for p in products if not p.name.endswith("_out")) / width
+    # their outputs are read back home by the routing weights' gradient: a re-forward runs all three
     again = t.recompute == "full" or "mlp_hidden" in recomputed(t.recompute, t.recompute_modules)
     layers, micro = m.moe_layers, run.microbatches
     e = 4 if t.dtype == "float32" else 2
     return _Experts(
         routed_flops=layers * t.global_batch * m.seq_len * sum(p.flops_per_token for p in products),
         emulated_flops=layers * micro * local * buffer * per_row,
-        reforward_flops=layers * micro * local * buffer * inputs * again,
+        reforward_flops=layers * micro * local * buffer * per_row * again,
         exchanged_bytes=layers * micro * buffer * (4 * m.d_model * e + 4) if spread > 1 else 0.0,
         exchanges=layers * micro * 5 if spread > 1 else 0,
     )

@@ -366,12 +366,13 @@ def _price_layer(
     gone = recomputed(recompute, modules)
     stored = kept["block_in"] + sum(kept[a] for a in ACTIVATIONS if a not in gone)
     # PyTorch's full recomputation re-runs the whole forward (Megatron's); a rematerialised JAX block re-runs
-    # what its backward reads: all but the ``tail`` products and, with routed experts, the combine and its
-    # regrouping (JAX drops them as dead code)
+    # what its backward reads: all but the ``tail`` products (JAX drops them as dead code). Routed experts'
+    # outputs are read (by the routing weights' gradient), so their products, the combine and its regrouping
+    # run again
     full = recompute == "full"
     jax_full = full and reforward == "needed"
     if jax_full:
-        extra = fwd - tail - regroup_combine
+        extra = fwd - tail
     elif full:
         extra = fwd
     else:
@@ -418,7 +419,7 @@ def _price_layer(
     if routed is not None:  # dispatch and combine in each pass, the busiest device's receive deciding
         exchange = spans["+".join(routed.exchange)]
         one = exchange_time(m, routed, exchange, bytes_per_element=e, hardware=hardware, dispatcher=dispatcher)
-        expert_comm = (2 * passes - jax_full) * one  # JAX's re-forward dispatches but does not combine
+        expert_comm = 2 * passes * one
         if fp8 is not None:  # the forward's dispatch (and its recomputation) moves FP8 rows
             low_one = exchange_time(m, routed, exchange, bytes_per_element=1, hardware=hardware, dispatcher=dispatcher)
             expert_comm -= (passes - 1) * (one - low_one)

@@ -310,18 +310,23 @@ def _dtype(name: str) -> np.dtype:
 
 
 def _cast(x: np.ndarray, dtype: np.dtype, name: str) -> np.ndarray:
-    """``x`` stored as ``dtype``; a float32 value past ``dtype``'s range (float16's 65,504) is refused by
+    """``x`` stored as ``dtype``; a finite float32 value past ``dtype``'s range (float16's 65,504) is refused by
     tensor name rather than written as infinity."""
-    import ml_dtypes  # its finfo knows bfloat16 too
+    if dtype == np.float32:
+        return x
+    with np.errstate(over="ignore"):  # an overflow is found below and refused by name
+        y = x.astype(dtype)
+    overflow = np.isfinite(x) & ~np.isfinite(y)
+    if overflow.any():
+        import ml_dtypes  # its finfo knows bfloat16 too
 
-    limit = float(ml_dtypes.finfo(dtype).max)
-    largest = float(np.abs(x).max(initial=0.0))
-    if largest > limit:
+        wider = "bfloat16 (float32's range) or float32" if dtype == np.float16 else "float32"
         raise ConfigError(
-            f"export-hf --dtype {dtype.name}: tensor {name!r} {list(x.shape)} holds {largest:.6g}, past "
-            f"{dtype.name}'s largest value {limit:g}; export with --dtype bfloat16 (float32's range) or float32"
+            f"export-hf --dtype {dtype.name}: tensor {name!r} {list(x.shape)} holds "
+            f"{float(np.abs(x[overflow]).max()):.6g}, past {dtype.name}'s largest value "
+            f"{float(ml_dtypes.finfo(dtype).max):g}; export with --dtype {wider}"
         )
-    return x.astype(dtype)
+    return y
 
 
 def replace_folder(build: Callable[[Path], None], target: Path) -> None:

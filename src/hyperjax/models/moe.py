@@ -166,7 +166,9 @@ class MoE(nnx.Module):
         moe = self.moe
         b, s, _ = x.shape
         logits = product("bsd,de->bse", x.astype(jnp.float32), use(self.router, constrain))
-        logits = constrain(logits, ("batch", token_axis(constrain), None))
+        # kept with the MLP's hidden (its float32 scores): the weights' gradient reads them through the
+        # softmax or sigmoid, which a block rebuilds from them element-wise rather than re-running the product
+        logits = checkpoint_name(constrain(logits, ("batch", token_axis(constrain), None)), "mlp_hidden")
         scores = jax.nn.softmax(logits, axis=-1) if moe.router == "softmax" else jax.nn.sigmoid(logits)
         choose = scores
         if moe.balance == "bias":
@@ -368,7 +370,9 @@ def _local(
     if biases[2] is not None:  # the output bias once over the tensor axis, whose partial sums are added
         out = out + _per_row(biases[2], group).astype(dt) / (jax.lax.psum(1, tp) if tp else 1)
     back = _exchange(jnp.zeros_like(out).at[order].set(out), ep, devices)
-    got = back.at[slot].get(mode="fill", fill_value=0).reshape(tokens, k, d)
+    # the routed copies' outputs back home, kept with the MLP's hidden: the routing weights' gradient reads
+    # them, and rebuilding them would re-run the output product and the exchange back
+    got = checkpoint_name(back.at[slot].get(mode="fill", fill_value=0).reshape(tokens, k, d), "mlp_hidden")
     y = jnp.einsum("tk,tkd->td", (weights * keep).reshape(tokens, k).astype(dt), got)
     if tp:  # expert columns split over the tensor axis: partial sums
         y = jax.lax.psum(y, tp)
