@@ -180,10 +180,9 @@ def reforward_flops_per_token(
     for p in block_products(m, moe=moe):
         if p.name.startswith("experts_"):
             continue
-        tail = is_tail(m, p)
         hidden = p.group in ("mlp_hidden", "router") and "mlp_hidden" in gone  # the router's scores are kept there
-        again = (full and not tail) or groups.get(p.group, False) or hidden
-        total += p.flops_per_token * again * (not tail)
+        again = full or groups.get(p.group, False) or hidden
+        total += p.flops_per_token * (again and not is_tail(m, p))
     scores = attention_flops_per_token(m) * scores_share(m)
     values = attention_flops_per_token(m) - scores
     flash = m.attention_kernel == "flash"
