@@ -148,7 +148,7 @@ def test_a_float16_export_holds_the_weights_rounded_to_float16(tmp_path):
 
 def test_a_weight_past_float16_s_range_is_refused_by_name(tmp_path):
     """A float32 weight beyond float16's 65,504 would be written as infinity: the export names the tensor and
-    its largest value instead, and writes nothing."""
+    the value instead, and writes nothing."""
     from flax import nnx
 
     from hyperjax import load_config
@@ -165,3 +165,29 @@ def test_a_weight_past_float16_s_range_is_refused_by_name(tmp_path):
         export_weights(m, params, tmp_path, max_shard_bytes=1 << 30, dtype="float16")
     assert not list(tmp_path.iterdir())
     assert export_weights(m, params, tmp_path, max_shard_bytes=1 << 30, dtype="bfloat16") == ["model.safetensors"]
+
+
+@pytest.mark.slow  # an import and two exports, about 15 s
+def test_export_hf_float16_of_an_overflowing_weight_exits_2_naming_it(capsys, tmp_path):
+    """Through the command line: a checkpoint whose weight the float16 cast would overflow exits 2 from
+    ``export-hf --dtype float16`` with the tensor's name and value, no traceback and no folder written; bfloat16
+    (float32's range) exports it."""
+    from safetensors.numpy import load_file, save_file
+
+    from tests.hf.models import make
+
+    make("llama", tmp_path / "hf")
+    weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    big = "model.layers.1.mlp.up_proj.weight"
+    weights[big] = weights[big].copy()
+    weights[big][2, 7] = -70000.0
+    save_file(weights, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "q")]) == 0
+    capsys.readouterr()
+    args = ["export-hf", str(tmp_path / "q" / "config.yaml"), "--checkpoint-dir", str(tmp_path / "q" / "checkpoint")]
+    assert main([*args, "--out", str(tmp_path / "f16"), "--dtype", "float16"]) == 2
+    err = capsys.readouterr().err
+    assert f"tensor '{big}' [48, 32] holds -70000" in err and "Traceback" not in err, err
+    assert not (tmp_path / "f16").exists()
+    assert main([*args, "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    assert (tmp_path / "bf16" / "model.safetensors").is_file()

@@ -9,7 +9,7 @@ from hyperjax.config import ModelConfig, VisionConfig
 from hyperjax.cost.counts import count_params as counted_params
 from hyperjax.cost.counts import model_tensors
 from hyperjax.models import build_model, count_params
-from hyperjax.models.layers import attention_core
+from hyperjax.models.layers import attention_core, softmax_kept
 
 SMALL = {"layers": 2, "d_model": 64, "heads": 4, "d_ff": 128, "vocab": 256, "seq_len": 16}
 
@@ -161,6 +161,27 @@ def test_materialized_attention_is_each_heads_softmax_and_transposes_no_score_ma
     moved = [e.outvars[0].aval.shape for e in jaxpr.eqns if e.primitive.name == "transpose"]
     assert moved, "the small transposes of queries and outputs are in the program"
     assert all(np.prod(shape) < b * heads * s * s for shape in moved), moved
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_attention_softmax_s_gradient_is_jax_s_in_float32_and_reads_rounded_probabilities_in_bfloat16(seed):
+    """``softmax_kept``'s derivative, which reads the kept probabilities: in float32 it is
+    :func:`jax.nn.softmax`'s; in bfloat16 it reads the bfloat16 probabilities (as PyTorch's softmax backward
+    reads its 16-bit output), each element within a few bfloat16 roundings of the float32 gradient
+    ``p (w - sum p w)``, bounded by ``p (|w| + sum p |w|)``; masked scores get a gradient of exactly 0."""
+    rng = np.random.default_rng(seed)
+    causal = jnp.tril(jnp.ones((16, 16), bool))
+    scores = jnp.where(causal, jnp.asarray(3 * rng.standard_normal((2, 3, 16, 16)), jnp.float32), -jnp.inf)
+    w = jnp.asarray(rng.standard_normal((2, 3, 16, 16)), jnp.float32)
+    want = jax.grad(lambda s: (w * jax.nn.softmax(s, axis=-1)).sum())(scores)
+    got = jax.grad(lambda s: (w * softmax_kept(s, jnp.float32)).sum())(scores)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    half = jax.grad(lambda s: (w * softmax_kept(s, jnp.bfloat16).astype(jnp.float32)).sum())(scores)
+    assert half.dtype == jnp.float32 and np.isfinite(half).all() and not np.asarray(half)[:, :, ~causal].any()
+    p = jax.nn.softmax(scores, axis=-1)
+    bound = p * (jnp.abs(w) + (p * jnp.abs(w)).sum(-1, keepdims=True))
+    assert (np.abs(half - want) <= 2**-6 * bound).all()  # a bfloat16 rounding is 2**-8 relative
+    assert np.abs(half - want).mean() > 1e-4 * np.abs(want).mean()  # float32's gradient would be within 1e-6
 
 
 @pytest.mark.parametrize(

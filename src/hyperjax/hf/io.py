@@ -321,10 +321,11 @@ def _cast(x: np.ndarray, dtype: np.dtype, name: str) -> np.ndarray:
         import ml_dtypes  # its finfo knows bfloat16 too
 
         wider = "bfloat16 (float32's range) or float32" if dtype == np.float16 else "float32"
+        past = x[overflow]
+        worst = float(past[np.argmax(np.abs(past))])  # the value itself, sign and all
         raise ConfigError(
-            f"export-hf --dtype {dtype.name}: tensor {name!r} {list(x.shape)} holds "
-            f"{float(np.abs(x[overflow]).max()):.6g}, past {dtype.name}'s largest value "
-            f"{float(ml_dtypes.finfo(dtype).max):g}; export with --dtype {wider}"
+            f"export-hf --dtype {dtype.name}: tensor {name!r} {list(x.shape)} holds {worst:.6g}, past "
+            f"{dtype.name}'s range of +-{float(ml_dtypes.finfo(dtype).max):g}; export with --dtype {wider}"
         )
     return y
 
