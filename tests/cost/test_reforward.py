@@ -186,6 +186,35 @@ def test_a_materialized_core_re_runs_the_product_each_activation_needs(sets):
     assert layer["needed"].recompute_s < layer["whole"].recompute_s
 
 
+@pytest.mark.parametrize("block", ["sequential", "parallel"])
+def test_a_pytorch_norm_checkpoint_keeps_the_norms_inputs_and_re_runs_no_product(block):
+    """Megatron's ``layernorm`` checkpoint (``train.reforward: whole``) keeps the norms' inputs, the mid-block
+    residual among them, and re-runs the norms alone; JAX rebuilds that residual, so a sequential block
+    re-runs the attention's output product (a parallel block has no such residual). A full recomputation
+    keeps the block's input alone either way."""
+    base = [f"model.block={block}", "emulate.devices=null", "parallel.tensor=2", "model.bias=false"]
+    layer = {
+        (r, c): estimate(resolve(load_config(ROOT / "configs/quickstart.yaml", [*base, *c, f"train.reforward={r}"])))
+        .stages[0]
+        .parts[0]
+        .layer
+        for r in ("needed", "whole")
+        for c in (("train.recompute=selective", "train.recompute_modules=[norms]"), ("train.recompute=full",))
+    }
+    norms = ("train.recompute=selective", "train.recompute_modules=[norms]")
+    jax_l, torch_l = layer[("needed", norms)], layer[("whole", norms)]
+    product = jax_l.products_s["attn_out"] if block == "sequential" else 0.0
+    assert jax_l.recompute_s - torch_l.recompute_s == pytest.approx(product)
+    assert torch_l.recompute_s > 0  # the norms' element-wise work
+    # a norm's output is 2 bytes a hidden unit of its 8 (sequential: two norms, the residual and masks) or 4
+    assert torch_l.stored_bytes - jax_l.stored_bytes == pytest.approx(jax_l.activation_bytes["norms"] / 2)
+    assert torch_l.recompute_keeps_bytes["norms"] == pytest.approx(jax_l.activation_bytes["norms"] / 2)
+    assert not jax_l.recompute_keeps_bytes
+    full = ("train.recompute=full",)
+    assert layer[("whole", full)].stored_bytes == layer[("needed", full)].stored_bytes
+    assert layer[("whole", full)].stored_bytes == pytest.approx(jax_l.activation_bytes["block_in"])
+
+
 MOE_ONE_DEVICE = [
     "emulate.devices=1",
     "parallel.expert=1",
@@ -233,3 +262,38 @@ def test_jax_s_re_forward_of_routed_experts_runs_the_combine_too():
     assert layer["needed"].expert_comm_s == pytest.approx(layer["whole"].expert_comm_s)
     assert layer["needed"].expert_comm_s == pytest.approx(6 * layer["needed"].exchange_s)  # three passes
     assert layer["needed"].recompute_s < layer["whole"].recompute_s  # the shared expert's output product
+
+
+EVERY = "[norms, qkv, attn_core, attn_out, mlp_hidden, mlp_act]"
+
+
+@pytest.mark.parametrize(
+    ("config", "sets"),
+    [
+        ("quickstart", ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
+        ("quickstart", ["parallel.tensor=2", "parallel.sequence_parallel=false"]),
+        ("quickstart", ["model.block=parallel", "model.bias=false", "parallel.tensor=2",
+                        "parallel.sequence_parallel=true"]),
+        ("quickstart", ["parallel.tensor=2", "parallel.tp_overlap=pipelined"]),
+        ("quickstart", ["parallel.context=2", "parallel.data=2", "model.family=llama"]),
+        ("quickstart", ["parallel.context=2", "parallel.data=2", "model.family=llama", "model.attention_kernel=flash",
+                        "parallel.context_impl=ring"]),
+        ("moe-tiny", ["parallel.expert=2"]),
+    ],
+    ids=["sequence-parallel", "tensor", "parallel-block", "pipelined", "context", "ring", "experts"],
+)  # fmt: skip
+def test_jax_s_selective_recomputation_of_every_activation_is_its_full_one(config, sets):
+    """Under ``train.reforward: needed`` a selective recomputation prices what each recomputed activation needs
+    (its products, element-wise work, collectives, the core and its context exchange, the experts'
+    regrouping and exchanges); naming every activation is then the full recomputation, to the byte and
+    the second."""
+    base = [*sets, "emulate.devices=null", "train.reforward=needed"]
+    load = lambda *more: estimate(resolve(load_config(ROOT / f"configs/{config}.yaml", [*base, *more])))
+    full, every = load("train.recompute=full"), load("train.recompute=selective", f"train.recompute_modules={EVERY}")
+    for a, b in zip(full.stages[0].parts, every.stages[0].parts, strict=True):
+        x, y = a.layer, b.layer
+        for field in ("recompute_s", "tensor_comm_s", "context_comm_s", "expert_comm_s", "stored_bytes"):
+            assert getattr(y, field) == pytest.approx(getattr(x, field), rel=1e-12), field
+        assert (x.forward_s, x.backward_s) == pytest.approx((y.forward_s, y.backward_s), rel=1e-12)
+    assert every.step_time_s == pytest.approx(full.step_time_s, rel=1e-12)
+    assert every.memory_per_device_gib["peak"] == pytest.approx(full.memory_per_device_gib["peak"], rel=1e-12)

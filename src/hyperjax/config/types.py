@@ -80,8 +80,10 @@ outputs the backward reads, which is what JAX's rematerialisation keeps after de
 ``train.recompute: full`` every product but the MLP's output projection, in a parallel block the attention's
 output projection too, and the collective after them; a materialized attention core's probabilities its
 scores' product, its output its values' product); or the whole checkpointed region, as PyTorch's activation
-checkpointing re-runs it (the whole forward: Megatron's ``--recompute-granularity full``; a materialized core
-whole for its probabilities: its ``core_attn`` checkpoint)."""
+checkpointing re-runs it from the region's input, which it keeps (the whole forward: Megatron's
+``--recompute-granularity full``; a materialized core whole for its probabilities: its ``core_attn``
+checkpoint; the norms alone from their inputs, the mid-block residual among them, which JAX rebuilds with the
+attention's output product: its ``layernorm`` checkpoint)."""
 
 CrossEntropy = Literal["fused", "jit", "eager"]
 """How the loss's element-wise work over the logits runs (priced; the emulated step is compiled by XLA): one

@@ -6,7 +6,8 @@ from hyperjax.cost.compute import gemm_time, grouped_gemm_time, stream_time
 from hyperjax.cost.counts import count_params, model_flops_per_sequence, model_tensors
 from hyperjax.cost.estimate import MEMORY_TERMS, Estimate, estimate, memory_budget
 from hyperjax.cost.inference import InferenceEstimate, ServeLayer, estimate_inference
-from hyperjax.cost.layer import LayerCost, price_layer
+from hyperjax.cost.layer import price_layer
+from hyperjax.cost.layer_cost import LayerCost
 from hyperjax.cost.memory import (
     grad_bytes,
     optimizer_bytes,

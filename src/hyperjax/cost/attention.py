@@ -83,7 +83,7 @@ def context_exchange(
     hardware: Hardware,
 ) -> ContextExchange:
     """Keys and values met over the context axis (``span``) in ``passes`` passes (forward, backward, and a
-    re-forward under full recomputation), beside the core's forward and backward kernels ``core``."""
+    re-forward that runs the core again), beside the core's forward and backward kernels ``core``."""
     e = 2 if dtype == "bfloat16" else 4
     kv_bytes = 2 * micro * m.seq_len * m.kv_heads * m.head_dim * e / tp
     kv_gather = collective_time("all_gather", kv_bytes, span, hardware)

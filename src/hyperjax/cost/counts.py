@@ -20,7 +20,7 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import Literal
 
-from hyperjax.config import ModelConfig, VisionConfig
+from hyperjax.config import Activation, ModelConfig, VisionConfig
 
 TENSOR_SPLIT = ("heads", "kv_heads", "mlp", "vocab", "expert_mlp")
 """Logical axes of parameters that tensor parallelism splits."""
@@ -272,6 +272,18 @@ def is_tail(m: ModelConfig, p: Product) -> bool:
     if p.group == "attn_out":
         return m.block == "parallel"
     return p.group == "mlp_hidden" and p.name.endswith("_out") and not p.name.startswith("experts_")
+
+
+def rebuilds(m: ModelConfig, p: Product) -> Activation | None:
+    """The kept activation whose recomputation re-runs ``p`` (of :func:`block_products`) in the block's
+    backward pass, or ``None`` for a :func:`is_tail` product, which no re-forward runs: the query, key and
+    value products rebuild ``qkv``; a sequential block's attention output product the mid-block residual the
+    ``norms`` read; the MLP's input products, the router's (its float32 scores are kept there) and the
+    routed experts' (their outputs, read back home by the routing weights' gradient) ``mlp_hidden``. The cost
+    model prices these seconds and the emulation's inventory counts these FLOPs."""
+    if is_tail(m, p):
+        return None
+    return {"qkv": "qkv", "attn_out": "norms"}.get(p.group, "mlp_hidden")
 
 
 def attention_flops_per_token(m: ModelConfig, seq: int | None = None) -> float:

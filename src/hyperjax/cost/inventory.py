@@ -55,9 +55,9 @@ from hyperjax.config import Activation, ModelConfig, Recompute, Run, recomputed
 from hyperjax.cost.counts import (
     attention_flops_per_token,
     block_products,
-    is_tail,
     model_flops_per_sequence,
     model_tensors,
+    rebuilds,
     scores_share,
 )
 from hyperjax.models.moe import exchange_slots, expert_capacity  # the emulation sizes its buffers there
@@ -160,33 +160,22 @@ def reforward_flops_per_token(
     ``recompute`` (routed experts' products apart: :func:`_experts`), as JAX rematerialises it: what
     rebuilds each activation the block does not keep, and nothing its backward does not read.
 
-    - ``full``: every product but those whose output only joins the block's output (:func:`is_tail`), which
-      no one in its backward reads; the attention core whole, the router;
-    - ``qkv``: the query, key and value products; ``mlp_hidden``: the MLP's input products (a mixture of
-      experts keeps its router's scores and its routed copies' outputs there too: the router's product and,
-      apart, every expert product); ``norms``: in a
-      sequential block the attention's output product (the mid-block residual is its sum); ``mlp_act``:
-      nothing but element-wise work;
+    - the block's products: those whose activation (:func:`~hyperjax.cost.counts.rebuilds`) is recomputed;
+      ``full`` recomputes every activation, so all but the products whose output only joins the block's;
+      ``mlp_act`` re-runs nothing but element-wise work;
     - the attention core: ``attn_core`` the scores' product (the probabilities), ``attn_out`` the values'
       product. The fused kernel's softmax keeps no named value, so under any policy its scores' product
       re-runs, and with ``attn_out`` its values' product too.
     """
     if recompute == "none":
         return 0.0
-    full = recompute == "full"
-    gone = recomputed(recompute, modules)
-    groups = {"qkv": "qkv" in gone, "attn_out": "norms" in gone and m.block == "sequential"}
-    total = 0.0
-    for p in block_products(m, moe=moe):
-        if p.name.startswith("experts_"):
-            continue
-        hidden = p.group in ("mlp_hidden", "router") and "mlp_hidden" in gone  # the router's scores are kept there
-        again = full or groups.get(p.group, False) or hidden
-        total += p.flops_per_token * (again and not is_tail(m, p))
+    gone = recomputed(recompute, modules)  # all of them under full
+    products = [p for p in block_products(m, moe=moe) if not p.name.startswith("experts_")]
+    total = sum(p.flops_per_token for p in products if rebuilds(m, p) in gone)
     scores = attention_flops_per_token(m) * scores_share(m)
     values = attention_flops_per_token(m) - scores
     flash = m.attention_kernel == "flash"
-    total += scores * (full or "attn_core" in gone or flash) + values * (full or "attn_out" in gone)
+    total += scores * ("attn_core" in gone or flash) + values * ("attn_out" in gone)
     return total
 
 
@@ -218,7 +207,8 @@ def _experts(run: Run) -> _Experts:
     products = [p for p in block_products(m, moe=True) if p.name.startswith("experts_")]
     per_row = sum(2.0 * p.n * p.k for p in products) / width  # every local expert, every row of the buffer
     # their outputs are read back home by the routing weights' gradient: a re-forward runs all three
-    again = t.recompute == "full" or "mlp_hidden" in recomputed(t.recompute, t.recompute_modules)
+    gone = recomputed(t.recompute, t.recompute_modules)
+    again = all(rebuilds(m, p) in gone for p in products)
     layers, micro = m.moe_layers, run.microbatches
     e = 4 if t.dtype == "float32" else 2
     return _Experts(

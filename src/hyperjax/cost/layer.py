@@ -23,7 +23,6 @@ recomputed), on the tiers that axis spans.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Mapping
 
@@ -49,10 +48,11 @@ from hyperjax.cost.counts import (
     activation_units,
     block_products,
     block_tensors,
-    is_tail,
+    rebuilds,
     scores_share,
 )
 from hyperjax.cost.fp8 import cast_passes, fp8_input_units, keeps_fp8_inputs
+from hyperjax.cost.layer_cost import LayerCost
 from hyperjax.cost.routing import exchange_time, regroup_move_time, routing
 from hyperjax.topology import AxisSpan, Hardware
 
@@ -76,80 +76,6 @@ blocks ran a fused kernel)."""
 def eager_ratio(m: ModelConfig) -> float:
     """Eager element-wise work over fused for ``m``'s blocks (:data:`EAGER_ELEMENTWISE`)."""
     return EAGER_ELEMENTWISE["llama" if m.norm == "rmsnorm" or m.positions == "rope" else "gpt"]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LayerCost:
-    """One block, one micro-batch, one device.
-
-    Attributes:
-      products_s: the weight products by the activation group they produce (``qkv``, ``attn_out``,
-        ``mlp_hidden``: the MLP's two or three matrices, or a mixture of experts' router, routed and shared
-        experts).
-      core_s: the attention core's two batched products.
-      forward_s: the forward pass (products, core, element-wise work).
-      backward_s: the backward pass (twice the forward).
-      recompute_s: what ``recompute`` adds to the backward.
-      tensor_comm_s: tensor-parallel collectives of forward, backward and recomputation.
-      context_comm_s: context-parallel key/value gathers (or a ring's transfers), what waits of them in forward,
-        backward and recomputation.
-      context_forward_s: what waits of them in one forward.
-      expert_comm_s: a mixture of experts' dispatch and combine all-to-alls of forward, backward and
-        recomputation (0 for a dense block).
-      exchange_s: one of those all-to-alls (a dispatch, or a combine).
-      fsdp_gather_s: one all-gather of the layer's parameters over the fsdp axis.
-      fsdp_scatter_s: one reduce-scatter of its gradients.
-      fsdp_exposed_s: what two gathers and a scatter add beyond the layer's compute.
-      stored_bytes: activations kept for the backward under ``recompute``.
-      activation_bytes: the activations kept without recomputation, by name (``block_in`` included).
-      recompute_by_name_s: recomputing each named activation: the forward ops that produce or read it.
-      params: the layer's parameters held by one device.
-      expert_params: those of them that are routed experts' (their gradients are reduced over the data
-        axes but not the expert axis, which holds other experts).
-      param_transfer_bytes: one copy of those parameters in the compute dtype (what a host fetch moves).
-      fp8_products_s: the FP8 products of forward and backward (0 without ``train.fp8``).
-      cast_s: the casts to FP8 of activations and gradients, forward and backward (in ``forward_s`` and
-        ``backward_s``).
-      weight_cast_s: casting the layer's weights to FP8, once per step.
-      fp8_weights: elements of the layer's FP8 weights on one device before FSDP.
-      largest_param: the layer's largest tensor on one device before FSDP (what FSDP gathers at once
-        when its unit is one tensor).
-    """
-
-    products_s: Mapping[str, float]
-    core_s: float
-    forward_s: float
-    backward_s: float
-    recompute_s: float
-    tensor_comm_s: float
-    context_comm_s: float
-    context_forward_s: float
-    fsdp_gather_s: float
-    fsdp_scatter_s: float
-    fsdp_exposed_s: float
-    stored_bytes: float
-    activation_bytes: Mapping[str, float]
-    recompute_by_name_s: Mapping[str, float]
-    params: float
-    param_transfer_bytes: float
-    expert_comm_s: float = 0.0
-    exchange_s: float = 0.0
-    expert_params: float = 0.0
-    largest_param: float = 0.0
-    fp8_products_s: float = 0.0
-    cast_s: float = 0.0
-    weight_cast_s: float = 0.0
-    fp8_weights: float = 0.0
-
-    @property
-    def weight_s(self) -> float:
-        """The weight-gradient GEMMs alone (a split backward's ``W``): as many FLOPs as the products."""
-        return sum(self.products_s.values())
-
-    @property
-    def on_path_comm_s(self) -> float:
-        """The communication the block's compute waits for: tensor, context, expert and exposed FSDP."""
-        return self.tensor_comm_s + self.context_comm_s + self.expert_comm_s + self.fsdp_exposed_s
 
 
 def price_layer(
@@ -228,6 +154,20 @@ def price_layer(
     )
 
 
+def reforward_collectives(m: ModelConfig, gone: tuple[Activation, ...], sequence_parallel: bool, whole: bool) -> float:
+    """The share of a pass's tensor-parallel collectives (an all-reduce after each half of the block; with
+    sequence parallelism an all-gather before it and a reduce-scatter after, each a quarter) that a
+    re-forward recomputing ``gone`` runs again: with sequence parallelism the gather of a recomputed
+    product's input (a parallel block's two halves share one), and the reduction after the attention's output
+    product where the mid-block residual is rebuilt (JAX's norms; ``whole`` keeps it). Under JAX's full
+    recomputation that leaves out only the reductions after the ``tail`` products."""
+    sp = sequence_parallel
+    inputs = sum(g in gone for g in ("qkv", "mlp_hidden"))
+    gathers = 0.25 * (min(inputs, 1) if m.block == "parallel" else inputs) if sp else 0.0
+    residual = m.block == "sequential" and "norms" in gone and not whole
+    return gathers + (0.25 if sp else 0.5) * residual
+
+
 @functools.lru_cache(maxsize=4096)
 def _block_params(m: ModelConfig, moe: bool, tp: int, ep: int, expert_tensor: bool) -> tuple[float, float, float]:
     """A block's parameters on one device before FSDP, those of them that are routed experts', and its
@@ -286,16 +226,18 @@ def _price_layer(
         return gemm_time(rows, n, k, bytes_per_element=b, dtype=dt, hardware=hardware)
 
     products = {"qkv": 0.0, "attn_out": 0.0, "mlp_hidden": 0.0}
-    # the FP8 products among them; those whose output only joins the block's (no backward reads it): the MLP's
-    # output products, and in a parallel block the attention's output product
-    low = tail = mlp_tail = 0.0
+    # what recomputing each activation re-runs of them (:func:`rebuilds`); the FP8 products among them; those
+    # whose output only joins the block's (no backward reads it): the MLP's output products, and in a
+    # parallel block the attention's output product
+    rerun = dict.fromkeys(ACTIVATIONS, 0.0)
+    low = tail = 0.0
     for p in block_products(m, moe=moe):
-        key = "mlp_hidden" if p.group == "router" else p.group
-        products[key] += product(p)
+        products["mlp_hidden" if p.group == "router" else p.group] += product(p)
         low += product(p) if fp8 is not None and p.group != "router" else 0.0
-        if is_tail(m, p):
+        if (a := rebuilds(m, p)) is None:
             tail += product(p)
-            mlp_tail += product(p) if key == "mlp_hidden" else 0.0
+        else:
+            rerun[a] += product(p)
     proj = sum(products.values())
     cast_fwd = cast_bwd = weight_cast = weights8 = 0.0
     amaxes = 0
@@ -346,30 +288,35 @@ def _price_layer(
     fwd = proj + core + ew_fwd + ew_core_fwd + cast_fwd + regroup_fwd
     bwd = 2 * proj + core_bwd + 2 * (ew_fwd + ew_core_fwd) + cast_bwd + regroup_bwd
     ew_share = lambda name: ew_fwd * acts[name] / (replicated + split)
-    # recomputing an activation re-runs the forward ops that produce it: the mid-block residual the norms
-    # keep needs the output projection (a parallel block has none); a materialized core's probabilities need
-    # its scores' product, its output its values' product (JAX's), or the core is re-run whole for its
-    # probabilities, its output coming with them (``whole``: Megatron's core_attn checkpoint); a fused core
-    # keeps no probabilities (its backward recomputes its scores anyway) and re-runs its forward for its output; the
-    # MLP's hidden needs its input products, its activation only the element-wise op. Together they are the
-    # forward but the products whose output the block's backward does not read (``tail``)
+    # recomputing an activation re-runs the forward ops that produce it: its products (``rerun``) and its
+    # element-wise work; a materialized core's probabilities need its scores' product, its output its values'
+    # product (JAX's), or the core is re-run whole for its probabilities, its output coming with them
+    # (``whole``: Megatron's core_attn checkpoint); a fused core keeps no probabilities (its backward
+    # recomputes its scores anyway) and re-runs its forward for its output. Together they are the forward but
+    # the products whose output the block's backward does not read (``tail``)
     scores = core * scores_share(m) if reforward == "needed" else core
+    # a PyTorch checkpoint keeps its region's input: Megatron's ``layernorm`` module re-runs the norms alone
+    # from the mid-block residual it keeps (the norms' inputs and masks stay; their outputs go), where JAX
+    # rebuilds the residual too
+    whole = reforward == "whole"
+    outputs = 2.0 * m.d_model * (2 if m.block == "sequential" else 1)  # the norms' outputs a token, 16-bit
+    keeps = {"norms": (activation_units(m)["norms"] - outputs) * per_token / ways["norms"]} if whole else {}
     by_name = {
         "norms": ew_fwd * (acts["norms"] + acts["block_in"]) / (replicated + split)
-        + (products["attn_out"] if m.block == "sequential" else 0.0),
-        "qkv": products["qkv"] + ew_share("qkv") + cast_fwd,
+        + (0.0 if whole else rerun["norms"]),
+        "qkv": rerun["qkv"] + ew_share("qkv") + cast_fwd,
         "attn_core": 0.0 if flash else scores + ew_core_fwd,
         "attn_out": (core if flash else core - scores) + ew_share("attn_out"),
-        "mlp_hidden": products["mlp_hidden"] - mlp_tail + ew_share("mlp_hidden"),
+        "mlp_hidden": rerun["mlp_hidden"] + ew_share("mlp_hidden") + regroup_fwd,
         "mlp_act": ew_share("mlp_act"),
     }
-    gone = recomputed(recompute, modules)
-    stored = kept["block_in"] + sum(kept[a] for a in ACTIVATIONS if a not in gone)
+    gone, full = recomputed(recompute, modules), recompute == "full"
+    held = {} if full else keeps  # a full recomputation starts from the block's input alone
+    stored = kept["block_in"] + sum(kept[a] if a not in gone else held.get(a, 0.0) for a in ACTIVATIONS)
     # PyTorch's full recomputation re-runs the whole forward (Megatron's); a rematerialised JAX block re-runs
     # what its backward reads: all but the ``tail`` products (JAX drops them as dead code). Routed experts'
     # outputs are read (by the routing weights' gradient), so their products, the combine and its regrouping
     # run again
-    full = recompute == "full"
     jax_full = full and reforward == "needed"
     if jax_full:
         extra = fwd - tail
@@ -377,22 +324,22 @@ def _price_layer(
         extra = fwd
     else:
         extra = sum(by_name[a] for a in gone)
+    # the re-forward runs the attention core again (and meets keys and values over the context axis again)
+    core_again = full or "attn_out" in gone or ("attn_core" in gone and not flash)
 
     act_bytes = micro * (s / cp) * m.d_model * e
-    # the tensor-parallel collectives of the forward, the backward and a re-forward: the whole forward's, or
-    # (JAX's) all but those after the ``tail`` products: the MLP's (its reduce-scatter with sequence
-    # parallelism, half an all-reduce's bytes), and a parallel block's attention one too (its gather stays)
-    refwd = float(full)
-    if jax_full:
-        refwd = (0.25 if sequence_parallel else 0.0) if m.block == "parallel" else (0.75 if sequence_parallel else 0.5)
+    # the tensor-parallel collectives of the forward, the backward and a re-forward: the whole forward's
+    # (PyTorch's full one), or those the recomputed products need (:func:`reforward_collectives`)
+    refwd = 1.0 if full and not jax_full else reforward_collectives(m, gone, sequence_parallel, whole)
+    refwd_products = proj if full else sum(rerun[a] for a in gone)
     one_pass = 2 * collective_time("all_reduce", act_bytes, spans["tensor"], hardware)
     passes = 2 + full  # forward, backward, re-forward
     # each pass's collectives against the products they can run beside: none; in the backward, the
     # weight-gradient products (bulk); in every pass, its own products, a first chunk exposed (pipelined).
     # What they hide behind runs slower by the share of the device the collective holds
-    beside = {"none": (0.0, 0.0, 0.0), "bulk": (0.0, proj, 0.0), "pipelined": (proj, 2 * proj, proj)}[tp_overlap]
+    beside = {"none": (0.0, 0.0, 0.0), "bulk": (0.0, proj, 0.0), "pipelined": (proj, 2 * proj, refwd_products)}
     tensor_comm, slowed = 0.0, []
-    for g, share in zip(beside[:passes], (1.0, 1.0, refwd), strict=False):  # forward, backward, re-forward
+    for g, share in zip(beside[tp_overlap], (1.0, 1.0, refwd), strict=True):  # forward, backward, re-forward
         collectives = share * one_pass
         hidden = min(collectives * (1 - 1 / tp), g) if g > 0 and tp > 1 else 0.0
         tensor_comm += collectives - hidden
@@ -409,7 +356,7 @@ def _price_layer(
         dtype=dtype,
         ring=ring,
         core=(core, core_bwd),
-        passes=passes,
+        passes=2 + core_again,
         span=spans["context"],
         hardware=hardware,
     )
@@ -419,10 +366,11 @@ def _price_layer(
     if routed is not None:  # dispatch and combine in each pass, the busiest device's receive deciding
         exchange = spans["+".join(routed.exchange)]
         one = exchange_time(m, routed, exchange, bytes_per_element=e, hardware=hardware, dispatcher=dispatcher)
-        expert_comm = 2 * passes * one
+        exchanges = 2 + ("mlp_hidden" in gone)  # a re-forward that rebuilds the experts' outputs exchanges again
+        expert_comm = 2 * exchanges * one
         if fp8 is not None:  # the forward's dispatch (and its recomputation) moves FP8 rows
             low_one = exchange_time(m, routed, exchange, bytes_per_element=1, hardware=hardware, dispatcher=dispatcher)
-            expert_comm -= (passes - 1) * (one - low_one)
+            expert_comm -= (exchanges - 1) * (one - low_one)
 
     params, experts, largest = _block_params(m, moe, tp, ep, expert_tensor)
     gathered = params * e - (weights8 * (e - 1) if fp8 is not None and fp8.all_gather else 0.0)
@@ -447,6 +395,7 @@ def _price_layer(
         stored_bytes=stored,
         activation_bytes=kept,
         recompute_by_name_s=by_name,
+        recompute_keeps_bytes=keeps,
         params=params / fsdp,
         expert_params=experts / fsdp,
         largest_param=largest,

@@ -28,7 +28,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from hyperjax.config import Overlap
-from hyperjax.cost.layer import LayerCost
+from hyperjax.cost.layer_cost import LayerCost
 from hyperjax.mpmd.lanes import LaneSchedule, LaneTask, LaneTiming, Pass, lane_schedule, lane_timing, replay_lanes
 
 

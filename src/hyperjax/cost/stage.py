@@ -13,7 +13,8 @@ from hyperjax.config import ModelConfig, Run, Stage
 from hyperjax.cost.collectives import collective_time
 from hyperjax.cost.compute import gemm_time, loss_time, stream_time
 from hyperjax.cost.fp8 import cast_time
-from hyperjax.cost.layer import LayerCost, price_layer
+from hyperjax.cost.layer import price_layer
+from hyperjax.cost.layer_cost import LayerCost
 from hyperjax.cost.memory import (
     grad_bytes,
     optimizer_traffic,

@@ -237,8 +237,8 @@ def build_problem(
                 ),
             }
             if a != BLOCK_INPUT:  # the input is where a recomputation starts
-                rec = m * layer.recompute_by_name_s[a]
-                options["recompute"] = Choice(memory=(0.0, 0.0), seconds=rec, capacity=((bwd(i), rec),))
+                rec, still = m * layer.recompute_by_name_s[a], acts_in_flight * layer.recompute_keeps_bytes.get(a, 0.0)
+                options["recompute"] = Choice(memory=(still, 0.0), seconds=rec, capacity=((bwd(i), rec),))
             groups[f"layers.{i}.act.{a}"] = options
     largest = lambda f: max(f(layer) for layer in blocks)  # staging buffers hold the largest layer's
     k = min(prefetch, n)  # a depth past the stage's layers stages no more of them
